@@ -1,0 +1,156 @@
+"""Decoding statistics and the `generate` output (definitions: shared/reference/metrics.md)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, fields
+
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+FORWARD_KINDS = ("prefill", "draft", "verify", "cache_write")
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counters of one `generate` call (batch 1).
+
+    Forward counters (number of forward passes of the decoding model):
+        num_prefill_forwards: over prompt tokens before decoding.
+        num_draft_forwards: denoising (drafting) forwards. For the block-diffusion baselines and AR these are
+            all decoding forwards; a fused forward that also stores the previous block counts here once.
+        num_verify_forwards: S2D2 verifier forwards (the 2L layout).
+        num_cache_write_forwards: forwards whose only purpose is to store a finished block's K/V (the unfused
+            path; the fused path has none).
+
+    Token counters (in tokens):
+        num_generated_tokens: tokens returned after trimming (up to and including the first stop id, at most
+            `max_new_tokens`).
+        num_committed_tokens: tokens committed by decoding steps (whole blocks, before trimming); equals
+            ``num_fallback_tokens + num_accepted_tokens + num_recovered_tokens + num_bonus_tokens``.
+        num_fallback_tokens: committed by the confidence rule (every token of the baselines).
+        num_drafts: verification cycles with at least one draft token.
+        num_draft_tokens: drafted tokens submitted to verification.
+        num_accepted_tokens: drafts that passed.
+        num_recovered_tokens: tokens drawn from the residual (or the argmax correction) after a rejection.
+        num_bonus_tokens: tokens drawn from the target after full acceptance (none for S2D2).
+        num_accepted_tokens_per_pos: accepted count by 0-based draft index within a cycle.
+        num_drafts_reaching_pos: cycles whose draft had a token at that index.
+        accepted_length_histogram: cycles by number of accepted drafts.
+        num_denoising_steps: denoising steps (one draft forward each).
+
+    Time (seconds, `time.perf_counter`, after a device synchronise):
+        wall_time_s: the whole decoding call; prefill_time_s: the prefill forward.
+    """
+
+    num_prefill_forwards: int = 0
+    num_draft_forwards: int = 0
+    num_verify_forwards: int = 0
+    num_cache_write_forwards: int = 0
+    num_generated_tokens: int = 0
+    num_committed_tokens: int = 0
+    num_fallback_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_recovered_tokens: int = 0
+    num_bonus_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_drafts_reaching_pos: list[int] = field(default_factory=list)
+    accepted_length_histogram: Counter = field(default_factory=Counter)
+    num_denoising_steps: int = 0
+    wall_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+
+    def count_forward(self, kind: str) -> None:
+        """Add one forward of `kind` (one of :data:`FORWARD_KINDS`)."""
+        if kind not in FORWARD_KINDS:
+            raise ValueError(f"SpecDecodingStats.count_forward: `kind` (={kind!r}) must be one of {FORWARD_KINDS}.")
+        name = f"num_{kind}_forwards"
+        setattr(self, name, getattr(self, name) + 1)
+
+    def observe_verification(self, num_draft_tokens: int, num_accepted: int, recovered: bool, bonus: bool) -> None:
+        """Record one verification cycle (vLLM `observe_draft` analogue)."""
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.num_recovered_tokens += int(recovered)
+        self.num_bonus_tokens += int(bonus)
+        self.accepted_length_histogram[num_accepted] += 1
+        for counter in (self.num_accepted_tokens_per_pos, self.num_drafts_reaching_pos):
+            counter.extend([0] * (num_draft_tokens - len(counter)))
+        for pos in range(num_draft_tokens):
+            self.num_drafts_reaching_pos[pos] += 1
+            if pos < num_accepted:
+                self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def nfe(self) -> int:
+        """Number of forward passes, all kinds (S2D2 convention)."""
+        return (
+            self.num_prefill_forwards + self.num_draft_forwards + self.num_verify_forwards
+            + self.num_cache_write_forwards
+        )
+
+    @property
+    def decode_forwards(self) -> int:
+        """Forwards after prefill: ``nfe - num_prefill_forwards``."""
+        return self.nfe - self.num_prefill_forwards
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per forward: generated tokens / forwards after prefill (metrics.md §1.2)."""
+        return self.num_generated_tokens / self.decode_forwards if self.decode_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha = accepted drafts / drafted tokens submitted to verification; nan with no verification."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
+
+    @property
+    def mean_accepted_per_draft(self) -> float:
+        """Accepted drafts per verification cycle, without the recovered/bonus token (DEER's tau)."""
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else float("nan")
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau = (accepted + recovered + bonus) / cycles: includes the target-sampled token (vLLM convention)."""
+        emitted = self.num_accepted_tokens + self.num_recovered_tokens + self.num_bonus_tokens
+        return emitted / self.num_drafts if self.num_drafts else float("nan")
+
+    @property
+    def per_position_acceptance_rate(self) -> list[float]:
+        """Accepted / cycles reaching each draft index."""
+        return [a / n if n else float("nan") for a, n in zip(self.num_accepted_tokens_per_pos, self.num_drafts_reaching_pos)]
+
+    @property
+    def verify_rate(self) -> float:
+        """Verifier forwards per denoising step (S2D2 routing activity)."""
+        return self.num_verify_forwards / self.num_denoising_steps if self.num_denoising_steps else 0.0
+
+    @property
+    def decode_time_s(self) -> float:
+        """Wall time without prefill, in seconds."""
+        return self.wall_time_s - self.prefill_time_s
+
+    def to_dict(self) -> dict:
+        """Plain counters plus the derived metrics, for logs and tables."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["accepted_length_histogram"] = dict(sorted(self.accepted_length_histogram.items()))
+        for name in ("nfe", "tpf", "acceptance_rate", "mean_accepted_per_draft", "mean_acceptance_length",
+                     "verify_rate", "decode_time_s"):
+            out[name] = getattr(self, name)
+        return out
+
+
+@dataclass
+class GenerateDllmOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus the decoding statistics, returned with `return_dict_in_generate=True`.
+
+    Attributes:
+        sequences (`torch.LongTensor` of shape `(1, prompt_len + num_generated_tokens)`).
+        spec_stats (`SpecDecodingStats`).
+    """
+
+    spec_stats: SpecDecodingStats | None = None

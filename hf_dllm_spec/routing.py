@@ -1,0 +1,251 @@
+"""S2D2 verification routing: acceptance estimators, verify score and policies (S2D2 §4.3, Alg. 4, App. A.5-A.6).
+
+Estimators map the **draft** distribution over the first contiguous masked span to per-position acceptance
+proxies alpha_i in [0, 1]; Eq. 5 turns them into the expected accepted prefix length
+K_hat = sum_k prod_{i<=k} alpha_i; Eq. 6 into a score s = K_hat - c (static) or s = K_hat - c * N_hi (dynamic).
+Policies decide from these whether the verifier forward is worth its cost.
+
+Comparisons follow the paper (`>=` for the margin estimator and for turning hysteresis on; the reference code
+uses `>`); they differ only at equality (strategies.md §8 row 4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import entropy, top2_margin
+
+ESTIMATORS = (
+    "hard_margin_threshold",
+    "soft_entropy_negexp",
+    "soft_renyi_2_entropy",
+    "hard_entropy_threshold",
+    "soft_confidence_power",
+    "soft_clipped_linear_margin",
+)
+SCORE_TYPES = ("difference_dynamic", "difference_static")
+POLICIES = ("mask_span_length", "score_threshold", "score_hysteresis", "contextual_bandit_ucb")
+UCB_ENTROPY_SOURCES = ("span", "masked")
+
+
+def acceptance_estimates(
+    estimator: str,
+    draft_probs: torch.Tensor,
+    confidence: torch.Tensor,
+    *,
+    margin_threshold: float = 0.05,
+    entropy_temperature: float = 1.0,
+    entropy_threshold: float = 0.5,
+    confidence_power: float = 1.0,
+    margin_coef: float = 1.0,
+) -> torch.Tensor:
+    """Per-position acceptance proxies alpha_i over a span (S2D2 Eq. 5 inputs, App. A.5).
+
+    Args:
+        estimator (`str`): one of :data:`ESTIMATORS`:
+            ``hard_margin_threshold`` 1[m_i >= margin_threshold] (m_i = top-1 minus top-2 probability);
+            ``soft_entropy_negexp`` exp(-entropy_temperature * H_i / log V);
+            ``soft_renyi_2_entropy`` sum_v d_i(v)^2;
+            ``hard_entropy_threshold`` 1[H_i / log V < entropy_threshold];
+            ``soft_confidence_power`` d_i(y_i)^confidence_power (y_i the drafted token);
+            ``soft_clipped_linear_margin`` clip(margin_coef * m_i, 0, 1).
+        draft_probs (`torch.Tensor` of shape `(L, V)`): processed draft distribution over the span.
+        confidence (`torch.Tensor` of shape `(L,)`): draft probability of each drafted token.
+
+    Returns:
+        `torch.Tensor` of shape `(L,)`, float32 in [0, 1].
+
+    Raises:
+        ValueError: for an unknown estimator.
+    """
+    log_vocab = math.log(draft_probs.shape[-1])
+    if estimator == "hard_margin_threshold":
+        return (top2_margin(draft_probs) >= margin_threshold).float()
+    if estimator == "soft_entropy_negexp":
+        return torch.exp(-entropy_temperature * entropy(draft_probs) / log_vocab)
+    if estimator == "soft_renyi_2_entropy":
+        return draft_probs.pow(2).sum(dim=-1)
+    if estimator == "hard_entropy_threshold":
+        return (entropy(draft_probs) / log_vocab < entropy_threshold).float()
+    if estimator == "soft_confidence_power":
+        return confidence.pow(confidence_power)
+    if estimator == "soft_clipped_linear_margin":
+        return (margin_coef * top2_margin(draft_probs)).clamp(0.0, 1.0)
+    raise ValueError(
+        f"`token_acceptance_estimator` (={estimator!r}) must be one of {', '.join(map(repr, ESTIMATORS))}; "
+        "pick one of them."
+    )
+
+
+def expected_accepted_length(alpha: torch.Tensor) -> float:
+    """S2D2 Eq. 5: K_hat = sum_{k=1}^{L} prod_{i=1}^{k} alpha_i, in tokens; -inf for an empty span.
+
+    Args:
+        alpha (`torch.Tensor` of shape `(L,)`).
+    """
+    if alpha.numel() == 0:
+        return float("-inf")
+    return float(torch.cumprod(alpha, dim=0).sum())
+
+
+def verify_score(k_hat: float, *, score_type: str, penalty_coef: float, num_confident: int) -> float:
+    """S2D2 Eq. 6: s = K_hat - c (static) or s = K_hat - c * N_hi (dynamic).
+
+    Args:
+        k_hat (`float`): expected accepted prefix length, in tokens.
+        score_type (`str`): ``difference_static`` or ``difference_dynamic``.
+        penalty_coef (`float`): c.
+        num_confident (`int`): N_hi, masked positions of the block whose draft confidence exceeds the
+            confidence threshold (tokens the fallback would commit anyway).
+    """
+    if score_type == "difference_static":
+        return k_hat - penalty_coef
+    if score_type == "difference_dynamic":
+        return k_hat - penalty_coef * num_confident
+    raise ValueError(
+        f"`do_verify_score_type` (={score_type!r}) must be one of {', '.join(map(repr, SCORE_TYPES))}; "
+        "pick one of them."
+    )
+
+
+@dataclass
+class RoutingContext:
+    """What a policy sees at one denoising step (S2D2 Algorithm 4 inputs, reduced to numbers).
+
+    Attributes:
+        span_length (`int`): |C_t|, length of the first contiguous masked span, in tokens.
+        block_size (`int`): B, in tokens.
+        num_masked (`int`): |M_t|, masked positions in the block.
+        num_decodable (`int`): positions of the block that are not prompt (B minus the prompt tail).
+        score (`float`): s of Eq. 6 (computed only when the policy needs it, else nan).
+        mean_normalized_entropy (`float`): mean H_i / log V over the UCB entropy source (else nan).
+    """
+
+    span_length: int
+    block_size: int
+    num_masked: int
+    num_decodable: int
+    score: float = float("nan")
+    mean_normalized_entropy: float = float("nan")
+
+
+class RoutingPolicy:
+    """Base of the routing policies: `decide` once per denoising step, then `observe` its outcome."""
+
+    name: str = ""
+    needs_score: bool = False
+    needs_entropy: bool = False
+
+    def decide(self, ctx: RoutingContext) -> bool:
+        """Return True to run the verifier forward at this step."""
+        raise NotImplementedError
+
+    def observe(self, num_decoded: int, verified: bool) -> None:
+        """Outcome of the step just decided: tokens committed and whether verification ran."""
+
+
+class MinimumSpanPolicy(RoutingPolicy):
+    """Verify iff |C_t| >= tau_span (`min_ssd_span_length`); tau_span = 1 always verifies. Alg. 4."""
+
+    name = "mask_span_length"
+
+    def __init__(self, min_span_length: int) -> None:
+        self.min_span_length = min_span_length
+
+    def decide(self, ctx: RoutingContext) -> bool:
+        return ctx.span_length >= self.min_span_length
+
+
+class ScoreThresholdPolicy(RoutingPolicy):
+    """Verify iff s >= tau_score (`do_verify_score_threshold`). Alg. 4."""
+
+    name = "score_threshold"
+    needs_score = True
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def decide(self, ctx: RoutingContext) -> bool:
+        return ctx.score >= self.threshold
+
+
+class HysteresisPolicy(RoutingPolicy):
+    """Two-threshold switch (Alg. 4): OFF -> ON iff s >= tau_on, ON -> OFF iff s < tau_off; verify iff ON.
+
+    The state starts OFF and persists across blocks for the whole `generate` call.
+    """
+
+    name = "score_hysteresis"
+    needs_score = True
+
+    def __init__(self, threshold_on: float, threshold_off: float) -> None:
+        self.threshold_on, self.threshold_off = threshold_on, threshold_off
+        self.on = False
+
+    def decide(self, ctx: RoutingContext) -> bool:
+        if self.on and ctx.score < self.threshold_off:
+            self.on = False
+        elif not self.on and ctx.score >= self.threshold_on:
+            self.on = True
+        return self.on
+
+
+class UCBPolicy(RoutingPolicy):
+    """Contextual bandit with upper confidence bounds (S2D2 App. A.6, Eq. 16-18).
+
+    Context bucket b = (span-length bin over [1, B], block-progress bin over [0, 1], entropy bin over [0, 1]),
+    each split into equal-width bins. Action a in {0: no verification, 1: verify} maximises
+    mu_hat[a, b] + beta * sqrt(log t / n[a, b]) (Eq. 16), t the number of decisions so far including this one;
+    an unvisited (a, b) scores +inf and ties choose verify. Reward (Eq. 18): tokens committed this step divided
+    by 2 if verification ran, else by 1. State lives for one `generate` call.
+    """
+
+    name = "contextual_bandit_ucb"
+    needs_entropy = True
+
+    def __init__(self, beta: float, span_bins: int, progress_bins: int, entropy_bins: int) -> None:
+        self.beta = beta
+        self.bins = (span_bins, progress_bins, entropy_bins)
+        self.counts: dict[tuple, list[int]] = {}
+        self.reward_sums: dict[tuple, list[float]] = {}
+        self.num_decisions = 0
+        self._pending: tuple | None = None
+
+    @staticmethod
+    def _bin(fraction: float, num_bins: int) -> int:
+        return min(num_bins - 1, max(0, int(fraction * num_bins)))
+
+    def bucket(self, ctx: RoutingContext) -> tuple[int, int, int]:
+        """Context bucket of Eq. 16 for this step."""
+        span_bins, progress_bins, entropy_bins = self.bins
+        span = self._bin((ctx.span_length - 1) / ctx.block_size, span_bins)
+        progress = self._bin(1.0 - ctx.num_masked / max(ctx.num_decodable, 1), progress_bins)
+        ent = self._bin(ctx.mean_normalized_entropy, entropy_bins)
+        return span, progress, ent
+
+    def decide(self, ctx: RoutingContext) -> bool:
+        self.num_decisions += 1
+        bucket = self.bucket(ctx)
+        counts = self.counts.setdefault(bucket, [0, 0])
+        sums = self.reward_sums.setdefault(bucket, [0.0, 0.0])
+        values = []
+        for action in (0, 1):
+            if counts[action] == 0:
+                values.append(float("inf"))
+            else:
+                bonus = self.beta * math.sqrt(math.log(self.num_decisions) / counts[action])
+                values.append(sums[action] / counts[action] + bonus)
+        verify = values[1] >= values[0]
+        self._pending = bucket
+        return verify
+
+    def observe(self, num_decoded: int, verified: bool) -> None:
+        if self._pending is None:
+            return
+        action = int(verified)
+        self.counts[self._pending][action] += 1
+        self.reward_sums[self._pending][action] += num_decoded / (2.0 if verified else 1.0)
+        self._pending = None

@@ -1,0 +1,135 @@
+"""From logits to per-position distributions, tokens and confidences.
+
+Temperature, top-k, top-p and token suppression are transformers' own `LogitsProcessor` objects, applied
+per position: a block's logits `(L, V)` are treated as a batch of `L` independent rows. The same processed
+distribution is used for drafting and for verification (strategies.md §1: both sides must carry the same
+transforms for rejection sampling to be lossless).
+
+Only position-independent processors are accepted. Context-dependent ones (repetition penalty, n-gram
+blocking, minimum length, forced tokens, grammars) need a left context per position, which is ill-defined
+when tokens are committed out of order; they raise `NotImplementedError` instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+#: Processors whose output at a position depends on that position's logits alone.
+POSITION_INDEPENDENT_PROCESSORS: tuple[type, ...] = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    SuppressTokensLogitsProcessor,
+)
+
+
+def check_logits_processors(processors: LogitsProcessorList | None) -> None:
+    """Raise `NotImplementedError` if a processor needs a left context per position.
+
+    Raises:
+        NotImplementedError: naming the processor class and listing the supported ones.
+    """
+    for proc in processors or []:
+        if not isinstance(proc, POSITION_INDEPENDENT_PROCESSORS):
+            supported = ", ".join(c.__name__ for c in POSITION_INDEPENDENT_PROCESSORS)
+            raise NotImplementedError(
+                f"`{type(proc).__name__}` conditions on the left context of each position, which is ill-defined "
+                f"when a diffusion decoder commits tokens out of order; remove the generation option that adds it "
+                f"(e.g. `repetition_penalty`, `no_repeat_ngram_size`, `min_new_tokens`). Supported: {supported}."
+            )
+
+
+@dataclass
+class Sampler:
+    """Turns logits into the processed distribution, draws tokens and reports confidences.
+
+    Args:
+        logits_processor (`LogitsProcessorList`): transformers processors (warpers only when sampling).
+        do_sample (`bool`): sample from the processed distribution (True) or take its argmax (False).
+        suppress_token_ids (`list[int]`): ids that get zero probability everywhere (the mask token: a sampled
+            MASK would leave the position masked; suppressing it is a documented deviation from the references).
+        generator (`torch.Generator` or `None`): the only source of randomness; `None` uses torch's global RNG.
+    """
+
+    logits_processor: LogitsProcessorList
+    do_sample: bool
+    suppress_token_ids: list[int]
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        check_logits_processors(self.logits_processor)
+        self._suppress = None
+        if self.suppress_token_ids:
+            self._suppress = SuppressTokensLogitsProcessor(self.suppress_token_ids, device="cpu")
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Processed distribution per position.
+
+        Args:
+            logits (`torch.Tensor` of shape `(L, V)`): raw logits of `L` positions, any float dtype.
+
+        Returns:
+            `torch.Tensor` of shape `(L, V)`, float32: softmax of the processed logits. Called p (draft) or q
+            (verifier) in S2D2 Algorithm 3.
+        """
+        scores = logits.float()
+        dummy_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
+        if self._suppress is not None:
+            if self._suppress.suppress_tokens.device != scores.device:
+                self._suppress.suppress_tokens = self._suppress.suppress_tokens.to(scores.device)
+            scores = self._suppress(dummy_ids, scores)
+        for proc in self.logits_processor:
+            scores = proc(dummy_ids, scores)
+        return torch.softmax(scores, dim=-1)
+
+    def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pick one token per position and report its probability (the confidence).
+
+        Args:
+            probs (`torch.Tensor` of shape `(L, V)`, float32): from :meth:`probs`.
+
+        Returns:
+            `(token_ids, confidence)`: int64 `(L,)` and float32 `(L,)`, the probability of the chosen token under
+            `probs` (families.md §0 rule 3). Greedy takes the argmax; sampling draws one token per row from the
+            generator, in row order.
+        """
+        if self.do_sample:
+            token_ids = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        else:
+            token_ids = probs.argmax(dim=-1)
+        return token_ids, probs.gather(-1, token_ids[:, None]).squeeze(-1)
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy per position in nats.
+
+    Args:
+        probs (`torch.Tensor` of shape `(L, V)`).
+
+    Returns:
+        `torch.Tensor` of shape `(L,)`: -sum_v p log p, with 0 log 0 = 0.
+    """
+    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
+
+
+def top2_margin(probs: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 probability per position, `(L, V) -> (L,)` (m_i in S2D2 §4.3)."""
+    top = probs.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]

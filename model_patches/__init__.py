@@ -1,0 +1,35 @@
+"""Model-family adapters: one module per family, reached through :func:`get_patch`.
+
+Importing this package registers the families that have their own model classes (SDAR) with
+`AutoConfig` / `AutoModelForCausalLM` under their Hub `model_type`, so Hub checkpoints load without
+`trust_remote_code`.
+"""
+
+from __future__ import annotations
+
+from .base import ALIGNMENTS, FamilyPatch
+from .qwen import QwenPatch
+from .sdar import SDARConfig, SDARForCausalLM, SDARPatch
+
+PATCHES: tuple[FamilyPatch, ...] = (SDARPatch(), QwenPatch())
+
+
+def get_patch(model) -> FamilyPatch:
+    """The family adapter for a loaded model, chosen by `model.config.model_type`.
+
+    Raises:
+        NotImplementedError: for a model type no patch serves, listing the supported ones.
+    """
+    model_type = getattr(model.config, "model_type", None)
+    for patch in PATCHES:
+        if model_type in patch.model_types:
+            return patch
+    supported = ", ".join(repr(t) for p in PATCHES for t in p.model_types)
+    raise NotImplementedError(
+        f"`model.config.model_type` (={model_type!r}) has no family patch in hf_dllm_spec; supported model types: "
+        f"{supported}. Load a supported family, or add a FamilyPatch in model_patches/."
+    )
+
+
+__all__ = ["ALIGNMENTS", "FamilyPatch", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
+           "get_patch"]

@@ -1,0 +1,108 @@
+"""The family adapter: what the decoding loop needs to know about a model family.
+
+A `FamilyPatch` is stateless. It resolves the mask token, stop ids and trained block size from a loaded
+model, states the prediction alignment, and runs one forward with an explicit float 4D mask, explicit
+`position_ids` and a `DynamicCache` (transformers 5.x). This package never imports `hf_dllm_spec`'s
+internals: the library reaches a patch through :func:`model_patches.get_patch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+#: Prediction alignments. "position": logits at i predict the token at i (SDAR, LLaDA2).
+#: "right_shift": logits at i - 1 predict the token at i (Fast-dLLM v2, Open-dCoder, AR models).
+ALIGNMENTS = ("position", "right_shift")
+
+
+class FamilyPatch:
+    """Base adapter; subclasses set the class attributes and may override the hooks.
+
+    Attributes:
+        family (`str`): human name, used in messages.
+        model_types (`tuple[str, ...]`): `config.model_type` values this patch serves.
+        alignment (`str`): one of :data:`ALIGNMENTS`.
+        supports_kv_cache (`bool`): whether read-only / store forwards through `DynamicCache` are valid.
+        is_diffusion_lm (`bool`): trained as a (block) diffusion LM with a mask token.
+    """
+
+    family: ClassVar[str] = ""
+    model_types: ClassVar[tuple[str, ...]] = ()
+    alignment: ClassVar[str] = "position"
+    supports_kv_cache: ClassVar[bool] = True
+    is_diffusion_lm: ClassVar[bool] = True
+
+    # -- tokens -----------------------------------------------------------------------------------------------
+    def mask_token_id(self, model: PreTrainedModel, override: int | None = None) -> int | None:
+        """Mask token id: `override`, else `config.mask_token_id`, else `generation_config.mask_token_id`.
+
+        Never a hard-coded constant (ecosystem.md §8.6). Returns `None` when none is found; the caller raises.
+        """
+        if override is not None:
+            return int(override)
+        for source in (model.config, getattr(model, "generation_config", None)):
+            value = getattr(source, "mask_token_id", None)
+            if value is not None:
+                return int(value)
+        return None
+
+    def stop_token_ids(self, model: PreTrainedModel, generation_config: Any) -> list[int]:
+        """Stop ids: the generation config's `eos_token_id` (an int or a list), else `config.eos_token_id`."""
+        eos = getattr(generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(model.config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def trained_block_size(self, model: PreTrainedModel) -> int | None:
+        """Block size the checkpoint was trained with (`config.block_size`), or `None` if unknown."""
+        value = getattr(model.config, "block_size", None)
+        return int(value) if value is not None else None
+
+    def max_positions(self, model: PreTrainedModel) -> int | None:
+        """Number of positions the model supports (`config.max_position_embeddings`), or `None`."""
+        return getattr(model.config, "max_position_embeddings", None)
+
+    # -- forward ----------------------------------------------------------------------------------------------
+    def new_cache(self, model: PreTrainedModel) -> DynamicCache:
+        """An empty v5 `DynamicCache` for this model."""
+        return DynamicCache(config=model.config)
+
+    def forward(
+        self,
+        model: PreTrainedModel,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past_key_values: DynamicCache | None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """One forward with explicit layout.
+
+        Args:
+            input_ids (`torch.Tensor` of shape `(1, q)`, int64).
+            position_ids (`torch.Tensor` of shape `(1, q)`, int64): may repeat (RoPE copies, S2D2 2L layout).
+            attention_mask (`torch.Tensor` of shape `(1, 1, q, cache_len + q)`): additive float mask in the
+                model's dtype (0 = attend, finfo.min = blocked), used as given.
+            past_key_values (`DynamicCache` or `None`): appended to with the q new K/V; the caller crops what
+                must not persist ("read without extending" = forward, then `crop(-q)`).
+            logits_to_keep (`int`, defaults to 0): compute logits only for the last n rows (0 = all).
+
+        Returns:
+            `torch.Tensor` of shape `(1, n, V)`, float32 logits, position-aligned or right-shifted as
+            :attr:`alignment` states (the caller applies the alignment).
+        """
+        out = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
+            logits_to_keep=logits_to_keep,
+        )
+        return out.logits.float()

@@ -1,0 +1,70 @@
+"""SDAR (JetAstra/SDAR, Hub `JetLM/SDAR-*`) on transformers' own Qwen3 modeling, without remote code.
+
+A Hub SDAR directory (`config.json` with `model_type: "sdar"`, `block_size`, `mask_token_id`, Qwen3
+parameter names, safetensors) loads with `AutoModelForCausalLM.from_pretrained(path)` once this module is
+imported (`import hf_dllm_spec` does it). Facts: shared/reference/families.md §2.
+
+- Architecture: Qwen3 (q_norm/k_norm before RoPE, GQA, no qkv bias); the Hub parameter names of §2.2 are
+  exactly transformers' Qwen3 names, so weights load without renaming.
+- Position-aligned: logits at i predict the token at i.
+- Mask token from `config.mask_token_id` (151669 on the Hub checkpoints); stop ids from the generation
+  config's eos list ([151645, 151643]); trained block size `config.block_size` (4 on the default checkpoints).
+- The Hub config asks for `attn_implementation: "flex_attention"` (with flash-attn kernels in the remote
+  code). The explicit float 4D masks of the decoding loop need SDPA or eager; the config value is kept as
+  `hub_attn_implementation` and SDPA is used unless `from_pretrained(attn_implementation=...)` says otherwise.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from hf_dllm_spec.generation import DllmGenerationMixin
+
+from .base import FamilyPatch
+
+
+class SDARConfig(Qwen3Config):
+    """Qwen3 config plus SDAR's fields.
+
+    Args:
+        block_size (`int`, defaults to 4): training block size, in tokens.
+        mask_token_id (`int`, *optional*): the mask token (151669 on the Hub checkpoints).
+        fuse_cross_entropy (`bool`, *optional*): training-only flag of the Hub code, kept for round trips.
+    """
+
+    model_type = "sdar"
+
+    def __init__(self, block_size: int = 4, mask_token_id: int | None = None, fuse_cross_entropy: bool = False,
+                 **kwargs):
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.fuse_cross_entropy = fuse_cross_entropy
+        if kwargs.get("attn_implementation") == "flex_attention":
+            self.hub_attn_implementation = kwargs.pop("attn_implementation")
+        kwargs.pop("auto_map", None)
+        super().__init__(**kwargs)
+
+
+class SDARForCausalLM(DllmGenerationMixin, Qwen3ForCausalLM):
+    """SDAR causal LM: transformers' Qwen3 modeling with `generate(decoding_strategy=...)`.
+
+    >>> import hf_dllm_spec
+    >>> from model_patches.sdar import SDARConfig, SDARForCausalLM
+    >>> cfg = SDARConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+    ...                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, mask_token_id=98)
+    >>> model = SDARForCausalLM(cfg).eval()
+    >>> out = model.generate(torch.tensor([[1, 2, 3]]), decoding_strategy="s2d2", max_new_tokens=8,
+    ...                      eos_token_id=None)  # doctest: +SKIP
+    """
+
+    config_class = SDARConfig
+
+
+class SDARPatch(FamilyPatch):
+    family = "SDAR"
+    model_types = ("sdar",)
+    alignment = "position"
+
+
+AutoConfig.register(SDARConfig.model_type, SDARConfig, exist_ok=True)
+AutoModelForCausalLM.register(SDARConfig, SDARForCausalLM, exist_ok=True)
