@@ -1,0 +1,1 @@
+"""Training recipes for the bundled checkpoints (tokenizer, data, SDAR-style block-diffusion training)."""

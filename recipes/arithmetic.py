@@ -1,0 +1,71 @@
+"""Templated arithmetic word problems with step-by-step solutions ending in "The answer is N".
+
+Seeded and deterministic: `generate_problems(n, seed)` gives the same list for the same arguments. The
+held-out split is `heldout_problems()` (seed 20261122); training streams skip any question in it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+NAMES = ["Tom", "Anna", "Ben", "Lucy", "Sam", "Mia", "Leo", "Emma", "Max", "Zoe", "Omar", "Ivy"]
+ITEMS = ["apples", "books", "coins", "pens", "cards", "stickers", "marbles", "shells", "stamps", "cookies"]
+HELDOUT_SEED = 20261122
+ANSWER_RE = re.compile(r"The answer is (-?\d+)")
+
+
+def _problem(rng: random.Random) -> dict:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.choices(["add", "sub", "mul", "two_step"], weights=[3, 3, 2, 2])[0]
+    if kind == "add":
+        a, b = rng.randint(2, 50), rng.randint(2, 50)
+        q = f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?"
+        s = f"{name} has {a} {item} and gets {b} more. {a} + {b} = {a + b}. The answer is {a + b}."
+        ans = a + b
+    elif kind == "sub":
+        a = rng.randint(10, 60)
+        b = rng.randint(1, a - 1)
+        q = f"{name} has {a} {item}. {name} gives away {b} {item}. How many {item} does {name} have left?"
+        s = f"{name} has {a} {item} and gives away {b}. {a} - {b} = {a - b}. The answer is {a - b}."
+        ans = a - b
+    elif kind == "mul":
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        q = f"{name} has {a} boxes. Each box holds {b} {item}. How many {item} does {name} have?"
+        s = f"{name} has {a} boxes of {b} {item}. {a} * {b} = {a * b}. The answer is {a * b}."
+        ans = a * b
+    else:
+        a, b = rng.randint(2, 30), rng.randint(2, 30)
+        c = rng.randint(1, a + b - 1)
+        q = (f"{name} has {a} {item}. {name} gets {b} more {item} and then gives away {c}. "
+             f"How many {item} does {name} have left?")
+        s = f"{a} + {b} = {a + b}. {a + b} - {c} = {a + b - c}. The answer is {a + b - c}."
+        ans = a + b - c
+    return {"question": q, "solution": s, "answer": ans, "kind": kind}
+
+
+def format_prompt(question: str) -> str:
+    """The prompt the model sees: "Question: ...\\nAnswer:"."""
+    return f"Question: {question}\nAnswer:"
+
+
+def generate_problems(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+    """`n` problems from `random.Random(seed)`, skipping questions in `exclude`."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        p = _problem(rng)
+        if exclude and p["question"] in exclude:
+            continue
+        out.append(p)
+    return out
+
+
+def heldout_problems(n: int = 500) -> list[dict]:
+    """The held-out evaluation split (never used for training)."""
+    return generate_problems(n, HELDOUT_SEED)
+
+
+def extract_answer(text: str) -> int | None:
+    """The integer after the first "The answer is", or None."""
+    m = ANSWER_RE.search(text)
+    return int(m.group(1)) if m else None

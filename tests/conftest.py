@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny models built from config (fp32, CPU), once per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import hf_dllm_spec  # noqa: F401  (registers SDAR)
+from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+MASK_ID = 98
+TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.2,
+            eos_token_id=None, bos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="session")
+def sdar_model() -> SDARForCausalLM:
+    """Tiny random SDAR model (block size 4, mask 98). Large init so logits are peaked, not near-ties."""
+    torch.manual_seed(0)
+    return SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+
+
+@pytest.fixture(scope="session")
+def qwen_model(sdar_model) -> Qwen3ForCausalLM:
+    """A plain transformers Qwen3 model with the same weights as `sdar_model` and no mask token in its config."""
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
+    model.load_state_dict(sdar_model.state_dict())
+    return model
+
+
+@pytest.fixture
+def prompt() -> torch.Tensor:
+    """A 7-token prompt: one full block of 4 is prefilled, 3 tokens share the first generation block."""
+    return torch.tensor([[5, 17, 42, 8, 23, 61, 4]])
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)

@@ -1,0 +1,168 @@
+"""Loading an SDAR checkpoint in the Hub layout, both `generate` entry points, bad input, statistics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import MASK_ID, TINY, gen
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import hf_dllm_spec
+from hf_dllm_spec import S2D2Config
+from model_patches.sdar import SDARForCausalLM
+
+HUB_PARAM_NAMES = [
+    "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+    *[f"model.layers.{i}.{name}.weight" for i in range(2) for name in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
+        "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+        "post_attention_layernorm")],
+]
+
+
+@pytest.fixture(scope="module")
+def hub_checkpoint(tmp_path_factory, sdar_model):
+    """A directory written by hand in the Hub SDAR layout (config keys, names, safetensors, eos list)."""
+    path = tmp_path_factory.mktemp("sdar_hub")
+    config = {
+        "architectures": ["SDARForCausalLM"], "model_type": "sdar",
+        "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                     "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
+        "attn_implementation": "flex_attention", "fuse_cross_entropy": True, "use_cache": False,
+        "block_size": 4, "mask_token_id": MASK_ID, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000.0, "attention_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 1,
+        **{k: v for k, v in TINY.items() if k not in ("attn_implementation", "eos_token_id", "bos_token_id",
+                                                       "pad_token_id", "initializer_range")},
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [96, 97], "pad_token_id": 97}))
+    state = {k: v.contiguous() for k, v in sdar_model.state_dict().items()}
+    assert sorted(state) == sorted(HUB_PARAM_NAMES)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_hub_layout_loads_without_remote_code(hub_checkpoint, sdar_model):
+    model = AutoModelForCausalLM.from_pretrained(hub_checkpoint).eval()
+    assert type(model) is SDARForCausalLM
+    assert model.config.block_size == 4 and model.config.mask_token_id == MASK_ID
+    assert model.config._attn_implementation != "flex_attention"
+    assert model.generation_config.eos_token_id == [96, 97]
+    ids = torch.tensor([[5, 17, 42, 8, 23]])
+    torch.testing.assert_close(model(ids).logits, sdar_model(ids).logits, atol=1e-5, rtol=1e-5)
+    out = model.generate(ids, decoding_strategy="s2d2", max_new_tokens=8, return_dict_in_generate=True)
+    assert out.sequences.shape[1] <= 5 + 8 and out.spec_stats.nfe > 0
+
+
+def test_stock_generate_unchanged_without_decoding_strategy(sdar_model, qwen_model, prompt):
+    ours = sdar_model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    stock = qwen_model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert torch.equal(ours, stock)
+
+
+def test_custom_generate_on_plain_qwen3_matches_sdar_class(sdar_model, qwen_model, prompt):
+    kwargs = dict(max_new_tokens=12, eos_token_id=None, do_sample=True, top_k=0, min_ssd_span_length=2)
+    via_callable = qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="s2d2",
+                                       mask_token_id=MASK_ID, block_size=4, generator=gen(5), **kwargs)
+    via_mixin = sdar_model.generate(prompt, decoding_strategy="s2d2", generator=gen(5), **kwargs)
+    assert torch.equal(via_callable, via_mixin)
+
+
+def test_stats_add_up(sdar_model, prompt):
+    for strategy, extra in [("s2d2", {"min_ssd_span_length": 2}), ("block_diffusion", {}), ("ar", {})]:
+        out = sdar_model.generate(prompt, decoding_strategy=strategy, max_new_tokens=13, eos_token_id=None,
+                                  return_dict_in_generate=True, **extra)
+        s = out.spec_stats
+        assert s.num_generated_tokens == out.sequences.shape[1] - prompt.shape[1] == 13
+        assert s.num_committed_tokens == (s.num_fallback_tokens + s.num_accepted_tokens + s.num_recovered_tokens
+                                          + s.num_bonus_tokens)
+        assert s.nfe == s.num_prefill_forwards + s.num_draft_forwards + s.num_verify_forwards + s.num_cache_write_forwards
+        assert s.num_draft_forwards == s.num_denoising_steps
+        assert sum(s.accepted_length_histogram.values()) == s.num_drafts == s.num_verify_forwards
+        assert s.wall_time_s > 0 and s.tpf > 0
+
+
+def test_stop_id_truncates_and_keeps_eos(sdar_model, prompt):
+    free = sdar_model.generate(prompt, decoding_strategy="block_diffusion", max_new_tokens=16, eos_token_id=None)
+    new = free[0, prompt.shape[1]:].tolist()
+    stop = new[5]
+    out = sdar_model.generate(prompt, decoding_strategy="block_diffusion", max_new_tokens=16, eos_token_id=stop)
+    assert out[0, prompt.shape[1]:].tolist() == new[: new.index(stop) + 1]
+
+
+def test_generation_config_round_trip(tmp_path, sdar_model, prompt):
+    cfg = S2D2Config.from_preset("sdar-8b-config-a", block_size=8)
+    gc = cfg.save_to_generation_config(GenerationConfig(max_new_tokens=8))
+    gc.save_pretrained(tmp_path)
+    loaded = GenerationConfig.from_pretrained(tmp_path)
+    assert S2D2Config.from_dict(loaded.dllm_decoding) == cfg
+    with_defaults = sdar_model.generate(prompt, decoding_strategy="s2d2", generation_config=loaded,
+                                        eos_token_id=None)
+    explicit = sdar_model.generate(prompt, decoding_strategy="s2d2", strategy_config=cfg, max_new_tokens=8,
+                                   eos_token_id=None)
+    assert torch.equal(with_defaults, explicit)
+
+
+def test_presets_match_the_paper():
+    a = S2D2Config.from_preset("sdar-8b-config-a")
+    assert (a.block_size, a.do_verify_policy, a.do_verify_score_type, a.score_penalty_coef, a.cache_ver,
+            a.draft_ver, a.token_acceptance_estimator) == (4, "score_threshold", "difference_static", 1.0, True,
+                                                           True, "soft_entropy_negexp")
+    b = S2D2Config.from_preset("sdar-1.7b-config-b")
+    assert (b.block_size, b.min_ssd_span_length, b.cache_ver) == (32, 1, True)
+
+
+# -- bad input: clear errors, before any forward ------------------------------------------------------------
+
+@pytest.fixture
+def no_forward(sdar_model, monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("a forward ran before validation finished")
+    monkeypatch.setattr(sdar_model, "forward", boom)
+    return sdar_model
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"decoding_strategy": "medusa"}, r"`decoding_strategy` \(='medusa'\) must be one of 'ar', 'block_diffusion', 's2d2'"),
+    ({"decoding_strategy": "s2d2", "confidence_threshold": 1.5}, r"`confidence_threshold` \(=1.5\) must lie in \(0, 1\]"),
+    ({"decoding_strategy": "s2d2", "confidence_threshold": 0.0}, r"`confidence_threshold` \(=0.0\)"),
+    ({"decoding_strategy": "s2d2", "ssd_ratio_tempering_factor": -1.0}, r"`ssd_ratio_tempering_factor` \(=-1.0\)"),
+    ({"decoding_strategy": "block_diffusion", "block_size": 0}, r"`block_size` \(=0\) must be an integer >= 1"),
+    ({"decoding_strategy": "s2d2", "do_verify_policy": "always"}, r"`do_verify_policy` \(='always'\) must be one of"),
+    ({"decoding_strategy": "s2d2", "token_acceptance_estimator": "oracle"}, r"`token_acceptance_estimator`"),
+    ({"decoding_strategy": "s2d2", "hysteresis_threshold_on": -2.0, "hysteresis_threshold_off": -1.0},
+     r"`hysteresis_threshold_on` \(=-2.0\) must be greater than `hysteresis_threshold_off` \(=-1.0\)"),
+    ({"decoding_strategy": "block_diffusion", "min_ssd_span_length": 2},
+     r"`min_ssd_span_length` \(=2\) must be a parameter of decoding_strategy='block_diffusion'"),
+    ({"decoding_strategy": "ar", "block_size": 4}, r"`block_size` \(=4\) must be 1 for decoding_strategy='ar'"),
+    ({"decoding_strategy": "s2d2", "max_new_tokens": 0}, r"max_new_tokens"),
+    ({"decoding_strategy": "s2d2", "max_new_tokens": 300}, r"`input_ids` .* model's 256 positions"),
+    ({"decoding_strategy": "s2d2", "preset": "sdar-99b"}, r"`preset` \(='sdar-99b'\) must be one of"),
+])
+def test_bad_input_raises_before_forward(no_forward, prompt, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        no_forward.generate(prompt, **kwargs)
+
+
+def test_padding_batch_and_missing_mask_token(no_forward, qwen_model, prompt):
+    with pytest.raises(ValueError, match=r"`attention_mask` .* padding"):
+        no_forward.generate(prompt, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1]]), decoding_strategy="s2d2")
+    with pytest.raises(ValueError, match=r"`input_ids` \(=\(2, 7\)\) must have shape \(1, prompt_len\)"):
+        no_forward.generate(prompt.repeat(2, 1), decoding_strategy="s2d2")
+    with pytest.raises(ValueError, match=r"`mask_token_id` \(=None\) must be known"):
+        qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="s2d2",
+                            block_size=4)
+
+
+def test_context_dependent_processor_is_refused(sdar_model, prompt):
+    with pytest.raises(NotImplementedError, match="RepetitionPenaltyLogitsProcessor"):
+        sdar_model.generate(prompt, decoding_strategy="s2d2", repetition_penalty=1.3)
+
+
+def test_untrained_block_size_warns(sdar_model, prompt):
+    with pytest.warns(UserWarning, match=r"`block_size` \(=8\) differs from the checkpoint's trained block size"):
+        sdar_model.generate(prompt, decoding_strategy="block_diffusion", block_size=8, max_new_tokens=4)
