@@ -29,7 +29,7 @@ from .outputs import GenerateDllmOutput, SpecDecodingStats
 from .runner import ModelRunner
 from .sampling import Sampler
 from .strategies import STRATEGIES, DecodingSession
-from .strategies.block_diffusion import now
+from .timing import now
 from .validation import invalid
 
 _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
@@ -221,6 +221,7 @@ def dllm_generate(
     generated = _trim(strategy.decode(), max_new_tokens, stop_ids)
     stats.wall_time_s = now(model.device) - t0
     stats.num_generated_tokens = generated.shape[0]
+    stats.num_discarded_tokens = stats.num_committed_tokens - stats.num_generated_tokens
     sequences = torch.cat([prompt, generated])[None]
     if streamer is not None:
         streamer.put(generated.cpu())

@@ -26,7 +26,10 @@ class SpecDecodingStats:
         num_generated_tokens: tokens returned after trimming (up to and including the first stop id, at most
             `max_new_tokens`).
         num_committed_tokens: tokens committed by decoding steps (whole blocks, before trimming); equals
-            ``num_fallback_tokens + num_accepted_tokens + num_recovered_tokens + num_bonus_tokens``.
+            ``num_fallback_tokens + num_accepted_tokens + num_recovered_tokens + num_bonus_tokens`` and
+            ``num_generated_tokens + num_discarded_tokens``.
+        num_discarded_tokens: committed tokens cut off after the first stop id or past `max_new_tokens`
+            (the rest of the last block).
         num_fallback_tokens: committed by the confidence rule (every token of the baselines).
         num_drafts: verification cycles with at least one draft token.
         num_draft_tokens: drafted tokens submitted to verification.
@@ -39,7 +42,8 @@ class SpecDecodingStats:
         num_denoising_steps: denoising steps (one draft forward each).
 
     Time (seconds, `time.perf_counter`, after a device synchronise):
-        wall_time_s: the whole decoding call; prefill_time_s: the prefill forward.
+        wall_time_s: the whole decoding call; prefill_time_s: the prefill forward; forward_time_s: all model
+        forwards together (the rest of `wall_time_s` is the loop's own work: sampling, routing, bookkeeping).
     """
 
     num_prefill_forwards: int = 0
@@ -48,6 +52,7 @@ class SpecDecodingStats:
     num_cache_write_forwards: int = 0
     num_generated_tokens: int = 0
     num_committed_tokens: int = 0
+    num_discarded_tokens: int = 0
     num_fallback_tokens: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -60,6 +65,7 @@ class SpecDecodingStats:
     num_denoising_steps: int = 0
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0
+    forward_time_s: float = 0.0
 
     def count_forward(self, kind: str) -> None:
         """Add one forward of `kind` (one of :data:`FORWARD_KINDS`)."""
@@ -134,12 +140,17 @@ class SpecDecodingStats:
         """Wall time without prefill, in seconds."""
         return self.wall_time_s - self.prefill_time_s
 
+    @property
+    def overhead_fraction(self) -> float:
+        """Share of the wall time spent outside model forwards, in [0, 1]."""
+        return 1.0 - self.forward_time_s / self.wall_time_s if self.wall_time_s else 0.0
+
     def to_dict(self) -> dict:
         """Plain counters plus the derived metrics, for logs and tables."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["accepted_length_histogram"] = dict(sorted(self.accepted_length_histogram.items()))
         for name in ("nfe", "tpf", "acceptance_rate", "mean_accepted_per_draft", "mean_acceptance_length",
-                     "verify_rate", "decode_time_s"):
+                     "verify_rate", "decode_time_s", "overhead_fraction"):
             out[name] = getattr(self, name)
         return out
 

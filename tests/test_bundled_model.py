@@ -1,0 +1,69 @@
+"""End-to-end checks on the bundled trained checkpoint (models/sdar-tiny-arith), real prompts, CPU fp32."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / "models" / "sdar-tiny-arith"
+sys.path.insert(0, str(ROOT))
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from examples.evaluation import arithmetic_prompts, humaneval_prompts, load
+
+    tokenizer, model = load(MODEL_DIR)
+    prompts = [p.text for p in arithmetic_prompts(MODEL_DIR, 3)] + [humaneval_prompts(1)[0].text]
+    return tokenizer, model, [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+
+
+def test_loads_in_sdar_hub_layout(bundled):
+    from model_patches.sdar import SDARForCausalLM
+
+    tokenizer, model, _ = bundled
+    assert type(model) is SDARForCausalLM and model.config.model_type == "sdar"
+    assert model.config.mask_token_id == tokenizer.mask_token_id and model.config.block_size == 4
+    assert tokenizer.eos_token_id in model.generation_config.eos_token_id
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_s2d2_always_verify_equals_ar(bundled, block_size):
+    """Always-on verification + greedy match + AR-like caching gives the AR greedy output token for token."""
+    _, model, prompts = bundled
+    for ids in prompts:
+        ar = model.generate(ids, decoding_strategy="ar", max_new_tokens=40)
+        s2d2 = model.generate(ids, decoding_strategy="s2d2", block_size=block_size, max_new_tokens=40,
+                              min_ssd_span_length=1, s2d2_acceptance="greedy_match", cache_ver=True, draft_ver=True)
+        assert s2d2.tolist() == ar.tolist()
+
+
+@pytest.mark.parametrize("strategy,params", [
+    ("ar", {}),
+    ("block_diffusion", {"block_size": 16, "confidence_threshold": 0.9}),
+    ("s2d2", {"block_size": 16}),
+    ("s2d2", {"block_size": 8, "do_verify_policy": "score_hysteresis", "score_penalty_coef": 1.0}),
+    ("s2d2", {"block_size": 8, "do_verify_policy": "contextual_bandit_ucb", "do_sample": True, "top_k": 0}),
+])
+def test_statistics_add_up(bundled, strategy, params):
+    tokenizer, model, prompts = bundled
+    out = model.generate(prompts[0], decoding_strategy=strategy, max_new_tokens=48, return_dict_in_generate=True,
+                         generator=torch.Generator().manual_seed(0), **params)
+    s = out.spec_stats
+    generated = out.sequences[0, prompts[0].shape[1]:]
+    assert s.num_generated_tokens == generated.shape[0] <= 48
+    # every committed token is accounted for exactly once
+    assert s.num_committed_tokens == (s.num_fallback_tokens + s.num_accepted_tokens + s.num_recovered_tokens
+                                      + s.num_bonus_tokens)
+    assert s.num_generated_tokens + s.num_discarded_tokens == s.num_committed_tokens
+    if generated[-1].item() not in model.generation_config.eos_token_id and s.num_generated_tokens < 48:
+        pytest.fail("generation ended without a stop id before the budget")
+    assert s.nfe == s.num_prefill_forwards + s.num_draft_forwards + s.num_verify_forwards + s.num_cache_write_forwards
+    assert s.num_verify_forwards == s.num_drafts and s.num_draft_tokens >= s.num_accepted_tokens
+    assert 0 < s.forward_time_s < s.wall_time_s
