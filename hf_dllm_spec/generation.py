@@ -60,7 +60,7 @@ def _warpers_from_generation_config(generation_config: GenerationConfig) -> Logi
     return procs
 
 
-def _check_inputs(model, input_ids: torch.Tensor, generation_config: GenerationConfig,
+def _check_inputs(input_ids: torch.Tensor, generation_config: GenerationConfig,
                   model_kwargs: dict[str, Any]) -> None:
     """Reject what the decoding loop does not support, before any forward."""
     unknown = sorted(set(model_kwargs) - _KNOWN_MODEL_KWARGS)
@@ -175,11 +175,16 @@ def dllm_generate(
     config = resolve_config(decoding_strategy, generation_config=generation_config,
                             strategy_config=strategy_config, preset=preset, overrides=overrides)
     strategy_cls = STRATEGIES[config.decoding_strategy]
-    _check_inputs(model, input_ids, generation_config, kwargs)
+    _check_inputs(input_ids, generation_config, kwargs)
 
     import model_patches  # registry lookup; model_patches never imports this module at import time
 
     patch = model_patches.get_patch(model)
+    if patch.alignment != "position":
+        raise NotImplementedError(
+            f"family {patch.family} is {patch.alignment}-aligned; the block-diffusion loop supports "
+            "position-aligned families (SDAR, Qwen-as-SDAR) only so far."
+        )
     resolved_mask = patch.mask_token_id(model, mask_token_id)
     if strategy_cls.requires_mask_token and resolved_mask is None:
         raise invalid("mask_token_id", None, f"be known for decoding_strategy={config.decoding_strategy!r}: "
@@ -264,5 +269,14 @@ class DllmGenerationMixin(GenerationMixin):
         if kwargs.get("custom_generate") is not None:
             raise invalid("custom_generate", kwargs["custom_generate"],
                           "be unset when `decoding_strategy` is given", "pass only one of them")
-        return super().generate(*args, custom_generate=dllm_generate, decoding_strategy=decoding_strategy,
-                                **kwargs)
+        # transformers does not forward `streamer` to a custom_generate callable; feed it here instead:
+        # the prompt, then the final tokens in one chunk (diffusion blocks finish out of order), then end().
+        streamer = kwargs.pop("streamer", None)
+        out = super().generate(*args, custom_generate=dllm_generate, decoding_strategy=decoding_strategy, **kwargs)
+        if streamer is not None:
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+            streamer.put(sequences[:, : prompt.shape[1]].cpu())
+            streamer.put(sequences[0, prompt.shape[1]:].cpu())
+            streamer.end()
+        return out

@@ -1,7 +1,10 @@
 """Templated arithmetic word problems with step-by-step solutions ending in "The answer is N".
 
-Seeded and deterministic: `generate_problems(n, seed)` gives the same list for the same arguments. The
-held-out split is `heldout_problems()` (seed 20261122); training streams skip any question in it.
+Seeded and deterministic: `generate_problems(n, seed, max_operand=M)` gives the same list for the same
+arguments. The held-out split is `heldout_problems(max_operand=M)` (seed 20261122); training streams skip any
+question in it. `max_operand` sets the difficulty: additions of two numbers in [2, M], subtractions from
+[10, M + 10], one-digit products, two-step problems with operands up to 0.6 M. Held-out questions differ from
+training questions; the arithmetic facts they use also occur in training (this is a templated task).
 """
 
 from __future__ import annotations
@@ -15,16 +18,16 @@ HELDOUT_SEED = 20261122
 ANSWER_RE = re.compile(r"The answer is (-?\d+)")
 
 
-def _problem(rng: random.Random) -> dict:
+def _problem(rng: random.Random, max_operand: int) -> dict:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     kind = rng.choices(["add", "sub", "mul", "two_step"], weights=[3, 3, 2, 2])[0]
     if kind == "add":
-        a, b = rng.randint(2, 50), rng.randint(2, 50)
+        a, b = rng.randint(2, max_operand), rng.randint(2, max_operand)
         q = f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?"
         s = f"{name} has {a} {item} and gets {b} more. {a} + {b} = {a + b}. The answer is {a + b}."
         ans = a + b
     elif kind == "sub":
-        a = rng.randint(10, 60)
+        a = rng.randint(10, max_operand + 10)
         b = rng.randint(1, a - 1)
         q = f"{name} has {a} {item}. {name} gives away {b} {item}. How many {item} does {name} have left?"
         s = f"{name} has {a} {item} and gives away {b}. {a} - {b} = {a - b}. The answer is {a - b}."
@@ -35,7 +38,7 @@ def _problem(rng: random.Random) -> dict:
         s = f"{name} has {a} boxes of {b} {item}. {a} * {b} = {a * b}. The answer is {a * b}."
         ans = a * b
     else:
-        a, b = rng.randint(2, 30), rng.randint(2, 30)
+        a, b = rng.randint(2, round(0.6 * max_operand)), rng.randint(2, round(0.6 * max_operand))
         c = rng.randint(1, a + b - 1)
         q = (f"{name} has {a} {item}. {name} gets {b} more {item} and then gives away {c}. "
              f"How many {item} does {name} have left?")
@@ -49,20 +52,20 @@ def format_prompt(question: str) -> str:
     return f"Question: {question}\nAnswer:"
 
 
-def generate_problems(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+def generate_problems(n: int, seed: int, exclude: set[str] | None = None, max_operand: int = 50) -> list[dict]:
     """`n` problems from `random.Random(seed)`, skipping questions in `exclude`."""
     rng, out = random.Random(seed), []
     while len(out) < n:
-        p = _problem(rng)
+        p = _problem(rng, max_operand)
         if exclude and p["question"] in exclude:
             continue
         out.append(p)
     return out
 
 
-def heldout_problems(n: int = 500) -> list[dict]:
+def heldout_problems(n: int = 500, max_operand: int = 50) -> list[dict]:
     """The held-out evaluation split (never used for training)."""
-    return generate_problems(n, HELDOUT_SEED)
+    return generate_problems(n, HELDOUT_SEED, max_operand=max_operand)
 
 
 def extract_answer(text: str) -> int | None:

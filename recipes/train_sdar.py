@@ -1,6 +1,10 @@
 """Train the bundled SDAR-style block-diffusion model from scratch, offline, reproducibly from a seed.
 
-    python -m recipes.train_sdar --out models/sdar-tiny-arith --tokens 10_000_000
+    python -m recipes.train_sdar --out /tmp/stage1 --tokens 6000000 --max-operand 50
+    python -m recipes.train_sdar --out models/sdar-tiny-arith --init-from /tmp/stage1 --tokens 6000000 \
+        --max-operand 20 --arith-fraction 0.75 --lr 1e-3 --seed 1
+
+(the two stages of the bundled checkpoint; `--init-from` continues from a saved checkpoint and its tokenizer)
 
 Steps: (1) a byte-level BPE tokenizer (8,192 tokens, digits split one by one) trained with `tokenizers` on
 the CPython standard library and arithmetic problems; (2) token streams: stdlib sources (all tokens
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-operand", type=int, default=50, help="arithmetic difficulty (recipes.arithmetic)")
+    ap.add_argument("--init-from", default=None, help="continue from this checkpoint (and reuse its tokenizer)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (about 1 min to compile)")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early after this wall time")
     args = ap.parse_args(argv)
@@ -131,14 +137,26 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(args.seed)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    heldout = heldout_problems()
+    heldout = heldout_problems(max_operand=args.max_operand)
     exclude = {p["question"] for p in heldout}
-    problems = generate_problems(args.train_problems, seed=args.seed + 1, exclude=exclude)
+    problems = generate_problems(args.train_problems, seed=args.seed + 1, exclude=exclude,
+                                 max_operand=args.max_operand)
     code = stdlib_texts()
     print(f"data: {len(code)} stdlib files, {len(problems)} arithmetic problems, {len(heldout)} held out")
-    tok_texts = code + [format_prompt(p["question"]) + " " + p["solution"] for p in problems[:20_000]]
-    tokenizer = train_tokenizer(tok_texts, args.vocab_size)
-    assert tokenizer.convert_tokens_to_ids(SPECIALS) == [EOS_ID, PAD_ID, MASK_ID]
+    previous_stages: list = []
+    if args.init_from:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.init_from)
+        log = pathlib.Path(args.init_from) / "training_log.json"
+        if log.exists():
+            previous = json.loads(log.read_text())
+            previous_stages = previous.get("stages", [previous])
+    else:
+        tok_texts = code + [format_prompt(p["question"]) + " " + p["solution"] for p in problems[:20_000]]
+        tokenizer = train_tokenizer(tok_texts, args.vocab_size)
+    if tokenizer.convert_tokens_to_ids(SPECIALS) != [EOS_ID, PAD_ID, MASK_ID]:
+        raise ValueError(f"tokenizer special ids {tokenizer.convert_tokens_to_ids(SPECIALS)} != [0, 1, 2]")
     streams = build_streams(tokenizer, code, problems)
     print({k: int(v[0].shape[0]) for k, v in streams.items()}, "tokens per stream")
 
@@ -149,7 +167,10 @@ def main(argv: list[str] | None = None) -> None:
         mask_token_id=MASK_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None,
         attn_implementation="sdpa",
     )
-    model = SDARForCausalLM(config)
+    if args.init_from:
+        model = SDARForCausalLM.from_pretrained(args.init_from, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        model = SDARForCausalLM(config)
     model.train()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params / 1e6:.2f}M parameters")
@@ -193,15 +214,18 @@ def main(argv: list[str] | None = None) -> None:
     with open(out / "heldout_arithmetic.jsonl", "w") as f:
         for p in heldout:
             f.write(json.dumps(p) + "\n")
-    summary = {
-        "seed": args.seed, "steps": steps_done, "tokens_seen": steps_done * tokens_per_step,
+    stage = {
+        "init_from": args.init_from, "max_operand": args.max_operand, "seed": args.seed, "steps": steps_done, "tokens_seen": steps_done * tokens_per_step,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr, "arith_fraction": args.arith_fraction,
         "block_size_mix": BLOCK_SIZE_MIX, "parameters": num_params, "train_seconds": round(elapsed, 1),
         "final_loss_ema": round(ema, 4), "stream_tokens": {k: int(v[0].shape[0]) for k, v in streams.items()},
         "loss_history": history, "torch": torch.__version__,
     }
+    stages = [*previous_stages, stage]
+    summary = {"stages": stages, "tokens_seen_total": sum(s["tokens_seen"] for s in stages),
+               "train_seconds_total": round(sum(s["train_seconds"] for s in stages), 1)}
     (out / "training_log.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps({k: v for k, v in summary.items() if k != "loss_history"}))
+    print(json.dumps({k: v for k, v in stage.items() if k != "loss_history"}))
 
 
 if __name__ == "__main__":

@@ -178,3 +178,20 @@ def test_hub_custom_generate_directory(qwen_model, sdar_model, prompt):
     via_dir = qwen_model.generate(prompt, custom_generate=str(repo), trust_remote_code=True,
                                   decoding_strategy="s2d2", mask_token_id=MASK_ID, **kwargs)
     assert torch.equal(via_dir, sdar_model.generate(prompt, decoding_strategy="s2d2", **kwargs))
+
+
+def test_streamer_receives_prompt_tokens_and_end(sdar_model, prompt):
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    rec = Recorder()
+    out = sdar_model.generate(prompt, decoding_strategy="s2d2", max_new_tokens=8, eos_token_id=None, streamer=rec)
+    assert rec.ended and rec.chunks[0] == prompt[0].tolist()
+    assert sum(rec.chunks[1:], []) == out[0, prompt.shape[1]:].tolist()
