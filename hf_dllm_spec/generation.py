@@ -47,6 +47,9 @@ def strategy_parameter_names() -> tuple[str, ...]:
     return tuple(names)
 
 
+STRATEGY_PARAMETERS = strategy_parameter_names()
+
+
 def _warpers_from_generation_config(generation_config: GenerationConfig) -> LogitsProcessorList:
     """Temperature / top-k / top-p warpers for direct calls that bypass `model.generate`."""
     procs = LogitsProcessorList()
@@ -169,7 +172,7 @@ def dllm_generate(
         NotImplementedError: an unsupported model family or logits processor.
     """
     generation_config = generation_config if generation_config is not None else model.generation_config
-    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in strategy_parameter_names() and kwargs[k] is not _UNSET}
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in STRATEGY_PARAMETERS and kwargs[k] is not _UNSET}
     for k in [k for k in kwargs if kwargs[k] is _UNSET]:
         kwargs.pop(k)
     config = resolve_config(decoding_strategy, generation_config=generation_config,
@@ -241,7 +244,7 @@ def _with_strategy_signature(fn):
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=_UNSET)
-               for name in strategy_parameter_names()]
+               for name in STRATEGY_PARAMETERS]
     params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
     fn.__signature__ = sig.replace(parameters=params)
     return fn
