@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="SDAR-format checkpoint directory")
     ap.add_argument("--prompt", action="append", default=[], help="your own prompt (repeatable); skips the sets")
     ap.add_argument("--strategies", default="ar,dynamic,s2d2", help="comma list of ar, static, dynamic, s2d2")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--threshold", type=float, default=0.9, help="confidence threshold of dynamic decoding")
     ap.add_argument("--num-arith", type=int, default=30)
     ap.add_argument("--num-humaneval", type=int, default=4)
