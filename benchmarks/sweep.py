@@ -6,7 +6,7 @@
 For every prompt set (held-out arithmetic: exact match; HumanEval: syntax-valid completions) it runs AR
 (block size 1), then for each block size static decoding, dynamic thresholds and the S2D2 routing presets,
 all with greedy decoding (temperature 0) and EOS on. It writes `<out>/sweep.md` (one table per prompt set,
-with NFE and wall-time ratios against AR measured in the same process), `<out>/sweep.json` (raw totals)
+with NFE and wall-time ratios against AR measured in the same process), `<out>/sweep.json` (merged statistics)
 and `<out>/frontier.png` (accuracy vs wall time, the layout of S2D2's Figure 3). This is a measurement,
 not a test: numbers depend on the machine; record the machine and command next to them.
 """
@@ -123,12 +123,12 @@ def main(argv: list[str] | None = None) -> None:
         for spec in specs:
             r = run(model, tokenizer, prompts, spec, max_new_tokens=max_new, seed=args.seed)
             results.append(r)
-            print(f"{name:20s} {spec.label:40s} nfe={int(r.total('nfe')):6d} wall={r.total('wall_time_s'):7.2f}s "
+            print(f"{name:20s} {spec.label:40s} nfe={r.stats.nfe:6d} wall={r.stats.wall_time_s:7.2f}s "
                   f"{metric}={r.accuracy:5.1f}%", flush=True)
         md += [f"## {name} ({len(prompts)} prompts, max_new_tokens={max_new}, metric: {metric})\n",
                table(results, results[0], metric), ""]
         raw[name] = [{"label": r.spec.label, "decoding_strategy": r.spec.decoding_strategy, "params": r.spec.params,
-                      "accuracy": r.accuracy, "metric": metric, **r.totals} for r in results]
+                      "accuracy": r.accuracy, "metric": metric, **r.stats.to_dict()} for r in results]
     (out_dir / "sweep.md").write_text("\n".join(md) + "\n")
     (out_dir / "sweep.json").write_text(json.dumps(raw, indent=1))
     frontier_plot(raw, out_dir / "frontier.png")

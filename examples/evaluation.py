@@ -13,7 +13,6 @@ import ast
 import json
 import pathlib
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from hf_dllm_spec.outputs import SpecDecodingStats  # noqa: E402
 from recipes.arithmetic import extract_answer, format_prompt  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "sdar-tiny-arith"
@@ -101,38 +101,24 @@ def syntax_ok(prompt: str, completion: str) -> bool:
 class RunResult:
     spec: StrategySpec
     texts: list[str]
+    stats: SpecDecodingStats
     correct: int = 0
     scored: int = 0
-    totals: dict = field(default_factory=dict)
 
     @property
     def accuracy(self) -> float:
         return 100.0 * self.correct / self.scored if self.scored else float("nan")
 
-    def total(self, key: str) -> float:
-        return self.totals.get(key, 0.0)
-
-
-SUMMED = ("nfe", "num_prefill_forwards", "num_draft_forwards", "num_verify_forwards", "num_cache_write_forwards",
-          "num_generated_tokens", "num_draft_tokens", "num_accepted_tokens", "num_recovered_tokens", "num_drafts",
-          "wall_time_s", "prefill_time_s", "forward_time_s")
-
 
 def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_tokens: int, seed: int) -> RunResult:
-    """Generate every prompt with one strategy; sum the statistics; score arithmetic and HumanEval."""
-    result = RunResult(spec, [])
-    totals = dict.fromkeys(SUMMED, 0.0)
-    totals["call_time_s"] = 0.0
+    """Generate every prompt with one strategy; merge the statistics; score arithmetic and HumanEval."""
+    result = RunResult(spec, [], SpecDecodingStats())
     for i, prompt in enumerate(prompts):
         ids = tokenizer(prompt.text, return_tensors="pt").input_ids
-        t0 = time.perf_counter()
         out = model.generate(ids, decoding_strategy=spec.decoding_strategy, max_new_tokens=max_new_tokens,
                              return_dict_in_generate=True, generator=torch.Generator().manual_seed(seed + i),
                              **spec.params)
-        totals["call_time_s"] += time.perf_counter() - t0
-        stats = out.spec_stats.to_dict()
-        for key in SUMMED:
-            totals[key] += stats[key]
+        result.stats.merge(out.spec_stats)
         text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         result.texts.append(text)
         if prompt.kind == "arithmetic":
@@ -141,7 +127,6 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
         elif prompt.kind == "humaneval":
             result.scored += 1
             result.correct += int(syntax_ok(prompt.text, text))
-    result.totals = totals
     return result
 
 
@@ -151,14 +136,11 @@ def table(results: list[RunResult], baseline: RunResult, metric: str) -> str:
             "outside forwards |")
     lines = [head, "|" + "---|" * 9]
     for r in results:
-        t = r.totals
-        decode_forwards = t["nfe"] - t["num_prefill_forwards"]
-        tpf = t["num_generated_tokens"] / decode_forwards if decode_forwards else 0.0
-        acc_rate = t["num_accepted_tokens"] / t["num_draft_tokens"] if t["num_draft_tokens"] else float("nan")
-        overhead = 1 - t["forward_time_s"] / t["wall_time_s"] if t["wall_time_s"] else 0.0
+        s, base = r.stats, baseline.stats
+        acc_rate = "-" if s.num_draft_tokens == 0 else f"{s.acceptance_rate:.2f}"
         lines.append(
-            f"| {r.spec.label} | {int(t['nfe'])} | {tpf:.2f} | {t['wall_time_s']:.2f} | "
-            f"{baseline.total('wall_time_s') / t['wall_time_s']:.2f}x | {t['nfe'] / baseline.total('nfe'):.0%} | "
-            f"{r.accuracy:.1f}% | {'-' if acc_rate != acc_rate else f'{acc_rate:.2f}'} | {overhead:.0%} |"
+            f"| {r.spec.label} | {s.nfe} | {s.tpf:.2f} | {s.wall_time_s:.2f} | "
+            f"{base.wall_time_s / s.wall_time_s:.2f}x | {s.nfe / base.nfe:.0%} | "
+            f"{r.accuracy:.1f}% | {acc_rate} | {s.overhead_fraction:.0%} |"
         )
     return "\n".join(lines)

@@ -91,6 +91,20 @@ class SpecDecodingStats:
             if pos < num_accepted:
                 self.num_accepted_tokens_per_pos[pos] += 1
 
+    def merge(self, other: "SpecDecodingStats") -> "SpecDecodingStats":
+        """Add `other`'s counters and times into this object (aggregating several calls); returns self."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, value in enumerate(theirs):
+                    mine[i] += value
+            elif isinstance(mine, Counter):
+                mine.update(theirs)
+            else:
+                setattr(self, f.name, mine + theirs)
+        return self
+
     @property
     def nfe(self) -> int:
         """Number of forward passes, all kinds (S2D2 convention)."""

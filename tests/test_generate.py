@@ -195,3 +195,19 @@ def test_streamer_receives_prompt_tokens_and_end(sdar_model, prompt):
     out = sdar_model.generate(prompt, decoding_strategy="s2d2", max_new_tokens=8, eos_token_id=None, streamer=rec)
     assert rec.ended and rec.chunks[0] == prompt[0].tolist()
     assert sum(rec.chunks[1:], []) == out[0, prompt.shape[1]:].tolist()
+
+
+def test_stats_merge_sums_counters_lists_and_histograms(sdar_model, prompt):
+    from hf_dllm_spec import SpecDecodingStats
+
+    runs = [sdar_model.generate(prompt, decoding_strategy="s2d2", max_new_tokens=n, eos_token_id=None,
+                                return_dict_in_generate=True, min_ssd_span_length=2).spec_stats for n in (8, 13)]
+    merged = SpecDecodingStats().merge(runs[0]).merge(runs[1])
+    assert merged.nfe == runs[0].nfe + runs[1].nfe
+    assert merged.num_draft_tokens == runs[0].num_draft_tokens + runs[1].num_draft_tokens
+    width = max(len(r.num_accepted_tokens_per_pos) for r in runs)
+    assert merged.num_accepted_tokens_per_pos == [
+        sum(r.num_accepted_tokens_per_pos[i] if i < len(r.num_accepted_tokens_per_pos) else 0 for r in runs)
+        for i in range(width)]
+    assert merged.accepted_length_histogram == runs[0].accepted_length_histogram + runs[1].accepted_length_histogram
+    assert merged.wall_time_s == pytest.approx(runs[0].wall_time_s + runs[1].wall_time_s)
