@@ -3,6 +3,7 @@
 #   ./run.sh main [args]   set up .venv if needed, then run the main job on the bundled model
 #   ./run.sh test [args]   set up .venv if needed, then run the test suite
 #   ./run.sh bench [args]  set up .venv if needed, then run the benchmark sweep
+#   ./run.sh bench-batch [args]  batch of 8 vs 8 sequential calls, tokens/s
 set -euo pipefail
 cd "$(dirname "$0")"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -28,5 +29,6 @@ case "$cmd" in
   main) exec "$PY" examples/run_strategies.py "$@" ;;
   test) exec "$PY" -m pytest -q "$@" ;;
   bench) exec "$PY" benchmarks/sweep.py "$@" ;;
-  *) echo "usage: ./run.sh {main|test|bench|setup} [args]" >&2; exit 2 ;;
+  bench-batch) exec "$PY" benchmarks/batch.py "$@" ;;
+  *) echo "usage: ./run.sh {main|test|bench|bench-batch|setup} [args]" >&2; exit 2 ;;
 esac

@@ -4,8 +4,9 @@
                    decoding_strategy="s2d2", max_new_tokens=64)
 
 transformers loads this file and calls `generate(model=..., inputs=..., <generate arguments>)`; it hands the
-call back to the stock `generate` with hf_dllm_spec's callable, so input preparation, logits processors and
-stopping criteria stay transformers' own. Requires the `hf-dllm-spec` package (requirements.txt).
+call back to the stock `generate` with hf_dllm_spec's callable, so input preparation, logits processors,
+stopping criteria, `streamer` and `assistant_model` stay transformers' own. Requires the `hf-dllm-spec`
+package (requirements.txt).
 """
 
 from transformers import GenerationMixin
@@ -14,7 +15,7 @@ import hf_dllm_spec
 
 
 def generate(inputs=None, *, model, decoding_strategy="s2d2", **kwargs):
-    """Decode `inputs` `(1, prompt_len)` with `decoding_strategy` ("ar", "block_diffusion", "s2d2").
+    """Decode `inputs` `(N, prompt_len)` (left-padded, with `attention_mask`) with `decoding_strategy`.
 
     Returns what `hf_dllm_spec.custom_generate` returns: the sequences, or a `GenerateDllmOutput` with
     `spec_stats` when `return_dict_in_generate=True`.

@@ -61,8 +61,10 @@ def humaneval_prompts(n: int) -> list[Prompt]:
 
 def load(model_dir: pathlib.Path | str, dtype: torch.dtype = torch.float32):
     """Tokenizer and model through the Auto classes (no remote code)."""
-    import hf_dllm_spec  # noqa: F401  (registers the SDAR family)
+    import hf_dllm_spec
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_dllm_spec.register_auto_classes()          # SDAR checkpoints load through the Auto classes, no remote code
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()

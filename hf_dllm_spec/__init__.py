@@ -1,43 +1,58 @@
 """hf-dllm-spec: speculative decoding for diffusion language models inside Hugging Face transformers.
 
->>> import hf_dllm_spec                      # registers the model families with the Auto classes
+>>> import hf_dllm_spec
+>>> hf_dllm_spec.register_auto_classes()     # SDAR checkpoints load with AutoModelForCausalLM, no remote code
 >>> out = model.generate(ids, decoding_strategy="s2d2", max_new_tokens=64)            # doctest: +SKIP
->>> out = qwen3.generate(ids, custom_generate=hf_dllm_spec.dllm_generate,
+>>> out = qwen3.generate(ids, custom_generate=hf_dllm_spec.custom_generate,
 ...                      decoding_strategy="s2d2", mask_token_id=mask_id)              # doctest: +SKIP
+
+Importing the package, or any module of it, registers nothing and loads submodules only when one of the
+names below is first used.
 """
 
 from __future__ import annotations
 
-from .configuration import (
-    ARConfig,
-    BlockDiffusionConfig,
-    DecodingConfig,
-    DecodingStrategyName,
-    S2D2Config,
-    config_class_for,
-    resolve_config,
-)
-from .generation import DllmGenerationMixin, dllm_generate
-from .outputs import GenerateDllmOutput, SpecDecodingStats
-
-custom_generate = dllm_generate  #: alias: ``model.generate(custom_generate=hf_dllm_spec.custom_generate, ...)``
-
-import model_patches  # noqa: E402  (registers SDAR with AutoConfig / AutoModelForCausalLM)
+import importlib
+from typing import Any
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "ARConfig",
-    "BlockDiffusionConfig",
-    "DecodingConfig",
-    "DecodingStrategyName",
-    "DllmGenerationMixin",
-    "GenerateDllmOutput",
-    "S2D2Config",
-    "SpecDecodingStats",
-    "config_class_for",
-    "custom_generate",
-    "dllm_generate",
-    "model_patches",
-    "resolve_config",
-]
+_EXPORTS = {
+    "ARConfig": "strategies.block_diffusion",
+    "BlockDiffusionConfig": "strategies.block_diffusion",
+    "S2D2Config": "strategies.s2d2",
+    "DecodingConfig": "configuration",
+    "DrafterConfig": "configuration",
+    "DecodingStrategy": "strategies.base",
+    "DecodingStrategyName": "registry",
+    "STRATEGIES": "registry",
+    "config_class_for": "registry",
+    "get_strategy": "registry",
+    "register_strategy": "registry",
+    "resolve_config": "registry",
+    "DllmGenerationMixin": "mixin",
+    "dllm_generate": "generation",
+    "EditRule": "editing",
+    "GenerateDllmOutput": "outputs",
+    "SpecDecodingStats": "outputs",
+}
+
+__all__ = sorted([*_EXPORTS, "custom_generate", "register_auto_classes"])
+
+
+def register_auto_classes() -> None:
+    """Register the families with their own model classes (SDAR) with `AutoConfig` / `AutoModelForCausalLM`.
+
+    The one place hf_dllm_spec touches the Auto classes; idempotent. See `model_patches.register_auto_classes`.
+    """
+    import model_patches
+
+    model_patches.register_auto_classes()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "custom_generate":  # alias: ``model.generate(custom_generate=hf_dllm_spec.custom_generate, ...)``
+        name = "dllm_generate"
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'hf_dllm_spec' has no attribute {name!r}")

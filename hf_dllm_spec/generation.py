@@ -1,16 +1,20 @@
-"""`generate` integration: the `custom_generate` callable and the `GenerationMixin` layer on top of it.
+"""`generate` integration: the `custom_generate` callable that every entry point runs.
 
-Two entry points run the same code:
+Three entry points, one code path:
 
-- any transformers causal LM: ``model.generate(ids, custom_generate=hf_dllm_spec.dllm_generate,
+- any transformers causal LM: ``model.generate(ids, custom_generate=hf_dllm_spec.custom_generate,
   decoding_strategy="s2d2", ...)``; transformers prepares the inputs, logits processors and stopping criteria,
   then calls :func:`dllm_generate`;
-- models loaded through `model_patches` (e.g. SDAR): ``model.generate(ids, decoding_strategy="s2d2", ...)``;
-  :class:`DllmGenerationMixin` routes the call to the same callable. Without `decoding_strategy` the stock
-  `generate` runs unchanged.
+- model classes with :class:`~hf_dllm_spec.mixin.DllmGenerationMixin` (e.g. SDAR):
+  ``model.generate(ids, decoding_strategy="s2d2", ...)`` routes to the same callable;
+- the Hub folder `custom_generate/generate.py` hands the call back to transformers' `generate` with it.
+
+transformers does not pass `streamer` or `assistant_model` to a `custom_generate` callable (it puts the prompt
+on the streamer and drops both). :func:`dllm_generate` reads them from the `generate` call that invoked it, so
+a streamer receives the final tokens and `end()`, and `assistant_model` is an alias of `draft_model`.
 
 Strategy parameters are keyword arguments of :func:`dllm_generate` (its signature lists every parameter of
-every strategy, so transformers routes them to it and still rejects typos); they merge with a stored
+every registered strategy, so transformers routes them to it and still rejects typos); they merge with a stored
 ``generation_config.dllm_decoding``, an optional `preset` and an optional `strategy_config` object.
 """
 
@@ -24,12 +28,16 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .configuration import CONFIG_CLASSES, DecodingConfig, config_class_for, resolve_config
-from .outputs import GenerateDllmOutput, SpecDecodingStats
+import model_patches
+
+from .configuration import DecodingConfig
+from .outputs import BatchStats, GenerateDllmOutput
+from .registry import get_strategy, resolve_config, strategy_parameter_names
 from .runner import ModelRunner
 from .sampling import Sampler
-from .strategies import STRATEGIES, DecodingSession
-from .timing import now
+from .strategies import DecodingSession
+from .streaming import TokenStream
+from .timing import ForwardTimer, now
 from .validation import invalid
 
 _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
@@ -38,16 +46,27 @@ _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
                        "cache_position"}
 
-
-def strategy_parameter_names() -> tuple[str, ...]:
-    """Every parameter of every strategy config, in a stable order."""
-    names: list[str] = []
-    for cls in CONFIG_CLASSES.values():
-        names += [n for n in cls.parameter_names() if n not in names]
-    return tuple(names)
+_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 
 
-STRATEGY_PARAMETERS = strategy_parameter_names()
+def _generate_call_arguments(model) -> dict[str, Any]:
+    """`streamer` and `assistant_model` of the transformers `generate` call that invoked the callable, if any.
+
+    transformers drops both for `custom_generate` callables; they are read from its frame (the code object is
+    checked, so another caller is never mistaken for it).
+    """
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back if frame is not None else None
+        for _ in range(6):
+            if caller is None:
+                break
+            if caller.f_code is _GENERATE_CODE and caller.f_locals.get("self") is model:
+                return {k: caller.f_locals.get(k) for k in ("streamer", "assistant_model")}
+            caller = caller.f_back
+    finally:
+        del frame
+    return {}
 
 
 def _warpers_from_generation_config(generation_config: GenerationConfig) -> LogitsProcessorList:
@@ -63,22 +82,42 @@ def _warpers_from_generation_config(generation_config: GenerationConfig) -> Logi
     return procs
 
 
-def _check_inputs(input_ids: torch.Tensor, generation_config: GenerationConfig,
-                  model_kwargs: dict[str, Any]) -> None:
-    """Reject what the decoding loop does not support, before any forward."""
+def _prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Real tokens per row of a left-padded batch.
+
+    Raises:
+        ValueError: for a shape mismatch, right padding or holes, or a row without tokens.
+    """
+    n, width = input_ids.shape
+    if attention_mask is None:
+        return [width] * n
+    if attention_mask.shape != input_ids.shape:
+        raise invalid("attention_mask", tuple(attention_mask.shape), f"have the shape of `input_ids` {(n, width)}",
+                      "pass the mask the tokenizer returned with the ids")
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    left_padded = torch.arange(width, device=mask.device)[None] >= (width - lengths)[:, None]
+    if not bool((mask == left_padded).all()):
+        raise invalid("attention_mask", "<right padding or holes>",
+                      "pad on the left, as transformers pads decoder-only models",
+                      "set `tokenizer.padding_side = 'left'` before tokenizing the batch")
+    if bool((lengths == 0).any()):
+        raise invalid("attention_mask", "<a row without tokens>", "leave at least one real token per row",
+                      "drop empty prompts from the batch")
+    return lengths.tolist()
+
+
+def _check_inputs(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any],
+                  streamer) -> list[int]:
+    """Reject what the decoding loop does not support, before any forward; return the prompt lengths."""
     unknown = sorted(set(model_kwargs) - _KNOWN_MODEL_KWARGS)
     if unknown:
         raise invalid("model_kwargs", unknown, "be empty for hf_dllm_spec strategies",
                       "drop these arguments (the decoding loop builds its own inputs)")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise invalid("input_ids", tuple(input_ids.shape), "have shape (1, prompt_len): batch size 1 for now",
-                      "decode prompts one at a time (num_return_sequences=1); batching is planned")
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise invalid("attention_mask", f"<{int((mask == 0).sum())} padded positions>",
-                      "have no padding while batches are not yet supported",
-                      "pass the unpadded prompt with batch size 1")
-    if generation_config.num_beams != 1:
+    if input_ids.dim() != 2:
+        raise invalid("input_ids", tuple(input_ids.shape), "have shape (batch_size, prompt_len)",
+                      "pass a 2D tensor (add a batch dimension with `ids[None]`)")
+    if (generation_config.num_beams or 1) != 1:
         raise invalid("num_beams", generation_config.num_beams, "be 1 for hf_dllm_spec strategies",
                       "use num_beams=1")
     for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
@@ -86,33 +125,65 @@ def _check_inputs(input_ids: torch.Tensor, generation_config: GenerationConfig,
             raise invalid(flag, True, "be False for hf_dllm_spec strategies (per-token scores are not defined "
                           "for out-of-order commits)", f"drop `{flag}`; `return_dict_in_generate=True` "
                           "returns the statistics")
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise invalid("streamer", type(streamer).__name__, "be used with batch size 1 (transformers' streamers "
+                      f"follow one sequence; got {input_ids.shape[0]} rows)",
+                      "decode one prompt at a time when streaming, or drop `streamer`")
+    return _prompt_lengths(input_ids, model_kwargs.get("attention_mask"))
 
 
 def _resolve_budget(input_ids: torch.Tensor, generation_config: GenerationConfig) -> int:
     if generation_config.max_new_tokens is not None:
-        budget = generation_config.max_new_tokens
-        name = "max_new_tokens"
-    else:
-        budget = generation_config.max_length - input_ids.shape[1]
-        name = "max_length"
+        budget, name = generation_config.max_new_tokens, "max_new_tokens"
+    else:  # transformers' default max_length is 20 when nothing is set
+        budget, name = (generation_config.max_length or 20) - input_ids.shape[1], "max_length"
     if budget < 1:
-        raise invalid(name, budget if name == "max_new_tokens" else generation_config.max_length,
+        raise invalid(name, budget if name == "max_new_tokens" else (generation_config.max_length or 20),
                       "leave room for at least one new token", "pass max_new_tokens >= 1")
     return budget
 
 
-def _resolve_block_size(patch, model, config: DecodingConfig) -> int:
+def _resolve_block_size(patch, model, block_size: int | None, name: str = "block_size") -> int:
     trained = patch.trained_block_size(model)
-    block_size = config.block_size if config.block_size is not None else trained
-    if block_size is None:
-        raise invalid("block_size", None, f"be given: model_type `{model.config.model_type}` has no trained "
-                      "block size in its config", "pass block_size=4 (or the size the model was trained with)")
-    if trained is not None and block_size not in (1, trained):
+    resolved = block_size if block_size is not None else trained
+    if resolved is None:
+        raise invalid(name, None, f"be given: model_type `{model.config.model_type}` has no trained block size in "
+                      "its config", f"pass {name}=4 (or the size the model was trained with)")
+    if trained is not None and resolved not in (1, trained):
         warnings.warn(
-            f"`block_size` (={block_size}) differs from the checkpoint's trained block size (={trained}) for "
-            f"model_type `{model.config.model_type}`: running off-distribution.", stacklevel=4,
+            f"`{name}` (={resolved}) differs from the checkpoint's trained block size (={trained}) for "
+            f"model_type `{model.config.model_type}`: running off-distribution.", stacklevel=5,
         )
-    return block_size
+    return resolved
+
+
+def _special_ids(patch, model, gc=None) -> dict[str, Any]:
+    gc = gc if gc is not None else getattr(model, "generation_config", None)
+    return {"eos_token_id": sorted(patch.stop_token_ids(model, gc)),
+            "pad_token_id": getattr(gc, "pad_token_id", None) or getattr(model.config, "pad_token_id", None),
+            "bos_token_id": getattr(gc, "bos_token_id", None) or getattr(model.config, "bos_token_id", None)}
+
+
+def check_model_pair(target, target_patch, drafter, drafter_patch, generation_config=None) -> None:
+    """Before any forward: the drafter must share the target's vocabulary (size and special ids).
+
+    The target's special ids are those of this call (`generation_config`), the drafter's its own.
+
+    Raises:
+        ValueError: naming the first difference (vocabulary size, eos/pad/bos ids).
+    """
+    v_target, v_drafter = target_patch.vocab_size(target), drafter_patch.vocab_size(drafter)
+    if v_target != v_drafter:
+        raise invalid("draft_model", f"<vocabulary of {v_drafter} tokens>",
+                      f"share the target's vocabulary of {v_target} tokens",
+                      "use a drafter trained with the target's tokenizer (same embedding size)")
+    ids_target = _special_ids(target_patch, target, generation_config)
+    ids_drafter = _special_ids(drafter_patch, drafter)
+    for key, value in ids_target.items():
+        other = ids_drafter[key]
+        if value and other and value != other:
+            raise invalid("draft_model", f"<{key}={other}>", f"use the target's {key} ({value})",
+                          f"align the drafter's generation config (`draft_model.generation_config.{key} = {value}`)")
 
 
 def _trim(generated: torch.Tensor, max_new_tokens: int, stop_ids: list[int]) -> torch.Tensor:
@@ -140,146 +211,171 @@ def dllm_generate(
     mask_token_id: int | None = None,
     strategy_config: DecodingConfig | None = None,
     preset: str | None = None,
+    draft_model=None,
+    assistant_model=None,
+    draft_mask_token_id: int | None = None,
     **kwargs: Any,
 ):
     """Decode with a hf_dllm_spec strategy; the `custom_generate` callable of transformers' `generate`.
 
     Args:
-        model (`PreTrainedModel`): a model of a family in `model_patches` (SDAR, Qwen2/3).
-        input_ids (`torch.LongTensor` of shape `(1, prompt_len)`): the prompt.
+        model (`PreTrainedModel`): the target, a model of a family in `model_patches` (SDAR, Qwen2/3).
+        input_ids (`torch.LongTensor` of shape `(N, P)`): the prompts, left-padded (`attention_mask` says where).
         logits_processor (`LogitsProcessorList`, *optional*): prepared by `generate`; only position-independent
             processors (temperature, top-k, top-p, min-p, typical, epsilon, eta, suppress tokens) are accepted.
-        stopping_criteria (`StoppingCriteriaList`, *optional*): evaluated after each finished block on the
-            final tokens.
+        stopping_criteria (`StoppingCriteriaList`, *optional*): evaluated per row after each finished block on
+            the final tokens.
         generation_config (`GenerationConfig`, *optional*): `max_new_tokens`, `do_sample`, `eos_token_id`,
-            `use_cache` (False recomputes every forward without a cache), `return_dict_in_generate`.
-        decoding_strategy (`str`): "ar", "block_diffusion" or "s2d2".
+            `pad_token_id`, `use_cache` (False recomputes every forward without a cache),
+            `return_dict_in_generate`.
+        streamer (`BaseStreamer`, *optional*): for direct calls; through `generate` the streamer passed there is
+            used. Receives the prompt, final tokens as soon as they are final, then `end()` (batch size 1).
+        decoding_strategy (`str`): a registered strategy: "ar", "block_diffusion", "s2d2", ...
         generator (`torch.Generator`, *optional*): the only source of randomness; the same seed gives the same
             tokens. Without it torch's global RNG is used.
-        mask_token_id (`int`, *optional*): overrides the model's mask token.
+        mask_token_id (`int`, *optional*): overrides the target's mask token.
         strategy_config (`DecodingConfig`, *optional*): a config object of the chosen strategy.
         preset (`str`, *optional*): a named configuration, e.g. "sdar-8b-config-a" for S2D2.
+        draft_model (`PreTrainedModel`, *optional*): the drafter of strategies that use one (SimSD, DEER).
+        assistant_model (`PreTrainedModel`, *optional*): transformers' name for it; an alias of `draft_model`.
+        draft_mask_token_id (`int`, *optional*): overrides the drafter's mask token.
         **kwargs: strategy parameters (see the config classes) and the model kwargs transformers prepared.
 
     Returns:
-        `torch.LongTensor` of shape `(1, prompt_len + n)`, the prompt and at most `max_new_tokens` new tokens
-        (up to and including the first stop id); or `GenerateDllmOutput` with `spec_stats` when
-        `return_dict_in_generate=True`.
+        `torch.LongTensor` of shape `(N, P + n)`: the prompts as given, then each row's new tokens (at most
+        `max_new_tokens`, up to and including the first stop id), right-padded with `pad_token_id`; or
+        `GenerateDllmOutput` with `spec_stats` and `spec_stats_per_row` when `return_dict_in_generate=True`.
 
     Raises:
-        ValueError: unknown strategy, bad parameter, batch > 1, padding, missing mask token, budget < 1,
-            prompt beyond the model's positions; all before any forward.
+        ValueError: unknown strategy, bad parameter, right padding, missing mask token, budget < 1, prompt
+            beyond the model's positions, a streamer with batch > 1, a drafter where none is used (or none where
+            one is needed), a drafter with another vocabulary; all before any forward.
         NotImplementedError: an unsupported model family or logits processor.
     """
+    call = _generate_call_arguments(model)
+    direct_streamer = streamer
+    streamer = streamer if streamer is not None else call.get("streamer")
+    assistant_model = assistant_model if assistant_model is not None else call.get("assistant_model")
+    if assistant_model is not None:
+        if draft_model is not None and draft_model is not assistant_model:
+            raise invalid("assistant_model", type(assistant_model).__name__,
+                          "not be given together with a different `draft_model`", "pass only `draft_model`")
+        draft_model = assistant_model
     generation_config = generation_config if generation_config is not None else model.generation_config
-    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in STRATEGY_PARAMETERS and kwargs[k] is not _UNSET}
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in strategy_parameter_names() and kwargs[k] is not _UNSET}
     for k in [k for k in kwargs if kwargs[k] is _UNSET]:
         kwargs.pop(k)
     config = resolve_config(decoding_strategy, generation_config=generation_config,
                             strategy_config=strategy_config, preset=preset, overrides=overrides)
-    strategy_cls = STRATEGIES[config.decoding_strategy]
-    _check_inputs(input_ids, generation_config, kwargs)
-
-    import model_patches  # registry lookup; model_patches never imports this module at import time
+    strategy_cls = get_strategy(config.decoding_strategy)
+    lengths = _check_inputs(input_ids, generation_config, kwargs, streamer)
+    batch_size = input_ids.shape[0]
 
     patch = model_patches.get_patch(model)
-    if patch.alignment != "position":
-        raise NotImplementedError(
-            f"family {patch.family} is {patch.alignment}-aligned; the block-diffusion loop supports "
-            "position-aligned families (SDAR, Qwen-as-SDAR) only so far."
-        )
+    alignment = patch.alignment_of(model)
     resolved_mask = patch.mask_token_id(model, mask_token_id)
-    if strategy_cls.requires_mask_token and resolved_mask is None:
+    needs_mask = strategy_cls.requires_mask_token and not (strategy_cls.name == "ar" and alignment == "right_shift")
+    if needs_mask and resolved_mask is None:
         raise invalid("mask_token_id", None, f"be known for decoding_strategy={config.decoding_strategy!r}: "
                       f"model_type `{model.config.model_type}` has no `mask_token_id` in its config or generation "
                       "config", "pass mask_token_id=<id> to generate, or set config.mask_token_id")
-    block_size = _resolve_block_size(patch, model, config)
+    block_size = _resolve_block_size(patch, model, getattr(config, "block_size", None))
     max_new_tokens = _resolve_budget(input_ids, generation_config)
     max_positions = patch.max_positions(model)
-    needed = input_ids.shape[1] + -(-max_new_tokens // block_size) * block_size
+    needed = max(lengths) + -(-max_new_tokens // block_size) * block_size
     if max_positions is not None and needed > max_positions:
-        raise invalid("input_ids", f"<prompt of {input_ids.shape[1]} tokens>",
+        raise invalid("input_ids", f"<prompt of {max(lengths)} tokens>",
                       f"fit with max_new_tokens={max_new_tokens} rounded up to whole blocks of {block_size} "
                       f"(= {needed} positions) in the model's {max_positions} positions",
                       "shorten the prompt or lower max_new_tokens")
     stop_ids = patch.stop_token_ids(model, generation_config)
+    pad_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else (
+        stop_ids[0] if stop_ids else None)
+    if batch_size > 1 and pad_id is None:
+        raise invalid("pad_token_id", None, "be set to right-pad rows that finish early in a batch",
+                      "pass pad_token_id=<id> (transformers uses the eos id) or set generation_config.pad_token_id")
 
-    stats = SpecDecodingStats()
-    prompt = input_ids[0].to(model.device)
+    drafter_patch = draft_mask = draft_block_size = None
+    if draft_model is not None and not strategy_cls.uses_drafter:
+        raise invalid("draft_model", type(draft_model).__name__,
+                      f"be None for decoding_strategy={config.decoding_strategy!r}, which drafts with the target "
+                      "itself", "drop `draft_model` / `assistant_model`, or pick a strategy that uses a drafter")
+    if strategy_cls.uses_drafter:
+        if draft_model is None:
+            raise invalid("draft_model", None, f"be given for decoding_strategy={config.decoding_strategy!r}",
+                          "pass draft_model=<a smaller model of the same tokenizer>")
+        drafter_patch = model_patches.get_patch(draft_model)
+        check_model_pair(model, patch, draft_model, drafter_patch, generation_config)
+        draft_mask = drafter_patch.mask_token_id(draft_model, draft_mask_token_id)
+        draft_block_size = getattr(config, "draft_block_size", None) or drafter_patch.trained_block_size(draft_model)
+        strategy_cls.check_block_sizes(block_size, draft_block_size)
+
+    device = model.device
+    timer = ForwardTimer(device)
+    stats = BatchStats(batch_size)
+    use_cache = generation_config.use_cache is not False          # None (unset) means the default: cached
+    prompts = [input_ids[n, input_ids.shape[1] - lengths[n]:].to(device) for n in range(batch_size)]
     stop_check = None
     if stopping_criteria:
-        def stop_check(generated: torch.Tensor) -> bool:
-            seq = torch.cat([prompt, _trim(generated, max_new_tokens, stop_ids)])[None]
+        def stop_check(prompt_index: int, generated: torch.Tensor) -> bool:
+            seq = torch.cat([input_ids[prompt_index].to(device), _trim(generated, max_new_tokens, stop_ids)])[None]
             return bool(stopping_criteria(seq, None).any())
 
+    suppress = [resolved_mask] if resolved_mask is not None else []
     session = DecodingSession(
-        prompt_ids=prompt,
-        runner=ModelRunner(model, patch, stats, use_cache=bool(generation_config.use_cache),
-                           cache=kwargs.get("past_key_values") if generation_config.use_cache else None),
+        prompts=prompts,
+        target=ModelRunner(model, patch, stats, batch_size=batch_size, use_cache=use_cache, timer=timer,
+                           cache=kwargs.get("past_key_values") if use_cache else None),
         sampler=Sampler(logits_processor if logits_processor is not None
                         else _warpers_from_generation_config(generation_config),
-                        do_sample=bool(generation_config.do_sample),
-                        suppress_token_ids=[resolved_mask] if resolved_mask is not None else [],
+                        do_sample=bool(generation_config.do_sample), suppress_token_ids=suppress,
                         generator=generator),
-        stats=stats, mask_token_id=resolved_mask, stop_token_ids=stop_ids, max_new_tokens=max_new_tokens,
-        stop_check=stop_check,
+        stats=stats, mask_token_id=resolved_mask if resolved_mask is not None else 0, stop_token_ids=stop_ids,
+        max_new_tokens=max_new_tokens, block_size=block_size, stop_check=stop_check, device=device,
+        drafter=ModelRunner(draft_model, drafter_patch, stats, batch_size=batch_size, use_cache=use_cache,
+                            timer=timer) if draft_model is not None else None,
+        draft_mask_token_id=draft_mask, draft_block_size=draft_block_size,
+        stream=TokenStream(streamer, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids) if streamer else None,
     )
-    strategy = strategy_cls(config, session, block_size=block_size)
-    t0 = now(model.device)
-    generated = _trim(strategy.decode(), max_new_tokens, stop_ids)
-    stats.wall_time_s = now(model.device) - t0
-    stats.num_generated_tokens = generated.shape[0]
-    stats.num_discarded_tokens = stats.num_committed_tokens - stats.num_generated_tokens
-    sequences = torch.cat([prompt, generated])[None]
-    if streamer is not None:
-        streamer.put(generated.cpu())
-        streamer.end()
+    strategy = strategy_cls(config, session)
+    if direct_streamer is not None:          # through `generate`, transformers has already put the prompt
+        direct_streamer.put(input_ids.cpu())
+    t0 = now(device)
+    try:
+        generated = strategy.decode()
+    finally:
+        if session.stream is not None:
+            session.stream.end()
+    wall = now(device) - t0
+    forward_time, prefill_time = timer.total("forward"), timer.total("prefill")
+    generated = [_trim(g, max_new_tokens, stop_ids) for g in generated]
+    stats.flush()
+    for n, row in enumerate(stats.per_row):
+        row.num_generated_tokens = generated[n].shape[0]
+        row.num_discarded_tokens = row.num_committed_tokens - row.num_generated_tokens
+        row.wall_time_s, row.forward_time_s, row.prefill_time_s = wall, forward_time, prefill_time
+    width = max(g.shape[0] for g in generated)
+    new = torch.full((batch_size, width), pad_id if pad_id is not None else 0, dtype=torch.long, device=device)
+    for n, g in enumerate(generated):
+        new[n, : g.shape[0]] = g
+    sequences = torch.cat([input_ids.to(device), new], dim=1)
     if generation_config.return_dict_in_generate:
-        return GenerateDllmOutput(sequences=sequences, spec_stats=stats)
+        return GenerateDllmOutput(sequences=sequences, spec_stats=stats.total(), spec_stats_per_row=stats.per_row)
     return sequences
 
 
-def _with_strategy_signature(fn):
-    """Expose every strategy parameter as a keyword-only argument so transformers routes it to `fn`."""
-    sig = inspect.signature(fn)
-    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+_BASE_SIGNATURE = inspect.signature(dllm_generate)
+
+
+def refresh_signature() -> None:
+    """Expose every registered strategy parameter as a keyword-only argument of :func:`dllm_generate`, so
+    transformers routes it to the callable (and still rejects typos)."""
+    params = [p for p in _BASE_SIGNATURE.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in params}
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=_UNSET)
-               for name in STRATEGY_PARAMETERS]
+               for name in strategy_parameter_names() if name not in taken]
     params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
-    fn.__signature__ = sig.replace(parameters=params)
-    return fn
+    dllm_generate.__signature__ = _BASE_SIGNATURE.replace(parameters=params)
 
 
-dllm_generate = _with_strategy_signature(dllm_generate)
-
-
-class DllmGenerationMixin(GenerationMixin):
-    """Adds `decoding_strategy=` to `generate`; without it the stock `generate` runs unchanged.
-
-    >>> out = model.generate(input_ids, decoding_strategy="s2d2", max_new_tokens=64,
-    ...                      generator=torch.Generator().manual_seed(0))  # doctest: +SKIP
-    """
-
-    def generate(self, *args, decoding_strategy: str | None = None, **kwargs):
-        """`GenerationMixin.generate`, or :func:`dllm_generate` when `decoding_strategy` is given.
-
-        Raises:
-            ValueError: if both `decoding_strategy` and `custom_generate` are given, or an unknown strategy.
-        """
-        if decoding_strategy is None:
-            return super().generate(*args, **kwargs)
-        config_class_for(decoding_strategy)  # unknown names fail here, before input preparation
-        if kwargs.get("custom_generate") is not None:
-            raise invalid("custom_generate", kwargs["custom_generate"],
-                          "be unset when `decoding_strategy` is given", "pass only one of them")
-        # transformers does not forward `streamer` to a custom_generate callable; feed it here instead:
-        # the prompt, then the final tokens in one chunk (diffusion blocks finish out of order), then end().
-        streamer = kwargs.pop("streamer", None)
-        out = super().generate(*args, custom_generate=dllm_generate, decoding_strategy=decoding_strategy, **kwargs)
-        if streamer is not None:
-            sequences = out if isinstance(out, torch.Tensor) else out.sequences
-            prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-            streamer.put(sequences[:, : prompt.shape[1]].cpu())
-            streamer.put(sequences[0, prompt.shape[1]:].cpu())
-            streamer.end()
-        return out
+refresh_signature()

@@ -1,8 +1,10 @@
 """Attention patterns as pure functions.
 
-Every builder returns a bool matrix, True = may attend, rows = queries, columns = keys. The runner adds the
-cache columns (:func:`with_cache_prefix`) and converts to the additive float mask transformers needs
-(:func:`to_additive`; a 4D bool mask is silently wrong with the eager attention, platform.md).
+Every builder returns a bool tensor, True = may attend, rows = queries, columns = keys. Builders whose pattern
+is the same for every row of a batch return `(q, q)`; builders that depend on per-row positions return
+`(N, q, q)`. The runner broadcasts `(q, q)` over the batch, adds the cache columns (per-row validity of the
+stored tokens) and converts to the additive float mask transformers needs (:func:`to_additive`; a 4D bool mask
+is silently wrong with the eager attention, platform.md).
 """
 
 from __future__ import annotations
@@ -20,35 +22,40 @@ def full_mask(length: int, device: torch.device | str | None = None) -> torch.Te
     return torch.ones(length, length, dtype=torch.bool, device=device)
 
 
-def block_causal_mask(
-    length: int, block_size: int, *, start: int = 0, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Block-causal pattern over tokens at absolute positions ``start .. start + length - 1``.
+def block_causal_mask(positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block-causal pattern over tokens at the given absolute positions.
 
     Blocks are counted from absolute position 0 (families.md §0 rule 1): row i sees column j iff
-    ``(start + j) // block_size <= (start + i) // block_size``. Block size 1 gives :func:`causal_mask`.
+    ``positions[j] // block_size <= positions[i] // block_size``. Block size 1 gives the token-causal pattern.
+
+    Args:
+        positions (`torch.Tensor` of shape `(N, q)` or `(q,)`, int64): absolute position of each query token.
+        block_size (`int`): block size in tokens.
 
     Returns:
-        `torch.Tensor` of shape `(length, length)`, bool.
+        `torch.Tensor` of shape `(N, q, q)` (or `(q, q)`), bool.
     """
-    block_id = (torch.arange(length, device=device) + start) // block_size
-    return block_id[None, :] <= block_id[:, None]
+    block_id = positions // block_size
+    return block_id[..., None, :] <= block_id[..., :, None]
 
 
-def partially_causal_draft_mask(
-    block_size: int, first_masked: int, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """S2D2 Eq. 4, the drafting mask of AR-like decoding (`draft_ver`).
+def partially_causal_draft_mask(block_size: int, first_masked: torch.Tensor) -> torch.Tensor:
+    """S2D2 Eq. 4, the drafting mask of AR-like decoding (`draft_ver`), one per row.
 
-    With j the first masked index of the block, rows < j (the decoded prefix) are causal among themselves and
-    see nothing from j on; rows >= j see the whole block. The prefix K/V then equal those of a causal forward.
+    With j the first masked index of the row's block, rows < j (the decoded prefix) are causal among themselves
+    and see nothing from j on; rows >= j see the whole block. The prefix K/V then equal those of a causal forward.
+
+    Args:
+        block_size (`int`): B, in tokens.
+        first_masked (`torch.Tensor` of shape `(N,)`, int64): j per row (B when the block has no mask).
 
     Returns:
-        `torch.Tensor` of shape `(block_size, block_size)`, bool.
+        `torch.Tensor` of shape `(N, B, B)`, bool.
     """
-    mask = full_mask(block_size, device)
-    mask[:first_masked] = causal_mask(block_size, device)[:first_masked]
-    return mask
+    idx = torch.arange(block_size, device=first_masked.device)
+    row, col = idx[None, :, None], idx[None, None, :]
+    prefix_row = row < first_masked[:, None, None]
+    return torch.where(prefix_row, col <= row, torch.ones_like(prefix_row))
 
 
 def verifier_2l_mask(length: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -56,7 +63,7 @@ def verifier_2l_mask(length: int, device: torch.device | str | None = None) -> t
 
     First half row i (a drafted or committed token) sees first-half j <= i; second-half row i (a MASK at the
     same position as i) sees first-half j < i and itself. The logits of second-half row i are then exactly the
-    block-size-1 (AR mode) prediction for position i given everything to its left.
+    block-size-1 (AR mode) prediction for position i given everything to its left (position-aligned models).
 
     Returns:
         `torch.Tensor` of shape `(2 * length, 2 * length)`, bool.
@@ -74,27 +81,25 @@ def concat_segments(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     Used to fuse a finished block's cache write with the next block's first denoising forward.
 
     Args:
-        first (`torch.Tensor` of shape `(a, a)`), second (`torch.Tensor` of shape `(b, b)`).
+        first (`torch.Tensor` of shape `(N, a, a)` or `(a, a)`), second (`(N, b, b)` or `(b, b)`).
 
     Returns:
-        `torch.Tensor` of shape `(a + b, a + b)`, bool.
+        `torch.Tensor` of shape `(N, a + b, a + b)` (`(a + b, a + b)` when both are unbatched), bool.
     """
-    a, b = first.shape[0], second.shape[0]
-    mask = torch.zeros(a + b, a + b, dtype=torch.bool, device=first.device)
-    mask[:a, :a] = first
-    mask[a:, :a] = True
-    mask[a:, a:] = second
-    return mask
-
-
-def with_cache_prefix(intra: torch.Tensor, cache_len: int) -> torch.Tensor:
-    """Prepend `cache_len` columns every query row sees: `(q, q) -> (q, cache_len + q)` bool."""
-    prefix = torch.ones(intra.shape[0], cache_len, dtype=torch.bool, device=intra.device)
-    return torch.cat([prefix, intra], dim=1)
+    batched = first.dim() == 3 or second.dim() == 3
+    n = first.shape[0] if first.dim() == 3 else (second.shape[0] if second.dim() == 3 else 1)
+    first = first.expand(n, *first.shape[-2:])
+    second = second.expand(n, *second.shape[-2:])
+    a, b = first.shape[-1], second.shape[-1]
+    mask = torch.zeros(n, a + b, a + b, dtype=torch.bool, device=first.device)
+    mask[:, :a, :a] = first
+    mask[:, a:, :a] = True
+    mask[:, a:, a:] = second
+    return mask if batched else mask[0]
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool `(q, kv)` -> additive float `(1, 1, q, kv)`: 0 where allowed, `finfo(dtype).min` elsewhere."""
+    """Bool `(N, q, kv)` -> additive float `(N, 1, q, kv)`: 0 where allowed, `finfo(dtype).min` elsewhere."""
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     out.masked_fill_(~mask, torch.finfo(dtype).min)
-    return out[None, None]
+    return out[:, None]

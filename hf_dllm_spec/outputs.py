@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 FORWARD_KINDS = ("prefill", "draft", "verify", "cache_write")
@@ -12,7 +14,7 @@ FORWARD_KINDS = ("prefill", "draft", "verify", "cache_write")
 
 @dataclass
 class SpecDecodingStats:
-    """Counters of one `generate` call (batch 1).
+    """Counters of one `generate` call, for one prompt (or summed over the rows of a batch).
 
     Forward counters (number of forward passes of the decoding model):
         num_prefill_forwards: over prompt tokens before decoding.
@@ -41,9 +43,17 @@ class SpecDecodingStats:
         accepted_length_histogram: cycles by number of accepted drafts.
         num_denoising_steps: denoising steps (one draft forward each).
 
-    Time (seconds, `time.perf_counter`, after a device synchronise):
-        wall_time_s: the whole decoding call; prefill_time_s: the prefill forward; forward_time_s: all model
-        forwards together (the rest of `wall_time_s` is the loop's own work: sampling, routing, bookkeeping).
+        num_edited_tokens: committed tokens re-decided by a token-editing rule (LLaDA2.1 T2T); they are
+            not counted again in ``num_committed_tokens``.
+
+    Batch (for one row, the forwards that served it; summed over rows by :meth:`merge`):
+        num_forward_calls: model forward calls actually run. For one prompt it equals `nfe`; for a batch,
+            where one call serves every row, the batch's `spec_stats` holds the number of batched calls.
+
+    Time (seconds): wall_time_s: the whole decoding call (after a device synchronise); prefill_time_s: the
+        prefill forward; forward_time_s: all model forwards together (CUDA events, read once at the end: no
+        device sync per forward), the rest of `wall_time_s` is the loop's own work: sampling, routing,
+        bookkeeping. For a batch every row reports the call's times.
     """
 
     num_prefill_forwards: int = 0
@@ -63,6 +73,8 @@ class SpecDecodingStats:
     num_drafts_reaching_pos: list[int] = field(default_factory=list)
     accepted_length_histogram: Counter = field(default_factory=Counter)
     num_denoising_steps: int = 0
+    num_edited_tokens: int = 0
+    num_forward_calls: int = 0
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0
     forward_time_s: float = 0.0
@@ -73,6 +85,7 @@ class SpecDecodingStats:
             raise ValueError(f"SpecDecodingStats.count_forward: `kind` (={kind!r}) must be one of {FORWARD_KINDS}.")
         name = f"num_{kind}_forwards"
         setattr(self, name, getattr(self, name) + 1)
+        self.num_forward_calls += 1
 
     def observe_verification(self, num_draft_tokens: int, num_accepted: int, recovered: bool, bonus: bool) -> None:
         """Record one verification cycle (vLLM `observe_draft` analogue)."""
@@ -169,13 +182,108 @@ class SpecDecodingStats:
         return out
 
 
+class BatchStats:
+    """Per-row `SpecDecodingStats` of a batched call, addressed by the row's current index in the batch.
+
+    Rows leave the batch when they finish (:meth:`select`); their counters stay. `count_forward` adds one
+    forward of a kind to the rows it served and one to the batch's count of forward calls. Counters computed on
+    the device are added with :meth:`accumulate` and stay there until a row leaves or :meth:`total` is read, so
+    the decoding loop does not wait on the device to count.
+
+    Args:
+        batch_size (`int`): N, the number of prompts.
+    """
+
+    def __init__(self, batch_size: int) -> None:
+        self.per_row = [SpecDecodingStats() for _ in range(batch_size)]
+        self.active = list(range(batch_size))         # batch index -> prompt index
+        self.num_forward_calls = 0
+        self._pending: dict[str, "torch.Tensor"] = {}
+
+    def row(self, index: int) -> SpecDecodingStats:
+        """Counters of the row at batch index `index`."""
+        return self.per_row[self.active[index]]
+
+    def count_forward(self, kind: str, rows=None) -> None:
+        """One forward of `kind` for the rows where `rows` (`(N,)` bools, a list or a tensor) is true; all if None."""
+        self.num_forward_calls += 1
+        flags = [True] * len(self.active) if rows is None else (rows.tolist() if hasattr(rows, "tolist") else rows)
+        for r, flag in zip(self.active, flags):
+            if flag:
+                self.per_row[r].count_forward(kind)
+
+    def add(self, name: str, values) -> None:
+        """Add host-side per-row values (a list of `N` numbers) to the integer counter `name`."""
+        for r, value in zip(self.active, values):
+            setattr(self.per_row[r], name, getattr(self.per_row[r], name) + int(value))
+
+    def accumulate(self, name: str, values: "torch.Tensor") -> None:
+        """Add device-side per-row values to counter `name` without a sync.
+
+        `values` is `(N,)` for an integer counter, or `(N, K)` for a per-position list (index k) or a histogram
+        (`accepted_length_histogram`, bin k).
+        """
+        current = self._pending.get(name)
+        if current is not None and current.shape[1:] != values.shape[1:]:
+            width = max(current.shape[-1], values.shape[-1])
+            current = torch.nn.functional.pad(current, (0, width - current.shape[-1]))
+            values = torch.nn.functional.pad(values, (0, width - values.shape[-1]))
+        self._pending[name] = values.long() if current is None else current + values.long()
+
+    def flush(self) -> None:
+        """Move the device-side counters into the per-row stats (one host sync)."""
+        for name, values in self._pending.items():
+            for r, row in zip(self.active, values.tolist()):
+                stats = self.per_row[r]
+                if isinstance(row, int):
+                    setattr(stats, name, getattr(stats, name) + row)
+                elif name == "accepted_length_histogram":
+                    stats.accepted_length_histogram.update({k: c for k, c in enumerate(row) if c})
+                else:
+                    counter = getattr(stats, name)
+                    counter.extend([0] * (_last_nonzero(row) - len(counter)))
+                    for k in range(len(counter)):
+                        counter[k] += row[k] if k < len(row) else 0
+        for stats in self.per_row:   # both per-position lists span every draft index reached
+            width = len(stats.num_drafts_reaching_pos)
+            stats.num_accepted_tokens_per_pos.extend([0] * (width - len(stats.num_accepted_tokens_per_pos)))
+        self._pending = {}
+
+    def select(self, index: list[int]) -> None:
+        """Keep the rows at batch indices `index`, in that order (flushes device-side counters first)."""
+        self.flush()
+        self.active = [self.active[i] for i in index]
+
+    def total(self) -> SpecDecodingStats:
+        """Counters summed over the rows; `num_forward_calls` and the times are the batch's own."""
+        self.flush()
+        merged = SpecDecodingStats()
+        for stats in self.per_row:
+            merged.merge(stats)
+        merged.num_forward_calls = self.num_forward_calls
+        if self.per_row:
+            first = self.per_row[0]
+            merged.wall_time_s, merged.prefill_time_s = first.wall_time_s, first.prefill_time_s
+            merged.forward_time_s = first.forward_time_s
+        return merged
+
+
+def _last_nonzero(row: list[int]) -> int:
+    nonzero = [k for k, c in enumerate(row) if c]
+    return nonzero[-1] + 1 if nonzero else 0
+
+
 @dataclass
 class GenerateDllmOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus the decoding statistics, returned with `return_dict_in_generate=True`.
 
     Attributes:
-        sequences (`torch.LongTensor` of shape `(1, prompt_len + num_generated_tokens)`).
-        spec_stats (`SpecDecodingStats`).
+        sequences (`torch.LongTensor` of shape `(N, prompt_len + max_n)`): the (left-padded) prompts, then each
+            row's new tokens, right-padded with `pad_token_id` to the longest row (transformers' layout).
+        spec_stats (`SpecDecodingStats`): counters summed over the rows; `num_forward_calls` and the times are
+            the batch's own.
+        spec_stats_per_row (`list[SpecDecodingStats]`): one per prompt, as if it had been decoded alone.
     """
 
     spec_stats: SpecDecodingStats | None = None
+    spec_stats_per_row: list[SpecDecodingStats] | None = None

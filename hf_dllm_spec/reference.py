@@ -48,17 +48,17 @@ def reference_block_diffusion_generate(
         schedule = num_transfer_tokens(num_masks, min(steps_per_block or block_size, num_masks))
         step = 0
         while bool((seq[block_start:] == mask_token_id).any()):
-            mask = to_additive(block_causal_mask(seq.shape[0], block_size, device=seq.device), model.dtype)
             positions = torch.arange(seq.shape[0], device=seq.device)[None]
+            mask = to_additive(block_causal_mask(positions, block_size), model.dtype)
             logits = model(input_ids=seq[None], position_ids=positions, attention_mask=mask).logits[0, block_start:]
             logits = logits.float()
             logits[:, mask_token_id] = float("-inf")
             probs = torch.softmax(logits, dim=-1)
             conf, tokens = probs.max(dim=-1)
             masked = seq[block_start:] == mask_token_id
-            transfer = select_transfer(remasking_strategy, masked=masked, confidence=conf,
+            transfer = select_transfer(remasking_strategy, masked=masked[None], confidence=conf[None],
                                        num_tokens=schedule[min(step, len(schedule) - 1)],
-                                       confidence_threshold=confidence_threshold)
+                                       confidence_threshold=confidence_threshold)[0]
             seq[block_start:][transfer] = tokens[transfer]
             step += 1
         generated += num_masks

@@ -52,11 +52,11 @@ def acceptance_estimates(
             ``hard_entropy_threshold`` 1[H_i / log V < entropy_threshold];
             ``soft_confidence_power`` d_i(y_i)^confidence_power (y_i the drafted token);
             ``soft_clipped_linear_margin`` clip(margin_coef * m_i, 0, 1).
-        draft_probs (`torch.Tensor` of shape `(L, V)`): processed draft distribution over the span.
-        confidence (`torch.Tensor` of shape `(L,)`): draft probability of each drafted token.
+        draft_probs (`torch.Tensor` of shape `(..., V)`, e.g. `(N, B, V)`): processed draft distribution.
+        confidence (`torch.Tensor` of shape `(...)`): draft probability of each drafted token.
 
     Returns:
-        `torch.Tensor` of shape `(L,)`, float32 in [0, 1].
+        `torch.Tensor` of shape `(...)`, float32 in [0, 1].
 
     Raises:
         ValueError: for an unknown estimator.
@@ -80,25 +80,33 @@ def acceptance_estimates(
     )
 
 
-def expected_accepted_length(alpha: torch.Tensor) -> float:
-    """S2D2 Eq. 5: K_hat = sum_{k=1}^{L} prod_{i=1}^{k} alpha_i, in tokens; -inf for an empty span.
+def expected_accepted_length(alpha: torch.Tensor, span: torch.Tensor | None = None) -> torch.Tensor:
+    """S2D2 Eq. 5: K_hat = sum_{k=1}^{L} prod_{i=1}^{k} alpha_i, in tokens, per row; -inf for an empty span.
 
     Args:
-        alpha (`torch.Tensor` of shape `(L,)`).
+        alpha (`torch.Tensor` of shape `(N, B)`): acceptance proxies.
+        span (`torch.Tensor` of shape `(N, B)`, bool, *optional*): the row's span C_t (a contiguous run);
+            alpha outside it is ignored. All positions when omitted.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, float32.
     """
-    if alpha.numel() == 0:
-        return float("-inf")
-    return float(torch.cumprod(alpha, dim=0).sum())
+    span = torch.ones_like(alpha, dtype=torch.bool) if span is None else span
+    # Eq. 5 over the span only: positions before the span contribute factor 1, after it the product is cut to 0.
+    started = span.long().cumsum(dim=-1) > 0
+    factors = torch.where(span, alpha, torch.where(started, torch.zeros_like(alpha), torch.ones_like(alpha)))
+    k_hat = (torch.cumprod(factors, dim=-1) * span).sum(dim=-1)
+    return torch.where(span.any(dim=-1), k_hat, torch.full_like(k_hat, float("-inf")))
 
 
-def verify_score(k_hat: float, *, score_type: str, penalty_coef: float, num_confident: int) -> float:
-    """S2D2 Eq. 6: s = K_hat - c (static) or s = K_hat - c * N_hi (dynamic).
+def verify_score(k_hat, *, score_type: str, penalty_coef: float, num_confident):
+    """S2D2 Eq. 6: s = K_hat - c (static) or s = K_hat - c * N_hi (dynamic); elementwise over a batch.
 
     Args:
-        k_hat (`float`): expected accepted prefix length, in tokens.
+        k_hat (`float` or `torch.Tensor` of shape `(N,)`): expected accepted prefix length, in tokens.
         score_type (`str`): ``difference_static`` or ``difference_dynamic``.
         penalty_coef (`float`): c.
-        num_confident (`int`): N_hi, masked positions of the block whose draft confidence exceeds the
+        num_confident (`int` or `torch.Tensor` of shape `(N,)`): N_hi, masked positions of the block whose draft confidence exceeds the
             confidence threshold (tokens the fallback would commit anyway).
     """
     if score_type == "difference_static":
@@ -117,6 +125,7 @@ class RoutingContext:
 
     Attributes:
         span_length (`int`): |C_t|, length of the first contiguous masked span, in tokens.
+        span_start (`int`): index of C_t's first position in the block.
         block_size (`int`): B, in tokens.
         num_masked (`int`): |M_t|, masked positions in the block.
         num_decodable (`int`): positions of the block that are not prompt (B minus the prompt tail).
@@ -128,6 +137,7 @@ class RoutingContext:
     block_size: int
     num_masked: int
     num_decodable: int
+    span_start: int = 0
     score: float = float("nan")
     mean_normalized_entropy: float = float("nan")
 
@@ -138,6 +148,7 @@ class RoutingPolicy:
     name: str = ""
     needs_score: bool = False
     needs_entropy: bool = False
+    needs_feedback: bool = False     # whether `observe` uses its arguments (costs a host sync per step)
 
     def decide(self, ctx: RoutingContext) -> bool:
         """Return True to run the verifier forward at this step."""
@@ -205,6 +216,7 @@ class UCBPolicy(RoutingPolicy):
 
     name = "contextual_bandit_ucb"
     needs_entropy = True
+    needs_feedback = True
 
     def __init__(self, beta: float, span_bins: int, progress_bins: int, entropy_bins: int) -> None:
         self.beta = beta

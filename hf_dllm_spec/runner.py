@@ -1,9 +1,23 @@
-"""Forwards with an explicit layout over a cache that only grows by what the caller says to store.
+"""Forwards with an explicit layout over a batched cache that only grows by what the caller says to store.
 
-`ModelRunner.forward` takes the query tokens, their positions and a bool pattern among them; every query row
-also sees every stored token. The first `store_len` query tokens persist (their rows must not see the rest of
-the query, so their K/V are final); the rest is read-only: the forward runs with the cache, then the cache is
-cropped back (platform.md: "read the cache without extending it").
+`ModelRunner.forward` takes the query tokens of `N` rows, their positions and a bool pattern among them. The
+first `store_len` query tokens persist (their rows must not see the rest of the query, so their K/V are final);
+the rest is read-only: the forward runs with the cache, then the cache is cropped back (platform.md: "read the
+cache without extending it").
+
+Rows store different amounts (different prompt lengths, blocks finishing at different steps, different
+accepted lengths), yet the cache has one length `T` for the whole batch. Each row therefore carries a validity
+mask over the stored columns, `valid` `(N, T)`: a row that has nothing to store in a forward stores padding
+(``store_valid`` False, always on the left of the stored segment), which no query ever sees. The exactness of
+the cache is then a property of the mask, not of per-row crops. When padding outweighs the real tokens the
+runner compacts the cache (a per-row gather of the valid columns; RoPE is already applied to the stored keys,
+so moving columns changes nothing).
+
+Alignment is data: the runner returns logits aligned to the positions they predict. "position" families
+(SDAR, LLaDA2) predict position i at row i. "right_shift" families (Fast-dLLM v2, every AR model) predict
+position i at row i - 1; the runner shifts, and a query token whose predecessor is not in the query (the first
+token after the cache, or after padding) takes the logits the last stored token produced when it was stored
+(the "carry", one `(V,)` vector per row).
 
 `use_cache=False` recomputes every forward from the stored tokens with the same per-row visibility the cache
 encodes. It is the slow reference the cached path is tested against.
@@ -13,29 +27,40 @@ from __future__ import annotations
 
 import torch
 
-from .masks import to_additive, with_cache_prefix
-from .outputs import SpecDecodingStats
-from .timing import now
+from .masks import to_additive
+from .outputs import BatchStats
+from .timing import ForwardTimer
 
 
 class ModelRunner:
-    """One model plus its stored context.
+    """One model, its family adapter and its stored context, for a batch of `N` rows.
 
     Args:
-        model (`PreTrainedModel`): the decoding model, in eval mode.
-        patch (`model_patches.FamilyPatch`): its family adapter (runs the forward).
-        stats (`SpecDecodingStats`): forward counters to update.
+        model (`PreTrainedModel`): the model, in eval mode.
+        patch (`model_patches.FamilyPatch`): its family adapter (runs the forward, states the alignment).
+        stats (`BatchStats`): per-row forward counters to update.
+        batch_size (`int`): N.
         use_cache (`bool`, defaults to True): keep K/V in a `DynamicCache`; False recomputes.
         cache (`DynamicCache`, *optional*): an empty cache to use (e.g. the one `generate` prepared).
+        timer (`ForwardTimer`, *optional*): times every forward under "forward" (no device sync).
 
     Raises:
         ValueError: if `cache` is not empty.
+
+    >>> runner = ModelRunner(model, get_patch(model), BatchStats(1), batch_size=1)     # doctest: +SKIP
+    >>> logits = runner.forward(ids, pos, causal_mask(4), kind="prefill", store_len=4)  # doctest: +SKIP
     """
 
-    def __init__(self, model, patch, stats: SpecDecodingStats, *, use_cache: bool = True, cache=None) -> None:
+    #: Compact once the cache is at least this long and padding columns outnumber the longest row's tokens.
+    COMPACT_MIN_LENGTH = 64
+
+    def __init__(self, model, patch, stats: BatchStats, *, batch_size: int, use_cache: bool = True, cache=None,
+                 timer: ForwardTimer | None = None) -> None:
         self.model, self.patch, self.stats, self.use_cache = model, patch, stats, use_cache
+        self.alignment = patch.alignment_of(model)
         self.device = model.device
         self.dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+        self.timer = timer if timer is not None else ForwardTimer(self.device)
         if use_cache:
             self.cache = cache if cache is not None else patch.new_cache(model)
             if self.cache.get_seq_length() != 0:
@@ -43,11 +68,23 @@ class ModelRunner:
                     f"`past_key_values` holds {self.cache.get_seq_length()} tokens; hf_dllm_spec starts from an "
                     "empty cache. Pass the full prompt and no cache."
                 )
-        self.stored_len = 0
+        n = batch_size
+        self.valid = torch.zeros(n, 0, dtype=torch.bool, device=self.device)     # (N, T)
+        self.carry: torch.Tensor | None = None                                     # (N, V), right_shift only
+        self._next_compact_check = self.COMPACT_MIN_LENGTH
         # No-cache path: the stored tokens and which stored tokens each stored row sees.
-        self._ids = torch.empty(0, dtype=torch.long, device=self.device)
-        self._pos = torch.empty(0, dtype=torch.long, device=self.device)
-        self._visible = torch.empty(0, 0, dtype=torch.bool, device=self.device)
+        self._ids = torch.empty(n, 0, dtype=torch.long, device=self.device)
+        self._pos = torch.empty(n, 0, dtype=torch.long, device=self.device)
+        self._visible = torch.empty(n, 0, 0, dtype=torch.bool, device=self.device)
+
+    @property
+    def stored_len(self) -> int:
+        """T, the common number of stored columns (padding included)."""
+        return self.valid.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.valid.shape[0]
 
     def forward(
         self,
@@ -57,67 +94,137 @@ class ModelRunner:
         *,
         kind: str,
         store_len: int = 0,
+        store_valid: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run one forward and count it.
+        """Run one forward for the whole batch and count it for `rows`.
 
         Args:
-            input_ids (`torch.Tensor` of shape `(q,)`, int64): query tokens.
-            position_ids (`torch.Tensor` of shape `(q,)`, int64): absolute positions (may repeat).
-            intra_mask (`torch.Tensor` of shape `(q, q)`, bool): visibility among the query tokens.
+            input_ids (`torch.Tensor` of shape `(N, q)`, int64): query tokens.
+            position_ids (`torch.Tensor` of shape `(N, q)`, int64): absolute positions (may repeat).
+            intra_mask (`torch.Tensor` of shape `(q, q)` or `(N, q, q)`, bool): visibility among the query tokens.
             kind (`str`): counter to increment ("prefill", "draft", "verify", "cache_write").
             store_len (`int`, defaults to 0): leading query tokens whose K/V persist.
-            logits_to_keep (`int`, defaults to 0): return logits of the last n query rows only (0 = all).
+            store_valid (`torch.Tensor` of shape `(N, store_len)`, bool, *optional*): which stored tokens are real
+                per row; padding must come first in each row. All real when omitted.
+            logits_to_keep (`int`, defaults to 0): return logits for the last n query tokens only (0 = all).
+            rows (`torch.Tensor` of shape `(N,)`, bool, *optional*): rows this forward serves, for the per-row
+                counters (all rows when omitted).
 
         Returns:
-            `torch.Tensor` of shape `(n, V)`, float32 logits.
+            `torch.Tensor` of shape `(N, n, V)`, float32 logits; entry i predicts the token at the position of
+            query token q - n + i, whatever the family's alignment.
 
         Raises:
             ValueError: if a stored row would see a later query token (its K/V would depend on read-only tokens).
         """
-        q = input_ids.shape[0]
-        if store_len and intra_mask[:store_len, store_len:].any():
+        n, q = input_ids.shape
+        s = store_len
+        intra = intra_mask.expand(n, q, q) if intra_mask.dim() == 2 else intra_mask
+        if s and bool(intra[:, :s, s:].any()):
             raise ValueError(
-                f"ModelRunner.forward: the {store_len} stored query rows must not see the {q - store_len} "
-                "read-only rows after them; fix the intra mask."
+                f"ModelRunner.forward: the {s} stored query rows must not see the {q - s} read-only rows after "
+                "them; fix the intra mask."
             )
-        self.stats.count_forward(kind)
-        t0 = now(self.device)
-        if self.use_cache:
-            mask = to_additive(with_cache_prefix(intra_mask, self.stored_len), self.dtype)
-            logits = self.patch.forward(
-                self.model, input_ids[None], position_ids=position_ids[None], attention_mask=mask,
-                past_key_values=self.cache, logits_to_keep=logits_to_keep,
-            )[0]
-            if q - store_len:
-                self.cache.crop(-(q - store_len))
-        else:
-            logits = self._forward_recompute(input_ids, position_ids, intra_mask, logits_to_keep)
-            self._append(input_ids[:store_len], position_ids[:store_len], intra_mask[:store_len, :store_len])
-        self.stored_len += store_len
-        self.stats.forward_time_s += now(self.device) - t0
-        return logits
+        query_valid = torch.ones(n, q, dtype=torch.bool, device=self.device)
+        if store_valid is not None:
+            query_valid[:, :s] = store_valid
+        # Padding is seen by nobody but itself (a row with no visible key would be ill-defined).
+        intra = (intra & query_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=self.device)
+        keep = logits_to_keep or q
+        keep_raw = keep if self.alignment == "position" else min(q, keep + 1)
+        if self.alignment != "position" and s:
+            keep_raw = max(keep_raw, q - s + 1)                    # the last stored token's logits: the carry
+        self.stats.count_forward(kind, rows)
+        self._maybe_compact()
+        with self.timer.span("forward"):
+            if self.use_cache:
+                mask = torch.cat([self.valid[:, None, :].expand(n, q, -1), intra], dim=-1)
+                raw = self.patch.forward(
+                    self.model, input_ids, position_ids=position_ids, attention_mask=to_additive(mask, self.dtype),
+                    past_key_values=self.cache, logits_to_keep=keep_raw,
+                )
+                if q - s:
+                    self.cache.crop(-(q - s))
+            else:
+                raw = self._forward_recompute(input_ids, position_ids, intra, keep_raw)
+                self._append(input_ids[:, :s], position_ids[:, :s], intra[:, :s, :s])
+        self.valid = torch.cat([self.valid, query_valid[:, :s]], dim=1)
+        if self.alignment == "position":
+            return raw[:, -keep:]
+        return self._align_right_shift(raw, query_valid, keep, s)
 
-    def _forward_recompute(self, input_ids, position_ids, intra_mask, logits_to_keep) -> torch.Tensor:
-        s, q = self.stored_len, input_ids.shape[0]
-        full = torch.zeros(s + q, s + q, dtype=torch.bool, device=self.device)
-        full[:s, :s] = self._visible
-        full[s:] = with_cache_prefix(intra_mask, s)
-        logits = self.patch.forward(
-            self.model, torch.cat([self._ids, input_ids])[None],
-            position_ids=torch.cat([self._pos, position_ids])[None],
-            attention_mask=to_additive(full, self.dtype), past_key_values=None,
-            logits_to_keep=logits_to_keep or q,
-        )[0]
-        return logits
+    def _align_right_shift(self, raw: torch.Tensor, query_valid: torch.Tensor, keep: int, s: int) -> torch.Tensor:
+        """Logits at row i - 1 predict query token i; a token without a query predecessor takes the carry."""
+        n, keep_raw, vocab = raw.shape
+        q = query_valid.shape[1]
+        offset = q - keep_raw                                      # query index of raw[:, 0]
+        carry = self.carry if self.carry is not None else raw.new_zeros(n, vocab)
+        prev = torch.arange(q - keep, q, device=raw.device) - 1    # predecessor query index of each kept token
+        has_prev = prev >= 0
+        prev_valid = torch.zeros(n, keep, dtype=torch.bool, device=raw.device)
+        prev_valid[:, has_prev] = query_valid[:, prev[has_prev]]
+        shifted = raw[:, (prev - offset).clamp(min=0)]
+        aligned = torch.where(prev_valid[..., None], shifted, carry[:, None, :])
+        if s:
+            stored_any = query_valid[:, :s].any(dim=1)
+            self.carry = torch.where(stored_any[:, None], raw[:, s - 1 - offset], carry)
+        return aligned
+
+    # -- batch membership ---------------------------------------------------------------------------------------
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows `index` `(M,)` int64, in that order (finished rows stop costing compute)."""
+        if self.use_cache:
+            self.cache.batch_select_indices(index)
+        self.valid = self.valid[index]
+        if self.carry is not None:
+            self.carry = self.carry[index]
+        self._ids, self._pos, self._visible = self._ids[index], self._pos[index], self._visible[index]
+
+    def _maybe_compact(self) -> None:
+        """Drop padding columns once they outnumber the longest row's real tokens (one host sync, rarely)."""
+        length = self.stored_len
+        if length < self._next_compact_check:
+            return
+        longest = int(self.valid.sum(dim=1).max()) if self.batch_size else 0
+        if length - longest > longest:
+            order = self.valid.long().argsort(dim=1, stable=True)[:, length - longest:]      # (N, longest)
+            if self.use_cache:
+                for layer in self.cache.layers:
+                    if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                        continue
+                    idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+                    layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+            else:
+                self._ids, self._pos = self._ids.gather(1, order), self._pos.gather(1, order)
+                rows = self._visible.gather(1, order[:, :, None].expand(-1, -1, length))
+                self._visible = rows.gather(2, order[:, None, :].expand(-1, longest, -1))
+            self.valid = self.valid.gather(1, order)
+            length = longest
+        self._next_compact_check = max(self.COMPACT_MIN_LENGTH, 2 * length)
+
+    # -- no-cache reference path ---------------------------------------------------------------------------------
+    def _forward_recompute(self, input_ids, position_ids, intra, keep_raw) -> torch.Tensor:
+        n, t, q = input_ids.shape[0], self.stored_len, input_ids.shape[1]
+        full = torch.zeros(n, t + q, t + q, dtype=torch.bool, device=self.device)
+        full[:, :t, :t] = self._visible
+        full[:, t:, :t] = self.valid[:, None, :]
+        full[:, t:, t:] = intra
+        return self.patch.forward(
+            self.model, torch.cat([self._ids, input_ids], dim=1),
+            position_ids=torch.cat([self._pos, position_ids], dim=1),
+            attention_mask=to_additive(full, self.dtype), past_key_values=None, logits_to_keep=keep_raw,
+        )
 
     def _append(self, ids: torch.Tensor, pos: torch.Tensor, intra: torch.Tensor) -> None:
-        s, n = self.stored_len, ids.shape[0]
-        if n == 0:
+        n, t, s = ids.shape[0], self.stored_len, ids.shape[1]
+        if s == 0:
             return
-        visible = torch.zeros(s + n, s + n, dtype=torch.bool, device=self.device)
-        visible[:s, :s] = self._visible
-        visible[s:] = with_cache_prefix(intra, s)
+        visible = torch.zeros(n, t + s, t + s, dtype=torch.bool, device=self.device)
+        visible[:, :t, :t] = self._visible
+        visible[:, t:, :t] = self.valid[:, None, :]
+        visible[:, t:, t:] = intra
         self._visible = visible
-        self._ids = torch.cat([self._ids, ids])
-        self._pos = torch.cat([self._pos, pos])
+        self._ids = torch.cat([self._ids, ids], dim=1)
+        self._pos = torch.cat([self._pos, pos], dim=1)

@@ -83,13 +83,15 @@ class Sampler:
         """Processed distribution per position.
 
         Args:
-            logits (`torch.Tensor` of shape `(L, V)`): raw logits of `L` positions, any float dtype.
+            logits (`torch.Tensor` of shape `(..., V)`, e.g. `(N, B, V)`): raw logits, any float dtype. Every
+                position is an independent row for the processors.
 
         Returns:
-            `torch.Tensor` of shape `(L, V)`, float32: softmax of the processed logits. Called p (draft) or q
+            `torch.Tensor` of the same shape, float32: softmax of the processed logits. Called p (draft) or q
             (verifier) in S2D2 Algorithm 3.
         """
-        scores = logits.float()
+        shape = logits.shape
+        scores = logits.float().reshape(-1, shape[-1])
         dummy_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
         if self._suppress is not None:
             if self._suppress.suppress_tokens.device != scores.device:
@@ -97,39 +99,40 @@ class Sampler:
             scores = self._suppress(dummy_ids, scores)
         for proc in self.logits_processor:
             scores = proc(dummy_ids, scores)
-        return torch.softmax(scores, dim=-1)
+        return torch.softmax(scores, dim=-1).reshape(shape)
 
     def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick one token per position and report its probability (the confidence).
 
         Args:
-            probs (`torch.Tensor` of shape `(L, V)`, float32): from :meth:`probs`.
+            probs (`torch.Tensor` of shape `(..., V)`, float32): from :meth:`probs`.
 
         Returns:
-            `(token_ids, confidence)`: int64 `(L,)` and float32 `(L,)`, the probability of the chosen token under
-            `probs` (families.md §0 rule 3). Greedy takes the argmax; sampling draws one token per row from the
-            generator, in row order.
+            `(token_ids, confidence)`: int64 and float32 of shape `(...)`, the probability of the chosen token
+            under `probs` (families.md §0 rule 3). Greedy takes the argmax; sampling draws one token per position
+            from the generator in row-major order (one `torch.multinomial` call).
         """
         if self.do_sample:
-            token_ids = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            flat = probs.reshape(-1, probs.shape[-1])
+            token_ids = torch.multinomial(flat, 1, generator=self.generator).reshape(probs.shape[:-1])
         else:
             token_ids = probs.argmax(dim=-1)
-        return token_ids, probs.gather(-1, token_ids[:, None]).squeeze(-1)
+        return token_ids, probs.gather(-1, token_ids[..., None])[..., 0]
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy per position in nats.
 
     Args:
-        probs (`torch.Tensor` of shape `(L, V)`).
+        probs (`torch.Tensor` of shape `(..., V)`).
 
     Returns:
-        `torch.Tensor` of shape `(L,)`: -sum_v p log p, with 0 log 0 = 0.
+        `torch.Tensor` of shape `(...)`: -sum_v p log p, with 0 log 0 = 0.
     """
     return -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
 
 
 def top2_margin(probs: torch.Tensor) -> torch.Tensor:
-    """Top-1 minus top-2 probability per position, `(L, V) -> (L,)` (m_i in S2D2 §4.3)."""
+    """Top-1 minus top-2 probability per position, `(..., V) -> (...)` (m_i in S2D2 §4.3)."""
     top = probs.topk(2, dim=-1).values
-    return top[:, 0] - top[:, 1]
+    return top[..., 0] - top[..., 1]

@@ -1,16 +1,17 @@
 """Which masked positions a denoising step commits (S2D2 Algorithm 2; strategies.md §2.3).
 
-Pure functions over one block. Rules (`remasking_strategy`):
+Pure functions over a batch of blocks, `(N, B)`; every row is decided on its own. Rules
+(`remasking_strategy`):
 
 - ``sequential``: the first k masked positions, left to right.
-- ``low_confidence_static``: the k most confident masked positions.
+- ``low_confidence_static``: the k most confident masked positions (ties: the leftmost first).
 - ``low_confidence_dynamic``: every masked position with confidence > `confidence_threshold` when there are
   at least k of them, else the k most confident (always at least one: Fast-dLLM #42).
 - ``entropy_bounded``: masked positions by ascending per-position entropy; the shortest prefix whose
   cumulative entropy reaches `eb_threshold`, at least k. (The SDAR reference computes its "entropy" from
   the scalar confidence and leaves the transfer set uninitialised; not copied.)
 
-k is the schedule of :func:`num_transfer_tokens` clamped to the masks left.
+k is the schedule of :func:`num_transfer_tokens` clamped to [1, masks left] (0 for a row without masks).
 """
 
 from __future__ import annotations
@@ -33,61 +34,84 @@ def num_transfer_tokens(block_size: int, steps: int) -> list[int]:
     return [base + 1 if s < extra else base for s in range(steps)]
 
 
+def scheduled_tokens(num_masks: torch.Tensor, steps_per_block: int, step: torch.Tensor) -> torch.Tensor:
+    """k for each row this step: entry `step` of ``num_transfer_tokens(num_masks, min(steps_per_block, num_masks))``.
+
+    Steps past the schedule reuse its last entry.
+
+    Args:
+        num_masks (`torch.Tensor` of shape `(N,)`, int64): masks the row's block started with (>= 1).
+        steps_per_block (`int`): S.
+        step (`torch.Tensor` of shape `(N,)`, int64): denoising steps already taken in the row's block.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, int64, tokens to commit.
+    """
+    steps = num_masks.clamp(max=steps_per_block)
+    base, extra = num_masks // steps, num_masks % steps
+    s = torch.minimum(step, steps - 1)
+    return base + (s < extra).long()
+
+
+def _rank(score: torch.Tensor, descending: bool) -> torch.Tensor:
+    """Rank of each entry in its row under a stable sort, `(N, B) -> (N, B)` int64."""
+    order = score.argsort(dim=-1, descending=descending, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(score.shape[-1], device=score.device).expand_as(order))
+    return rank
+
+
 def select_transfer(
     rule: str,
     *,
     masked: torch.Tensor,
     confidence: torch.Tensor,
-    num_tokens: int,
+    num_tokens: torch.Tensor | int,
     confidence_threshold: float = 0.85,
     entropies: torch.Tensor | None = None,
     eb_threshold: float = 0.35,
 ) -> torch.Tensor:
-    """Positions to commit this step.
+    """Positions to commit this step, per row.
 
     Args:
         rule (`str`): one of :data:`REMASKING_STRATEGIES`.
-        masked (`torch.Tensor` of shape `(B,)`, bool): positions still masked.
-        confidence (`torch.Tensor` of shape `(B,)`, float32): probability of the chosen token per position.
-        num_tokens (`int`): k, tokens the schedule asks for; clamped to [1, number of masks].
+        masked (`torch.Tensor` of shape `(N, B)`, bool): positions still masked.
+        confidence (`torch.Tensor` of shape `(N, B)`, float32): probability of the chosen token per position.
+        num_tokens (`torch.Tensor` of shape `(N,)` or `int`): k, tokens the schedule asks for; clamped to
+            [1, masks left].
         confidence_threshold (`float`): tau of the dynamic rule, a probability in (0, 1].
-        entropies (`torch.Tensor` of shape `(B,)`, *optional*): per-position entropy in nats (entropy_bounded).
+        entropies (`torch.Tensor` of shape `(N, B)`, *optional*): per-position entropy in nats (entropy_bounded).
         eb_threshold (`float`): cumulative entropy budget in nats (entropy_bounded).
 
     Returns:
-        `torch.Tensor` of shape `(B,)`, bool, a subset of `masked` with at least one True when any is masked.
+        `torch.Tensor` of shape `(N, B)`, bool, a subset of `masked` with at least one True in every row that
+        has a mask.
 
     Raises:
         ValueError: for an unknown rule, or `entropy_bounded` without `entropies`.
     """
-    num_masked = int(masked.sum())
-    transfer = torch.zeros_like(masked)
-    if num_masked == 0:
-        return transfer
-    k = max(1, min(num_tokens, num_masked))
-    masked_idx = masked.nonzero().squeeze(-1)
+    num_masked = masked.sum(dim=-1)
+    k = torch.as_tensor(num_tokens, device=masked.device).expand_as(num_masked)
+    k = torch.minimum(k.clamp(min=1), num_masked)[:, None]                      # (N, 1)
     if rule == "sequential":
-        transfer[masked_idx[:k]] = True
-        return transfer
+        return masked & (masked.long().cumsum(dim=-1) <= k)
     if rule in ("low_confidence_static", "low_confidence_dynamic"):
-        conf = confidence[masked_idx]
-        if rule == "low_confidence_dynamic":
-            confident = conf > confidence_threshold
-            if int(confident.sum()) >= k:
-                transfer[masked_idx[confident]] = True
-                return transfer
-        transfer[masked_idx[conf.topk(k).indices]] = True
-        return transfer
+        score = confidence.masked_fill(~masked, float("-inf"))
+        top_k = masked & (_rank(score, descending=True) < k)
+        if rule == "low_confidence_static":
+            return top_k
+        confident = masked & (confidence > confidence_threshold)
+        enough = confident.sum(dim=-1, keepdim=True) >= k
+        return torch.where(enough, confident, top_k)
     if rule == "entropy_bounded":
         if entropies is None:
-            raise ValueError("select_transfer: `entropy_bounded` needs per-position `entropies` of shape (B,).")
-        ent = entropies[masked_idx]
-        order = ent.argsort()
-        cumulative = ent[order].cumsum(0)
-        reached = (cumulative >= eb_threshold).nonzero()
-        count = int(reached[0, 0]) + 1 if reached.numel() else num_masked
-        transfer[masked_idx[order[: max(count, k)]]] = True
-        return transfer
+            raise ValueError("select_transfer: `entropy_bounded` needs per-position `entropies` of shape (N, B).")
+        score = entropies.masked_fill(~masked, float("inf"))
+        cumulative = score.sort(dim=-1, stable=True).values.cumsum(dim=-1)     # masked first; inf after them
+        reached = cumulative >= eb_threshold
+        first = torch.where(reached.any(dim=-1), reached.float().argmax(dim=-1) + 1, num_masked)
+        count = torch.minimum(first, num_masked)[:, None]
+        return masked & (_rank(score, descending=False) < torch.maximum(count, k))
     raise ValueError(
         f"`remasking_strategy` (={rule!r}) must be one of {', '.join(map(repr, REMASKING_STRATEGIES))}; "
         "pick one of them."

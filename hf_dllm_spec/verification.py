@@ -8,9 +8,13 @@ Vocabulary (vLLM `RejectionSampler`): an *accepted* token is a draft that passed
 from the residual distribution after the first rejection; a *bonus* token is drawn from the target after the
 last draft when every draft passed.
 
-RNG consumption order of :func:`rejection_sample` (a change to it is a behaviour change): one `torch.rand(L)`
-call for the `L` uniforms, then, only after a rejection, one `torch.multinomial` draw from the residual; or,
-only when every draft passed and `bonus_probs` is given, one draw from `bonus_probs`.
+Every function takes batch-leading tensors: `N` rows of `L` drafts over a vocabulary of `V`; rows may have
+fewer drafts than `L` (`num_drafts`).
+
+RNG consumption order of :func:`rejection_sample` (a change to it is a behaviour change): one
+`torch.rand(N, L)` call for the uniforms; then one `torch.multinomial` call drawing the recovered token of
+every row with a rejection (rows in order); then, when `bonus_probs` is given, one call drawing the bonus
+token of every row whose drafts all passed. A row with no draft uses no random number beyond its uniforms.
 """
 
 from __future__ import annotations
@@ -25,20 +29,29 @@ MIN_DRAFT_PROB = 1e-12
 
 @dataclass
 class VerificationResult:
-    """What a verification commits.
+    """What a verification commits, per row of a batch.
 
     Attributes:
-        num_accepted (`int`): number of leading drafts that passed, in tokens.
-        token_ids (`torch.Tensor` of shape `(num_accepted + extra,)`, int64): the committed tokens: the accepted
-            drafts, then the recovered or bonus token when there is one.
-        recovered (`bool`): the last committed token was drawn from the residual after a rejection.
-        bonus (`bool`): the last committed token was drawn from `bonus_probs` after full acceptance.
+        num_accepted (`torch.Tensor` of shape `(N,)`, int64): leading drafts that passed, in tokens.
+        token_ids (`torch.Tensor` of shape `(N, L + 1)`, int64): the committed tokens of each row, left-aligned:
+            the accepted drafts, then the recovered or bonus token when there is one; -1 after them.
+        num_tokens (`torch.Tensor` of shape `(N,)`, int64): committed tokens per row (``num_accepted`` plus one
+            when a recovered, bonus or (``allow_resample=False``) rejected draft token follows).
+        recovered (`torch.Tensor` of shape `(N,)`, bool): the last committed token was drawn from the residual (or
+            is the target argmax) after a rejection.
+        bonus (`torch.Tensor` of shape `(N,)`, bool): the last committed token was drawn from `bonus_probs` after
+            full acceptance.
     """
 
-    num_accepted: int
+    num_accepted: torch.Tensor
     token_ids: torch.Tensor
-    recovered: bool = False
-    bonus: bool = False
+    num_tokens: torch.Tensor
+    recovered: torch.Tensor
+    bonus: torch.Tensor
+
+    def row(self, n: int) -> torch.Tensor:
+        """Committed tokens of row `n`, `(num_tokens[n],)` int64."""
+        return self.token_ids[n, : int(self.num_tokens[n])]
 
 
 def acceptance_probability(
@@ -88,16 +101,42 @@ def output_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor, g
     this equals `target_probs` (the losslessness identity tested in float64).
 
     Args:
-        target_probs, draft_probs (`torch.Tensor` of shape `(V,)`).
+        target_probs, draft_probs (`torch.Tensor` of shape `(..., V)`).
         gamma (`float`): as in :func:`acceptance_probability`.
 
     Returns:
-        `torch.Tensor` of shape `(V,)`.
+        `torch.Tensor` of shape `(..., V)`.
     """
     accept = acceptance_probability(target_probs, draft_probs, gamma)
     accept = torch.where(draft_probs > 0, accept, torch.zeros_like(accept))
     accepted_mass = draft_probs * accept
-    return accepted_mass + (1.0 - accepted_mass.sum()) * residual_distribution(target_probs, draft_probs)
+    rejected_mass = 1.0 - accepted_mass.sum(dim=-1, keepdim=True)
+    return accepted_mass + rejected_mass * residual_distribution(target_probs, draft_probs)
+
+
+def _draft_lengths(draft_token_ids: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
+    n, length = draft_token_ids.shape
+    if num_drafts is None:
+        return torch.full((n,), length, dtype=torch.long, device=draft_token_ids.device)
+    return num_drafts.to(device=draft_token_ids.device, dtype=torch.long)
+
+
+def _first(flags: torch.Tensor, default: torch.Tensor) -> torch.Tensor:
+    """Index of the first True per row of `flags` `(N, L)`, else `default` `(N,)` (also for L = 0)."""
+    if flags.shape[1] == 0:
+        return default.clone()
+    return torch.where(flags.any(dim=-1), flags.float().argmax(dim=-1), default)
+
+
+def _commit(draft_token_ids: torch.Tensor, first: torch.Tensor, last_token: torch.Tensor,
+            has_last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `[drafts[:first] | last_token if has_last]`, padded with -1: `(N, L + 1)` and lengths `(N,)`."""
+    n, length = draft_token_ids.shape
+    idx = torch.arange(length + 1, device=draft_token_ids.device)[None]
+    padded = torch.cat([draft_token_ids, draft_token_ids.new_full((n, 1), -1)], dim=1)
+    out = torch.where(idx < first[:, None], padded, torch.full_like(padded, -1))
+    out = torch.where((idx == first[:, None]) & has_last[:, None], last_token[:, None], out)
+    return out, first + has_last.long()
 
 
 def rejection_sample(
@@ -105,25 +144,29 @@ def rejection_sample(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     *,
+    num_drafts: torch.Tensor | None = None,
     bonus_probs: torch.Tensor | None = None,
     gamma: float = 1.0,
     allow_resample: bool = True,
     generator: torch.Generator | None = None,
 ) -> VerificationResult:
-    """Speculative rejection sampling over `L` drafts, left to right, stopping at the first rejection.
+    """Speculative rejection sampling over a batch of drafts, left to right, stopping at the first rejection.
 
     Args:
-        draft_token_ids (`torch.Tensor` of shape `(L,)`, int64): drafted tokens, y_i.
-        draft_probs (`torch.Tensor` of shape `(L, V)`, float32): draft distribution at each position after the
+        draft_token_ids (`torch.Tensor` of shape `(N, L)`, int64): drafted tokens y_i per row (any value past a
+            row's `num_drafts`).
+        draft_probs (`torch.Tensor` of shape `(N, L, V)`, float32): draft distribution at each position after the
             same processing as the target, p in S2D2 Algorithm 3.
-        target_probs (`torch.Tensor` of shape `(L, V)`, float32): verifier distribution at each position
+        target_probs (`torch.Tensor` of shape `(N, L, V)`, float32): verifier distribution at each position
             given the drafts to its left, q in S2D2 Algorithm 3.
-        bonus_probs (`torch.Tensor` of shape `(V,)`, *optional*): target distribution after the last draft;
-            when given and every draft passes, one bonus token is drawn from it (AR targets; S2D2 has none).
+        num_drafts (`torch.Tensor` of shape `(N,)`, int64, *optional*): drafts per row (ragged spans); `L` when
+            omitted.
+        bonus_probs (`torch.Tensor` of shape `(N, V)`, *optional*): target distribution after the last draft;
+            when given, rows whose drafts all pass draw one bonus token from it (AR targets; S2D2 has none).
         gamma (`float`, defaults to 1.0): ratio tempering exponent.
         allow_resample (`bool`, defaults to True): on rejection draw the recovered token from the residual;
             if False, commit the rejected draft token itself (SDAR reference, `allow_resample=False`).
-        generator (`torch.Generator`, *optional*): source of the uniforms and of the residual draw.
+        generator (`torch.Generator`, *optional*): source of the uniforms and of the residual / bonus draws.
 
     Returns:
         `VerificationResult`. Lossless (committed tokens follow the target) when the drafts were sampled from
@@ -132,34 +175,48 @@ def rejection_sample(
     Raises:
         ValueError: if the shapes disagree.
     """
-    num_drafts = draft_token_ids.shape[0]
-    if draft_probs.shape[0] != num_drafts or target_probs.shape != draft_probs.shape:
+    if draft_token_ids.dim() != 2 or draft_probs.shape[:2] != draft_token_ids.shape or (
+            target_probs.shape != draft_probs.shape):
         raise ValueError(
             f"rejection_sample: shapes disagree: draft_token_ids {tuple(draft_token_ids.shape)}, "
             f"draft_probs {tuple(draft_probs.shape)}, target_probs {tuple(target_probs.shape)}; "
-            "expected (L,), (L, V), (L, V)."
+            "expected (N, L), (N, L, V), (N, L, V)."
         )
-    rows = torch.arange(num_drafts, device=draft_token_ids.device)
-    accept_prob = acceptance_probability(
-        target_probs[rows, draft_token_ids], draft_probs[rows, draft_token_ids], gamma
-    )
-    uniforms = torch.rand(num_drafts, generator=generator, device=accept_prob.device, dtype=accept_prob.dtype)
-    rejected = (uniforms >= accept_prob).nonzero()
-    if rejected.numel() == 0:
-        if bonus_probs is None:
-            return VerificationResult(num_drafts, draft_token_ids.clone())
-        bonus = torch.multinomial(bonus_probs, 1, generator=generator)
-        return VerificationResult(num_drafts, torch.cat([draft_token_ids, bonus]), bonus=True)
-    first = int(rejected[0, 0])
-    if not allow_resample:
-        return VerificationResult(first, draft_token_ids[: first + 1].clone())
-    residual = residual_distribution(target_probs[first], draft_probs[first])
-    recovered = torch.multinomial(residual, 1, generator=generator)
-    return VerificationResult(first, torch.cat([draft_token_ids[:first], recovered]), recovered=True)
+    n, length = draft_token_ids.shape
+    lengths = _draft_lengths(draft_token_ids, num_drafts)
+    ids = draft_token_ids.clamp(min=0)[..., None]
+    accept_prob = acceptance_probability(target_probs.gather(-1, ids)[..., 0], draft_probs.gather(-1, ids)[..., 0],
+                                         gamma)                                              # (N, L)
+    uniforms = torch.rand(n, length, generator=generator, device=accept_prob.device, dtype=accept_prob.dtype)
+    in_span = torch.arange(length, device=lengths.device)[None] < lengths[:, None]
+    rejected = (uniforms >= accept_prob) & in_span
+    any_rejected = rejected.any(dim=-1)
+    first = _first(rejected, lengths)                                                         # (N,)
+    last = torch.full_like(first, -1)
+    recovered = torch.zeros_like(any_rejected)
+    bonus = torch.zeros_like(any_rejected)
+    if not allow_resample and length:
+        rejected_draft = draft_token_ids.gather(-1, first.clamp(max=length - 1)[:, None])[:, 0]
+        last = torch.where(any_rejected, rejected_draft, last)
+    elif bool(any_rejected.any()):
+        rows = any_rejected.nonzero()[:, 0]
+        residual = residual_distribution(target_probs[rows, first[rows]], draft_probs[rows, first[rows]])
+        last[rows] = torch.multinomial(residual, 1, generator=generator)[:, 0]
+        recovered = any_rejected
+    if bonus_probs is not None and bool((~any_rejected).any()):
+        rows = (~any_rejected).nonzero()[:, 0]
+        last[rows] = torch.multinomial(bonus_probs[rows], 1, generator=generator)[:, 0]
+        bonus = ~any_rejected
+    token_ids, num_tokens = _commit(draft_token_ids, first, last, last >= 0)
+    return VerificationResult(first, token_ids, num_tokens, recovered, bonus)
 
 
 def greedy_match(
-    draft_token_ids: torch.Tensor, target_probs: torch.Tensor, *, bonus_probs: torch.Tensor | None = None
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    *,
+    num_drafts: torch.Tensor | None = None,
+    bonus_probs: torch.Tensor | None = None,
 ) -> VerificationResult:
     """Deterministic verification: accept while the draft equals the target argmax.
 
@@ -169,19 +226,27 @@ def greedy_match(
     temperature 0): a documented deviation, strategies.md §5.4.
 
     Args:
-        draft_token_ids (`torch.Tensor` of shape `(L,)`, int64).
-        target_probs (`torch.Tensor` of shape `(L, V)`): or target logits; only the argmax is used.
-        bonus_probs (`torch.Tensor` of shape `(V,)`, *optional*).
+        draft_token_ids (`torch.Tensor` of shape `(N, L)`, int64).
+        target_probs (`torch.Tensor` of shape `(N, L, V)`): or target logits; only the argmax is used.
+        num_drafts (`torch.Tensor` of shape `(N,)`, *optional*): drafts per row; `L` when omitted.
+        bonus_probs (`torch.Tensor` of shape `(N, V)`, *optional*).
 
     Returns:
         `VerificationResult`.
     """
-    target_ids = target_probs.argmax(dim=-1)
-    mismatch = (target_ids != draft_token_ids).nonzero()
-    if mismatch.numel() == 0:
-        if bonus_probs is None:
-            return VerificationResult(draft_token_ids.shape[0], draft_token_ids.clone())
-        bonus = bonus_probs.argmax().reshape(1)
-        return VerificationResult(draft_token_ids.shape[0], torch.cat([draft_token_ids, bonus]), bonus=True)
-    first = int(mismatch[0, 0])
-    return VerificationResult(first, target_ids[: first + 1].clone(), recovered=True)
+    n, length = draft_token_ids.shape
+    lengths = _draft_lengths(draft_token_ids, num_drafts)
+    target_ids = target_probs.argmax(dim=-1)                                                 # (N, L)
+    in_span = torch.arange(length, device=lengths.device)[None] < lengths[:, None]
+    mismatch = (target_ids != draft_token_ids) & in_span
+    any_mismatch = mismatch.any(dim=-1)
+    first = _first(mismatch, lengths)
+    last = torch.full_like(first, -1)
+    if length:
+        last = torch.where(any_mismatch, target_ids.gather(-1, first.clamp(max=length - 1)[:, None])[:, 0], last)
+    bonus = torch.zeros_like(any_mismatch)
+    if bonus_probs is not None:
+        last = torch.where(any_mismatch, last, bonus_probs.argmax(dim=-1))
+        bonus = ~any_mismatch
+    token_ids, num_tokens = _commit(draft_token_ids, first, last, last >= 0)
+    return VerificationResult(first, token_ids, num_tokens, any_mismatch, bonus)

@@ -1,8 +1,8 @@
 """Model-family adapters: one module per family, reached through :func:`get_patch`.
 
-Importing this package registers the families that have their own model classes (SDAR) with
-`AutoConfig` / `AutoModelForCausalLM` under their Hub `model_type`, so Hub checkpoints load without
-`trust_remote_code`.
+Importing this package registers nothing. :func:`register_auto_classes` (also `hf_dllm_spec.register_auto_classes`)
+is the one place that registers the families with their own model classes (SDAR) with `AutoConfig` /
+`AutoModelForCausalLM` under their Hub `model_type`, so Hub checkpoints load without `trust_remote_code`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,20 @@ from .qwen import QwenPatch
 from .sdar import SDARConfig, SDARForCausalLM, SDARPatch
 
 PATCHES: tuple[FamilyPatch, ...] = (SDARPatch(), QwenPatch())
+
+
+def register_auto_classes() -> None:
+    """Register every family's `(config, causal-LM)` classes with `AutoConfig` / `AutoModelForCausalLM`.
+
+    Idempotent. Afterwards `AutoModelForCausalLM.from_pretrained(<SDAR checkpoint>)` builds `SDARForCausalLM`
+    (transformers' Qwen3 modeling plus `generate(decoding_strategy=...)`) without remote code.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for patch in PATCHES:
+        for config_class, model_class in patch.auto_classes:
+            AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+            AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
 
 
 def get_patch(model) -> FamilyPatch:
@@ -32,4 +46,4 @@ def get_patch(model) -> FamilyPatch:
 
 
 __all__ = ["ALIGNMENTS", "FamilyPatch", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
-           "get_patch"]
+           "get_patch", "register_auto_classes"]

@@ -2,8 +2,9 @@
 
 A `FamilyPatch` is stateless. It resolves the mask token, stop ids and trained block size from a loaded
 model, states the prediction alignment, and runs one forward with an explicit float 4D mask, explicit
-`position_ids` and a `DynamicCache` (transformers 5.x). This package never imports `hf_dllm_spec`'s
-internals: the library reaches a patch through :func:`model_patches.get_patch`.
+`position_ids` and a `DynamicCache` (transformers 5.x). This package never imports the decoding code
+(`hf_dllm_spec.generation`, the strategies): the library reaches a patch through :func:`model_patches.get_patch`,
+and model classes reach `generate` through the lazy `hf_dllm_spec.mixin`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class FamilyPatch:
     Attributes:
         family (`str`): human name, used in messages.
         model_types (`tuple[str, ...]`): `config.model_type` values this patch serves.
-        alignment (`str`): one of :data:`ALIGNMENTS`.
+        alignment (`str`): one of :data:`ALIGNMENTS`, the family default; a model may declare its own with
+            `config.dllm_alignment` (see :meth:`alignment_of`).
         supports_kv_cache (`bool`): whether read-only / store forwards through `DynamicCache` are valid.
         is_diffusion_lm (`bool`): trained as a (block) diffusion LM with a mask token.
     """
@@ -34,6 +36,31 @@ class FamilyPatch:
     alignment: ClassVar[str] = "position"
     supports_kv_cache: ClassVar[bool] = True
     is_diffusion_lm: ClassVar[bool] = True
+
+    #: `(config class, causal-LM class)` pairs to register with the Auto classes (families with their own classes).
+    auto_classes: ClassVar[tuple[tuple[type, type], ...]] = ()
+
+    def alignment_of(self, model: PreTrainedModel) -> str:
+        """The model's prediction alignment: `config.dllm_alignment` if set, else the family default.
+
+        Raises:
+            ValueError: if `config.dllm_alignment` is not one of :data:`ALIGNMENTS`.
+        """
+        declared = getattr(model.config, "dllm_alignment", None)
+        if declared is None:
+            return self.alignment
+        if declared not in ALIGNMENTS:
+            raise ValueError(
+                f"`config.dllm_alignment` (={declared!r}) must be one of {', '.join(map(repr, ALIGNMENTS))}; set "
+                "'position' when logits at i predict token i (SDAR, LLaDA2), 'right_shift' when they predict i + 1 "
+                "(AR models, Fast-dLLM v2)."
+            )
+        return declared
+
+    def vocab_size(self, model: PreTrainedModel) -> int:
+        """Rows of the output embedding (the distribution's size V)."""
+        head = model.get_output_embeddings()
+        return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
     # -- tokens -----------------------------------------------------------------------------------------------
     def mask_token_id(self, model: PreTrainedModel, override: int | None = None) -> int | None:
@@ -85,17 +112,17 @@ class FamilyPatch:
         """One forward with explicit layout.
 
         Args:
-            input_ids (`torch.Tensor` of shape `(1, q)`, int64).
-            position_ids (`torch.Tensor` of shape `(1, q)`, int64): may repeat (RoPE copies, S2D2 2L layout).
-            attention_mask (`torch.Tensor` of shape `(1, 1, q, cache_len + q)`): additive float mask in the
+            input_ids (`torch.Tensor` of shape `(N, q)`, int64).
+            position_ids (`torch.Tensor` of shape `(N, q)`, int64): may repeat (RoPE copies, S2D2 2L layout).
+            attention_mask (`torch.Tensor` of shape `(N, 1, q, cache_len + q)`): additive float mask in the
                 model's dtype (0 = attend, finfo.min = blocked), used as given.
             past_key_values (`DynamicCache` or `None`): appended to with the q new K/V; the caller crops what
                 must not persist ("read without extending" = forward, then `crop(-q)`).
             logits_to_keep (`int`, defaults to 0): compute logits only for the last n rows (0 = all).
 
         Returns:
-            `torch.Tensor` of shape `(1, n, V)`, float32 logits, position-aligned or right-shifted as
-            :attr:`alignment` states (the caller applies the alignment).
+            `torch.Tensor` of shape `(N, n, V)`, float32 raw logits, position-aligned or right-shifted as
+            :meth:`alignment_of` states (the runner applies the alignment).
         """
         out = model(
             input_ids=input_ids,

@@ -2,7 +2,8 @@
 
 A Hub SDAR directory (`config.json` with `model_type: "sdar"`, `block_size`, `mask_token_id`, Qwen3
 parameter names, safetensors) loads with `AutoModelForCausalLM.from_pretrained(path)` once this module is
-imported (`import hf_dllm_spec` does it). Facts: shared/reference/families.md §2.
+registered (`hf_dllm_spec.register_auto_classes()` does it; `SDARForCausalLM.from_pretrained(path)`
+needs no registration). Facts: shared/reference/families.md §2.
 
 - Architecture: Qwen3 (q_norm/k_norm before RoPE, GQA, no qkv bias); the Hub parameter names of §2.2 are
   exactly transformers' Qwen3 names, so weights load without renaming.
@@ -16,9 +17,9 @@ imported (`import hf_dllm_spec` does it). Facts: shared/reference/families.md §
 
 from __future__ import annotations
 
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hf_dllm_spec.generation import DllmGenerationMixin
+from hf_dllm_spec.mixin import DllmGenerationMixin
 
 from .base import FamilyPatch
 
@@ -48,7 +49,6 @@ class SDARConfig(Qwen3Config):
 class SDARForCausalLM(DllmGenerationMixin, Qwen3ForCausalLM):
     """SDAR causal LM: transformers' Qwen3 modeling with `generate(decoding_strategy=...)`.
 
-    >>> import hf_dllm_spec
     >>> from model_patches.sdar import SDARConfig, SDARForCausalLM
     >>> cfg = SDARConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
     ...                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, mask_token_id=98)
@@ -64,7 +64,4 @@ class SDARPatch(FamilyPatch):
     family = "SDAR"
     model_types = ("sdar",)
     alignment = "position"
-
-
-AutoConfig.register(SDARConfig.model_type, SDARConfig, exist_ok=True)
-AutoModelForCausalLM.register(SDARConfig, SDARForCausalLM, exist_ok=True)
+    auto_classes = ((SDARConfig, SDARForCausalLM),)

@@ -11,8 +11,10 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import hf_dllm_spec  # noqa: F401  (registers SDAR)
+import hf_dllm_spec
 from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+hf_dllm_spec.register_auto_classes()
 
 MASK_ID = 98
 TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
@@ -29,8 +31,11 @@ def sdar_model() -> SDARForCausalLM:
 
 @pytest.fixture(scope="session")
 def qwen_model(sdar_model) -> Qwen3ForCausalLM:
-    """A plain transformers Qwen3 model with the same weights as `sdar_model` and no mask token in its config."""
-    model = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
+    """A plain transformers Qwen3 model with the same weights as `sdar_model` and no mask token in its config.
+
+    SDAR weights in the Qwen3 layout: declared position-aligned (a plain Qwen checkpoint is right-shifted).
+    """
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY, dllm_alignment="position")).eval()
     model.load_state_dict(sdar_model.state_dict())
     return model
 

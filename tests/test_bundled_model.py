@@ -67,3 +67,40 @@ def test_statistics_add_up(bundled, strategy, params):
     assert s.nfe == s.num_prefill_forwards + s.num_draft_forwards + s.num_verify_forwards + s.num_cache_write_forwards
     assert s.num_verify_forwards == s.num_drafts and s.num_draft_tokens >= s.num_accepted_tokens
     assert 0 < s.forward_time_s < s.wall_time_s
+
+
+@pytest.fixture(scope="module")
+def real_batch(bundled):
+    """8 real prompts of different lengths (arithmetic and HumanEval), left-padded by the tokenizer."""
+    from examples.evaluation import arithmetic_prompts, humaneval_prompts
+
+    tokenizer, _, _ = bundled
+    texts = [p.text for p in arithmetic_prompts(MODEL_DIR, 5)] + [p.text for p in humaneval_prompts(3)]
+    tokenizer.padding_side = "left"
+    return texts, tokenizer(texts, return_tensors="pt", padding=True)
+
+
+@pytest.mark.parametrize("strategy,params", [
+    ("ar", {}),
+    ("block_diffusion", {"block_size": 4, "confidence_threshold": 0.9}),
+    ("block_diffusion", {"block_size": 16, "remasking_strategy": "low_confidence_static"}),
+    ("s2d2", {"block_size": 16, "min_ssd_span_length": 1, "cache_ver": True, "draft_ver": True}),
+    ("s2d2", {"block_size": 8, "do_verify_policy": "score_hysteresis", "score_penalty_coef": 1.0}),
+])
+@pytest.mark.filterwarnings("ignore:`block_size`")
+def test_batch_of_8_real_prompts_equals_single_calls(bundled, real_batch, strategy, params):
+    """EOS on: rows stop at different points, leave the batch, and are padded; tokens equal the single calls."""
+    tokenizer, model, _ = bundled
+    texts, enc = real_batch
+    out = model.generate(enc.input_ids, attention_mask=enc.attention_mask, decoding_strategy=strategy,
+                         max_new_tokens=40, return_dict_in_generate=True, **params)
+    width, nfe = enc.input_ids.shape[1], 0
+    for i, text in enumerate(texts):
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        single = model.generate(ids, decoding_strategy=strategy, max_new_tokens=40, return_dict_in_generate=True,
+                                **params)
+        new = single.sequences[0, ids.shape[1]:].tolist()
+        assert out.sequences[i, width:width + len(new)].tolist() == new, f"row {i}"
+        assert out.spec_stats_per_row[i].nfe == single.spec_stats.nfe
+        nfe += single.spec_stats.nfe
+    assert out.spec_stats.nfe == nfe and out.spec_stats.num_forward_calls < nfe

@@ -149,11 +149,14 @@ def test_bad_input_raises_before_forward(no_forward, prompt, kwargs, match):
         no_forward.generate(prompt, **kwargs)
 
 
-def test_padding_batch_and_missing_mask_token(no_forward, qwen_model, prompt):
-    with pytest.raises(ValueError, match=r"`attention_mask` .* padding"):
-        no_forward.generate(prompt, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1]]), decoding_strategy="s2d2")
-    with pytest.raises(ValueError, match=r"`input_ids` \(=\(2, 7\)\) must have shape \(1, prompt_len\)"):
-        no_forward.generate(prompt.repeat(2, 1), decoding_strategy="s2d2")
+def test_right_padding_streamer_batch_and_missing_mask_token(no_forward, qwen_model, prompt):
+    with pytest.raises(ValueError, match=r"`attention_mask` .* must pad on the left.*padding_side = 'left'"):
+        no_forward.generate(prompt, attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 0]]), decoding_strategy="s2d2")
+    with pytest.raises(ValueError, match=r"`streamer` .* must be used with batch size 1"):
+        no_forward.generate(prompt.repeat(2, 1), decoding_strategy="s2d2", pad_token_id=0,
+                            streamer=type("S", (), {"put": lambda self, v: None, "end": lambda self: None})())
+    with pytest.raises(ValueError, match=r"`pad_token_id` \(=None\) must be set"):
+        no_forward.generate(prompt.repeat(2, 1), decoding_strategy="s2d2", eos_token_id=None)
     with pytest.raises(ValueError, match=r"`mask_token_id` \(=None\) must be known"):
         qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="s2d2",
                             block_size=4)

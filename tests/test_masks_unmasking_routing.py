@@ -1,4 +1,4 @@
-"""Pure helpers: mask builders, commit rules and routing, against hand-computed values."""
+"""Pure helpers: mask builders, commit rules and routing, against hand-computed values (batch-leading API)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from hf_dllm_spec.routing import (
     HysteresisPolicy,
     MinimumSpanPolicy,
     RoutingContext,
+    RoutingPolicy,
     ScoreThresholdPolicy,
     UCBPolicy,
     acceptance_estimates,
@@ -25,13 +26,18 @@ from hf_dllm_spec.routing import (
     verify_score,
 )
 from hf_dllm_spec.strategies import first_masked_span
-from hf_dllm_spec.unmasking import num_transfer_tokens, select_transfer
+from hf_dllm_spec.unmasking import num_transfer_tokens, scheduled_tokens, select_transfer
 
 T, F = True, False
 
 
+def _b(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+# -- masks -------------------------------------------------------------------------------------------------------
 def test_verifier_2l_mask_eq3():
-    expected = torch.tensor([
+    expected = _b([
         [T, F, F, F, F, F],
         [T, T, F, F, F, F],
         [T, T, T, F, F, F],
@@ -43,27 +49,70 @@ def test_verifier_2l_mask_eq3():
 
 
 def test_partially_causal_draft_mask_eq4():
-    expected = torch.tensor([
+    out = partially_causal_draft_mask(4, torch.tensor([2, 0, 4, 1]))
+    assert out.shape == (4, 4, 4) and out.dtype == torch.bool
+    assert torch.equal(out[0], _b([
         [T, F, F, F],
         [T, T, F, F],
         [T, T, T, T],
         [T, T, T, T],
-    ])
-    assert torch.equal(partially_causal_draft_mask(4, 2), expected)
-    assert partially_causal_draft_mask(4, 0).all()
+    ]))
+    assert out[1].all()                                                    # j = 0: the whole block sees itself
+    assert torch.equal(out[2], torch.ones(4, 4, dtype=torch.bool).tril())  # j = B (no mask): token-causal
+    assert torch.equal(out[3], _b([
+        [T, F, F, F],
+        [T, T, T, T],
+        [T, T, T, T],
+        [T, T, T, T],
+    ]))
+    # each row is built from its own j: a single-row call gives the same slice
+    for n, j in enumerate([2, 0, 4, 1]):
+        assert torch.equal(partially_causal_draft_mask(4, torch.tensor([j]))[0], out[n])
 
 
 def test_block_causal_mask_counts_blocks_from_position_zero():
-    m = block_causal_mask(4, 4, start=2)  # positions 2..5: blocks 0,0,1,1
-    assert torch.equal(m, torch.tensor([[T, T, F, F], [T, T, F, F], [T, T, T, T], [T, T, T, T]]))
-    assert torch.equal(block_causal_mask(3, 1), torch.ones(3, 3, dtype=torch.bool).tril())
+    m = block_causal_mask(torch.arange(2, 6), 4)          # positions 2..5: blocks 0,0,1,1
+    assert torch.equal(m, _b([[T, T, F, F], [T, T, F, F], [T, T, T, T], [T, T, T, T]]))
+    assert torch.equal(block_causal_mask(torch.arange(3), 1), torch.ones(3, 3, dtype=torch.bool).tril())
+    # batched: each row from its own positions
+    pos = torch.tensor([[2, 3, 4, 5], [0, 1, 2, 3], [3, 4, 7, 8]])
+    out = block_causal_mask(pos, 4)
+    assert out.shape == (3, 4, 4)
+    assert torch.equal(out[0], m)
+    assert out[1].all()                                    # one block: all visible
+    assert torch.equal(out[2], _b([                        # blocks 0,1,1,2
+        [T, F, F, F],
+        [T, T, T, F],
+        [T, T, T, F],
+        [T, T, T, T],
+    ]))
+    # repeated positions (2L layout) see each other; block size 1 is token-causal over positions, not indices
+    assert torch.equal(block_causal_mask(torch.tensor([[4, 5, 4, 5]]), 1)[0], _b([
+        [T, F, T, F],
+        [T, T, T, T],
+        [T, F, T, F],
+        [T, T, T, T],
+    ]))
 
 
 def test_concat_segments_and_additive():
     m = concat_segments(torch.ones(1, 1, dtype=torch.bool), torch.eye(2, dtype=torch.bool))
-    assert torch.equal(m, torch.tensor([[T, F, F], [T, T, F], [T, F, T]]))
-    add = to_additive(m, torch.float32)
-    assert add.shape == (1, 1, 3, 3) and add[0, 0, 0, 1] == torch.finfo(torch.float32).min and add[0, 0, 1, 0] == 0
+    assert torch.equal(m, _b([[T, F, F], [T, T, F], [T, F, T]]))
+    add = to_additive(m[None], torch.float32)
+    assert add.shape == (1, 1, 3, 3)
+    low = torch.finfo(torch.float32).min
+    assert add[0, 0, 0, 1] == low and add[0, 0, 1, 0] == 0
+    torch.testing.assert_close(add[0, 0], torch.where(m, 0.0, low), atol=0, rtol=0)
+    # batched first segment, shared second segment
+    first = torch.stack([torch.ones(2, 2, dtype=torch.bool).tril(), torch.ones(2, 2, dtype=torch.bool)])
+    out = concat_segments(first, torch.ones(1, 1, dtype=torch.bool))
+    assert torch.equal(out, _b([
+        [[T, F, F], [T, T, F], [T, T, T]],
+        [[T, T, F], [T, T, F], [T, T, T]],
+    ]))
+    add = to_additive(out, torch.float16)
+    assert add.shape == (2, 1, 3, 3) and add.dtype == torch.float16
+    assert torch.equal(add[:, 0], torch.where(out, 0.0, torch.finfo(torch.float16).min).half())
 
 
 def test_num_transfer_tokens():
@@ -71,37 +120,111 @@ def test_num_transfer_tokens():
     assert num_transfer_tokens(8, 3) == [3, 3, 2]
 
 
+@pytest.mark.parametrize("steps_per_block", [1, 2, 3, 4, 8])
+def test_scheduled_tokens_matches_num_transfer_tokens(steps_per_block):
+    cases = [(m, s) for m in range(1, 10) for s in range(12)]   # steps past the schedule included
+    num_masks = torch.tensor([m for m, _ in cases])
+    step = torch.tensor([s for _, s in cases])
+    out = scheduled_tokens(num_masks, steps_per_block, step)
+    expected = []
+    for m, s in cases:
+        schedule = num_transfer_tokens(m, min(steps_per_block, m))
+        expected.append(schedule[min(s, len(schedule) - 1)])
+    assert out.tolist() == expected
+
+
+# -- commit rules ------------------------------------------------------------------------------------------------
 CONF = torch.tensor([0.9, 0.2, 0.95, 0.5, 0.3])
 MASKED = torch.tensor([T, T, F, T, T])
 
-
-@pytest.mark.parametrize("rule,k,threshold,expected", [
+RULE_CASES = [
     ("sequential", 2, 0.85, [T, T, F, F, F]),
     ("low_confidence_static", 2, 0.85, [T, F, F, T, F]),
     ("low_confidence_dynamic", 1, 0.85, [T, F, F, F, F]),
     ("low_confidence_dynamic", 1, 0.25, [T, F, F, T, T]),
     ("low_confidence_dynamic", 1, 0.99, [T, F, F, F, F]),   # nothing crosses: still one token (Fast-dLLM #42)
     ("low_confidence_dynamic", 3, 0.85, [T, F, F, T, T]),   # fewer than k confident: top-k
-])
+]
+
+
+@pytest.mark.parametrize("rule,k,threshold,expected", RULE_CASES)
 def test_select_transfer_rules(rule, k, threshold, expected):
-    out = select_transfer(rule, masked=MASKED, confidence=CONF, num_tokens=k, confidence_threshold=threshold)
-    assert out.tolist() == expected
+    out = select_transfer(rule, masked=MASKED[None], confidence=CONF[None], num_tokens=k,
+                          confidence_threshold=threshold)
+    assert out.shape == (1, 5) and out[0].tolist() == expected
+    out_t = select_transfer(rule, masked=MASKED[None], confidence=CONF[None], num_tokens=torch.tensor([k]),
+                            confidence_threshold=threshold)
+    assert out_t[0].tolist() == expected
+
+
+@pytest.mark.parametrize("rule", ["sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded"])
+def test_select_transfer_rows_are_independent(rule):
+    """A batch with per-row k gives, row by row, what one-row calls give."""
+    g = torch.Generator().manual_seed(5)
+    n, width = 12, 6
+    masked = torch.rand(n, width, generator=g) < 0.6
+    masked[0] = False                                   # a row without masks commits nothing
+    masked[1] = True
+    conf = torch.rand(n, width, generator=g)
+    ent = torch.rand(n, width, generator=g) * 0.4
+    k = torch.randint(0, 5, (n,), generator=g)          # 0 is clamped up to 1
+    kwargs = dict(confidence_threshold=0.5, entropies=ent, eb_threshold=0.5)
+    out = select_transfer(rule, masked=masked, confidence=conf, num_tokens=k, **kwargs)
+    assert out.shape == (n, width)
+    assert not out[0].any()
+    assert not (out & ~masked).any()
+    for r in range(n):
+        single = select_transfer(rule, masked=masked[r:r + 1], confidence=conf[r:r + 1], num_tokens=int(k[r]),
+                                 confidence_threshold=0.5, entropies=ent[r:r + 1], eb_threshold=0.5)
+        assert out[r].tolist() == single[0].tolist(), r
+        if masked[r].any():
+            assert out[r].sum() >= min(max(int(k[r]), 1), int(masked[r].sum()))
+    # rows are not all alike (the comparison above is not trivially true)
+    assert len({tuple(row) for row in out.tolist()}) > 3
+
+
+def test_select_transfer_ties_go_leftmost():
+    masked = _b([[T, T, T, T, T], [F, T, T, T, T]])
+    conf = torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.5], [0.9, 0.3, 0.7, 0.3, 0.7]])
+    out = select_transfer("low_confidence_static", masked=masked, confidence=conf, num_tokens=torch.tensor([2, 3]))
+    assert out.tolist() == [[T, T, F, F, F], [F, T, T, F, T]]        # 0.7, 0.7, then the left 0.3
+    out = select_transfer("low_confidence_static", masked=masked, confidence=conf, num_tokens=torch.tensor([2, 2]))
+    assert out.tolist() == [[T, T, F, F, F], [F, F, T, F, T]]
+    out = select_transfer("low_confidence_dynamic", masked=masked, confidence=conf, num_tokens=1,
+                          confidence_threshold=0.95)
+    assert out.tolist() == [[T, F, F, F, F], [F, F, T, F, F]]
+    out = select_transfer("entropy_bounded", masked=masked, confidence=conf, num_tokens=1,
+                          entropies=torch.full((2, 5), 0.2), eb_threshold=0.3)
+    assert out.tolist() == [[T, T, F, F, F], [F, T, T, F, F]]
 
 
 def test_entropy_bounded_uses_per_position_entropy():
     ent = torch.tensor([0.10, 0.30, 0.0, 0.05, 1.0])
     # ascending over masked: idx3 (0.05), idx0 (0.15 cum), idx1 (0.45 cum >= 0.35) -> 3 positions
-    out = select_transfer("entropy_bounded", masked=MASKED, confidence=CONF, num_tokens=1,
-                          entropies=ent, eb_threshold=0.35)
-    assert out.tolist() == [T, T, F, T, F]
+    out = select_transfer("entropy_bounded", masked=MASKED[None], confidence=CONF[None], num_tokens=1,
+                          entropies=ent[None], eb_threshold=0.35)
+    assert out[0].tolist() == [T, T, F, T, F]
+    # batched with a second row whose budget is reached at once, and k forcing more in a third
+    masked = torch.stack([MASKED, MASKED, MASKED])
+    ents = torch.stack([ent, torch.tensor([0.5, 0.3, 0.0, 0.9, 1.0]), ent])
+    out = select_transfer("entropy_bounded", masked=masked, confidence=CONF.expand(3, -1),
+                          num_tokens=torch.tensor([1, 1, 4]), entropies=ents, eb_threshold=0.35)
+    assert out.tolist() == [[T, T, F, T, F], [T, T, F, F, F], [T, T, F, T, T]]
+    with pytest.raises(ValueError, match="entropies"):
+        select_transfer("entropy_bounded", masked=MASKED[None], confidence=CONF[None], num_tokens=1)
+    with pytest.raises(ValueError, match="remasking_strategy"):
+        select_transfer("nope", masked=MASKED[None], confidence=CONF[None], num_tokens=1)
 
 
 def test_first_masked_span():
-    assert first_masked_span(torch.tensor([F, T, T, F, T])) == (1, 3)
-    assert first_masked_span(torch.tensor([F, F])) == (2, 2)
-    assert first_masked_span(torch.tensor([T, T])) == (0, 2)
+    start, end = first_masked_span(_b([[F, T, T, F, T], [F, F, F, F, F], [T, T, T, T, T], [T, F, T, T, F]]))
+    assert start.tolist() == [1, 5, 0, 0]
+    assert end.tolist() == [3, 5, 5, 1]
+    start, end = first_masked_span(_b([[F, F]]))
+    assert (start.tolist(), end.tolist()) == ([2], [2])
 
 
+# -- routing -----------------------------------------------------------------------------------------------------
 PROBS = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25], [0.5, 0.45, 0.05, 0.0]])
 CHOSEN = torch.tensor([0.7, 0.25, 0.5])
 
@@ -122,20 +245,66 @@ def _entropy(row):
     ("soft_clipped_linear_margin", {"margin_coef": 2.0}, [1.0, 0.0, 0.1]),
 ])
 def test_acceptance_estimators(name, kwargs, expected):
+    expected = torch.tensor(expected)
     out = acceptance_estimates(name, PROBS, CHOSEN, **kwargs)
-    torch.testing.assert_close(out, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # batched (N, B, V) -> (N, B): rows in a different order give the permuted values
+    perm = torch.tensor([2, 0, 1])
+    probs = torch.stack([PROBS, PROBS[perm]])
+    chosen = torch.stack([CHOSEN, CHOSEN[perm]])
+    out = acceptance_estimates(name, probs, chosen, **kwargs)
+    assert out.shape == (2, 3)
+    torch.testing.assert_close(out, torch.stack([expected, expected[perm]]), atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_estimator_raises():
+    with pytest.raises(ValueError, match="token_acceptance_estimator"):
+        acceptance_estimates("nope", PROBS, CHOSEN)
 
 
 def test_expected_accepted_length_and_scores():
-    assert expected_accepted_length(torch.tensor([1.0, 0.5, 0.5])) == pytest.approx(1 + 0.5 + 0.25)
-    assert expected_accepted_length(torch.tensor([])) == float("-inf")
+    out = expected_accepted_length(torch.tensor([[1.0, 0.5, 0.5]]))
+    assert out.shape == (1,) and out.item() == pytest.approx(1 + 0.5 + 0.25)
+    alpha = torch.tensor([
+        [1.0, 0.5, 0.5, 0.9],
+        [0.1, 1.0, 0.5, 0.9],     # span [1, 3): 1 + 0.5; alpha outside the span ignored
+        [0.3, 0.3, 0.8, 1.0],     # span [2, 4): 0.8 + 0.8
+        [0.9, 0.9, 0.9, 0.9],     # empty span
+        [0.5, 1.0, 1.0, 1.0],     # span [0, 1) only: the 1.0 after it must not count
+    ])
+    span = _b([[T, T, T, F], [F, T, T, F], [F, F, T, T], [F, F, F, F], [T, F, F, F]])
+    out = expected_accepted_length(alpha, span)
+    assert out.shape == (5,)
+    assert out[3].item() == float("-inf")
+    torch.testing.assert_close(out[[0, 1, 2, 4]], torch.tensor([1.75, 1.5, 1.6, 0.5]), atol=1e-6, rtol=1e-6)
+    # span=None: the whole row
+    torch.testing.assert_close(expected_accepted_length(alpha[:1]), torch.tensor([1.0 + 0.5 + 0.25 + 0.225]),
+                               atol=1e-6, rtol=1e-6)
     assert verify_score(1.75, score_type="difference_static", penalty_coef=1.0, num_confident=3) == 0.75
     assert verify_score(1.75, score_type="difference_dynamic", penalty_coef=0.5, num_confident=3) == 0.25
+    k_hat = torch.tensor([1.75, 0.5, float("-inf")])
+    torch.testing.assert_close(
+        verify_score(k_hat, score_type="difference_dynamic", penalty_coef=0.5, num_confident=torch.tensor([3, 0, 1])),
+        torch.tensor([0.25, 0.5, float("-inf")]))
+    torch.testing.assert_close(
+        verify_score(k_hat, score_type="difference_static", penalty_coef=1.0, num_confident=torch.tensor([3, 0, 1])),
+        torch.tensor([0.75, -0.5, float("-inf")]))
+    with pytest.raises(ValueError, match="do_verify_score_type"):
+        verify_score(k_hat, score_type="nope", penalty_coef=1.0, num_confident=0)
 
 
-def _ctx(score=0.0, span=2, masked=3, entropy=0.5):
+def _ctx(score=0.0, span=2, masked=3, entropy=0.5, start=0):
     return RoutingContext(span_length=span, block_size=4, num_masked=masked, num_decodable=4, score=score,
-                          mean_normalized_entropy=entropy)
+                          mean_normalized_entropy=entropy, span_start=start)
+
+
+def test_routing_context_and_policy_flags():
+    assert _ctx(start=2).span_start == 2
+    assert RoutingContext(span_length=1, block_size=4, num_masked=1, num_decodable=4).span_start == 0
+    assert UCBPolicy(1.0, 2, 2, 2).needs_feedback is True
+    for pol in (MinimumSpanPolicy(1), ScoreThresholdPolicy(0.0), HysteresisPolicy(0.0, -1.0)):
+        assert pol.needs_feedback is False
+    assert RoutingPolicy.needs_feedback is False
 
 
 def test_minimum_span_and_score_threshold():

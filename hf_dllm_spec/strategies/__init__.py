@@ -1,14 +1,13 @@
-"""Strategy registry: `decoding_strategy` name -> strategy class."""
+"""Decoding strategies, one module per paper; each module holds the strategy and its config.
+
+The name -> strategy table is `hf_dllm_spec.registry`.
+"""
 
 from __future__ import annotations
 
 from .base import DecodingSession, DecodingStrategy
-from .block_diffusion import ARStrategy, BlockDiffusionStrategy, BlockState
-from .s2d2 import S2D2Strategy, first_masked_span
+from .block_diffusion import ARConfig, ARStrategy, BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
+from .s2d2 import S2D2Config, S2D2Strategy, first_masked_span
 
-STRATEGIES: dict[str, type[DecodingStrategy]] = {
-    cls.name: cls for cls in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy)
-}
-
-__all__ = ["ARStrategy", "BlockDiffusionStrategy", "BlockState", "DecodingSession", "DecodingStrategy",
-           "S2D2Strategy", "STRATEGIES", "first_masked_span"]
+__all__ = ["ARConfig", "ARStrategy", "BlockDiffusionConfig", "BlockDiffusionStrategy", "BlockState",
+           "DecodingSession", "DecodingStrategy", "S2D2Config", "S2D2Strategy", "first_masked_span"]

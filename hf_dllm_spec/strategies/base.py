@@ -3,40 +3,58 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from ..configuration import DecodingConfig
-from ..outputs import SpecDecodingStats
+from ..outputs import BatchStats
 from ..runner import ModelRunner
 from ..sampling import Sampler
+from ..streaming import TokenStream
 
 
 @dataclass
 class DecodingSession:
-    """Everything a strategy needs for one `generate` call (batch 1), resolved and validated up front.
+    """Everything a strategy needs for one `generate` call, resolved and validated before any forward.
 
     Attributes:
-        prompt_ids (`torch.Tensor` of shape `(P,)`, int64): the prompt.
-        runner (`ModelRunner`): the decoding model with its cache (the target / self-drafting model).
+        prompts (`list[torch.Tensor]`): each row's prompt without padding, `(P_n,)` int64.
+        target (`ModelRunner`): the model whose output is decoded (the self-drafting model of S2D2).
         sampler (`Sampler`): logits -> distributions and tokens; holds the generator.
-        stats (`SpecDecodingStats`): counters, updated in place.
-        mask_token_id (`int` or `None`): the family's mask token.
-        stop_token_ids (`list[int]`): generation stops after the block in which one of them is committed.
-        max_new_tokens (`int`): budget in tokens (whole blocks are decoded, the caller trims).
-        stop_check (`callable`): `(generated_ids (n,)) -> bool`, the caller's extra stopping criteria.
+        stats (`BatchStats`): per-row counters, updated in place.
+        mask_token_id (`int` or `None`): the target's mask token.
+        stop_token_ids (`list[int]`): a row stops after the block in which one of them is committed.
+        max_new_tokens (`int`): budget in tokens per row (whole blocks are decoded, the caller trims).
+        drafter (`ModelRunner`, *optional*): a separate drafter model (SimSD, DEER), with its own cache, family
+            patch and alignment.
+        draft_mask_token_id (`int`, *optional*): the drafter's mask token (a mask id of one family can be a real
+            token of another: never shared).
+        stop_check (`callable`, *optional*): `(prompt index, generated (n,)) -> bool`, the caller's stopping
+            criteria.
+        stream (`TokenStream`, *optional*): receives final tokens (batch size 1).
+        block_size (`int`): the target's block size; draft_block_size (`int`, *optional*): the drafter's.
     """
 
-    prompt_ids: torch.Tensor
-    runner: ModelRunner
+    prompts: list[torch.Tensor]
+    target: ModelRunner
     sampler: Sampler
-    stats: SpecDecodingStats
+    stats: BatchStats
     mask_token_id: int | None
     stop_token_ids: list[int]
     max_new_tokens: int
-    stop_check: Any = None
+    block_size: int = 1
+    drafter: ModelRunner | None = None
+    draft_mask_token_id: int | None = None
+    draft_block_size: int | None = None
+    stop_check: Callable[[int, torch.Tensor], bool] | None = None
+    stream: TokenStream | None = None
+    device: Any = field(default=None)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
 
 
 class DecodingStrategy(ABC):
@@ -44,11 +62,11 @@ class DecodingStrategy(ABC):
 
     Attributes:
         name (`str`): the `decoding_strategy` value.
-        config_class (`type[DecodingConfig]`).
+        config_class (`type[DecodingConfig]`): its config, defined beside the strategy.
         paper (`str`): source of the algorithm.
         lossless (`bool`): whether outputs follow the target distribution exactly.
-        requires_mask_token (`bool`): whether the model needs a mask token.
-        supports_batch (`bool`): whether batch size > 1 is supported.
+        requires_mask_token (`bool`): whether the target needs a mask token.
+        uses_drafter (`bool`): whether the strategy runs a separate `draft_model` (then required).
     """
 
     name: ClassVar[str]
@@ -56,20 +74,30 @@ class DecodingStrategy(ABC):
     paper: ClassVar[str] = ""
     lossless: ClassVar[bool] = False
     requires_mask_token: ClassVar[bool] = True
-    supports_batch: ClassVar[bool] = False
+    uses_drafter: ClassVar[bool] = False
 
     def __init__(self, config: DecodingConfig, session: DecodingSession) -> None:
         self.config, self.session = config, session
 
-    @abstractmethod
-    def decode(self) -> torch.Tensor:
-        """Run the decoding loop; return the committed tokens after the prompt, `(n,)` int64 (untrimmed)."""
+    @classmethod
+    def check_block_sizes(cls, block_size: int, draft_block_size: int | None) -> None:
+        """Raise `ValueError` if the drafter's block size does not fit the target's (default: must be equal)."""
+        if draft_block_size is not None and draft_block_size != block_size:
+            raise ValueError(
+                f"`draft_block_size` (={draft_block_size}) must equal `block_size` (={block_size}) for "
+                f"decoding_strategy={cls.name!r}; pass the same block size for both models."
+            )
 
-    def should_stop(self, generated: torch.Tensor) -> bool:
+    @abstractmethod
+    def decode(self) -> list[torch.Tensor]:
+        """Run the decoding loop; return each prompt's committed tokens, `(n_i,)` int64 (untrimmed)."""
+
+    def should_stop(self, prompt_index: int, generated: torch.Tensor) -> bool:
         """Stop after a stop id, at the token budget, or when the caller's criteria say so."""
         s = self.session
         if generated.shape[0] >= s.max_new_tokens:
             return True
-        if s.stop_token_ids and torch.isin(generated, torch.tensor(s.stop_token_ids, device=generated.device)).any():
+        if s.stop_token_ids and bool(torch.isin(generated, torch.tensor(s.stop_token_ids,
+                                                                         device=generated.device)).any()):
             return True
-        return bool(s.stop_check is not None and s.stop_check(generated))
+        return bool(s.stop_check is not None and s.stop_check(prompt_index, generated))

@@ -1,189 +1,375 @@
-"""Block-diffusion decoding with confidence-based unmasking (S2D2 paper Algorithms 1-2).
+"""Block-diffusion decoding with confidence-based unmasking (S2D2 paper Algorithms 1-2), batched.
 
-Block grid from absolute position 0; the prompt's aligned part is prefilled, its tail shares the first block
-with the masks and is never edited. Denoising forwards read the cache; each finished block is written once,
-either in its own forward (`fuse_cache_write=False`, the reference accounting) or together with the next
-block's first denoising forward (`fuse_cache_write=True`, default): one input `[finished block | next block]`
-whose first rows see only the cache and themselves, so their K/V are exactly those of a separate write.
-Block size 1 is autoregressive decoding of the same model.
+Block grid from absolute position 0, per row: each row's prompt (padding ignored) has its block-aligned part
+prefilled and its tail shares the row's first block with the masks; the tail is never edited. Every row keeps
+its own block (start position, prompt tail, schedule step); one forward per step serves the whole batch, rows
+finish blocks at different steps, and a finished row leaves the batch. Denoising forwards read the cache; each
+finished block is written once, either in its own forward (`fuse_cache_write=False`, the reference accounting)
+or together with the row's next block's first denoising forward (`fuse_cache_write=True`, default): one input
+`[finished block | next block]` whose first rows see only the cache and themselves, so their K/V are exactly
+those of a separate write. Rows with nothing to write in that forward store padding that nobody sees
+(runner.py). Block size 1 is autoregressive decoding of the same model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..configuration import ARConfig, BlockDiffusionConfig
-from ..masks import block_causal_mask, causal_mask, concat_segments, full_mask, partially_causal_draft_mask
+from ..configuration import DecodingConfig, check_bool, check_int
+from ..editing import EditRule
+from ..masks import block_causal_mask, concat_segments, full_mask, partially_causal_draft_mask
 from ..sampling import entropy
-from ..timing import now
-from ..unmasking import num_transfer_tokens, select_transfer
+from ..unmasking import REMASKING_STRATEGIES, scheduled_tokens, select_transfer
+from ..validation import check_choice, check_range, invalid
 from .base import DecodingStrategy
 
 
 @dataclass
+class BlockDiffusionConfig(DecodingConfig):
+    """Block-diffusion decoding with confidence-based unmasking (S2D2 paper Algorithms 1-2).
+
+    Args:
+        block_size (`int`, *optional*): tokens per block, counted from absolute position 0. `None` uses the
+            checkpoint's trained block size (`config.block_size`); other sizes run off-distribution with a
+            warning.
+        steps_per_block (`int`, *optional*): denoising steps S of the commit schedule; `None` = block_size
+            (one token per step at least). Steps past S reuse the last schedule entry until the block is full.
+        remasking_strategy (`str`, defaults to "low_confidence_dynamic"): commit rule, see `unmasking.py`.
+        confidence_threshold (`float`, defaults to 0.85): tau of the dynamic rule, probability in (0, 1];
+            1.0 gives static decoding.
+        eb_threshold (`float`, defaults to 0.35): entropy budget in nats of `entropy_bounded`.
+        cache_ver (`bool`, defaults to False): AR-like caching: prefill and block writes use a token-causal
+            mask, so the cache equals what block size 1 would store (S2D2 §4.2).
+        draft_ver (`bool`, defaults to False): partially causal drafting mask (S2D2 Eq. 4).
+        fuse_cache_write (`bool`, defaults to True): write a finished block's K/V in the same forward as the
+            next block's first denoising step (exact; saves one forward per block, so AR costs one forward per
+            token). False reproduces the reference accounting: one separate write forward per finished block,
+            the last one included.
+    """
+
+    decoding_strategy: ClassVar[str] = "block_diffusion"
+
+    block_size: int | None = None
+    steps_per_block: int | None = None
+    remasking_strategy: str = "low_confidence_dynamic"
+    confidence_threshold: float = 0.85
+    eb_threshold: float = 0.35
+    cache_ver: bool = False
+    draft_ver: bool = False
+    fuse_cache_write: bool = True
+
+    def validate(self) -> None:
+        if self.block_size is not None:
+            check_int("block_size", self.block_size, 1, "pass a positive number of tokens, e.g. 4")
+        if self.steps_per_block is not None:
+            check_int("steps_per_block", self.steps_per_block, 1, "pass at least one denoising step per block")
+            if self.block_size is not None and self.steps_per_block > self.block_size:
+                raise invalid("steps_per_block", self.steps_per_block,
+                              f"be at most `block_size` (={self.block_size})",
+                              "use steps_per_block <= block_size (one token per step at least)")
+        check_choice("remasking_strategy", self.remasking_strategy, REMASKING_STRATEGIES)
+        check_range("confidence_threshold", self.confidence_threshold, low=0.0, high=1.0, low_open=True,
+                    fix="pass a probability such as 0.85 (1.0 gives static decoding)")
+        check_range("eb_threshold", self.eb_threshold, low=0.0, low_open=True,
+                    fix="pass a positive entropy budget in nats, e.g. 0.35")
+        for name in ("cache_ver", "draft_ver", "fuse_cache_write"):
+            check_bool(name, getattr(self, name))
+
+
+@dataclass
+class ARConfig(BlockDiffusionConfig):
+    """Autoregressive decoding of a block-diffusion model: block size 1 (the S2D2 AR baseline).
+
+    With `fuse_cache_write=True` each token costs one forward, like a real AR model.
+    """
+
+    decoding_strategy: ClassVar[str] = "ar"
+
+    block_size: int | None = 1
+
+    def validate(self) -> None:
+        super().validate()
+        if self.block_size != 1:
+            raise invalid("block_size", self.block_size, "be 1 for decoding_strategy='ar'",
+                          "drop `block_size`, or use decoding_strategy='block_diffusion' for larger blocks")
+
+
+@dataclass
 class BlockState:
-    """The block being denoised.
+    """The block each row is denoising.
 
     Attributes:
-        tokens (`torch.Tensor` of shape `(B,)`, int64): block content, MASK where undecided.
-        start (`int`): absolute position of `tokens[0]`.
-        num_fixed (`int`): leading prompt-tail positions (never edited, never verified).
-        schedule (`list[int]`): tokens to commit per denoising step (`num_transfer_tokens`).
+        tokens (`torch.Tensor` of shape `(N, B)`, int64): block content, MASK where undecided.
+        undecided (`torch.Tensor` of shape `(N, B)`, bool): positions still masked (kept apart from the token
+            ids, so a placeholder id can never be mistaken for a decided token).
+        start (`torch.Tensor` of shape `(N,)`, int64): absolute position of `tokens[:, 0]`.
+        num_fixed (`torch.Tensor` of shape `(N,)`, int64): leading prompt-tail positions (never edited).
+        step (`torch.Tensor` of shape `(N,)`, int64): denoising steps taken in this block.
+        post_steps (`torch.Tensor` of shape `(N,)`, int64): steps that began with no mask (token editing).
         mask_token_id (`int`).
-        step (`int`): denoising steps taken in this block.
     """
 
     tokens: torch.Tensor
-    start: int
-    num_fixed: int
-    schedule: list[int]
+    undecided: torch.Tensor
+    start: torch.Tensor
+    num_fixed: torch.Tensor
+    step: torch.Tensor
+    post_steps: torch.Tensor
     mask_token_id: int
-    step: int = 0
 
     @property
     def masked(self) -> torch.Tensor:
-        """`(B,)` bool, positions still masked."""
-        return self.tokens == self.mask_token_id
+        """`(N, B)` bool, positions still masked."""
+        return self.undecided
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """`(1, B)` int64, 0 .. B-1."""
+        return torch.arange(self.tokens.shape[1], device=self.tokens.device)[None]
 
     @property
     def positions(self) -> torch.Tensor:
-        """`(B,)` int64 absolute positions."""
-        return torch.arange(self.start, self.start + self.tokens.shape[0], device=self.tokens.device)
+        """`(N, B)` int64 absolute positions."""
+        return self.start[:, None] + self.offsets
 
     @property
-    def scheduled_tokens(self) -> int:
-        """k for this step; steps past the schedule reuse its last entry."""
-        return self.schedule[min(self.step, len(self.schedule) - 1)]
+    def fixed(self) -> torch.Tensor:
+        """`(N, B)` bool, prompt-tail positions."""
+        return self.offsets < self.num_fixed[:, None]
+
+    @property
+    def num_masks(self) -> torch.Tensor:
+        """`(N,)` int64, masks the block started with (positions that are not prompt)."""
+        return self.tokens.shape[1] - self.num_fixed
+
+    def restart(self, rows: torch.Tensor) -> None:
+        """Move the rows where `rows` `(N,)` is true to their next block: all masks, B positions further on."""
+        width = self.tokens.shape[1]
+        self.tokens[rows] = self.mask_token_id
+        self.undecided[rows] = True
+        self.start = torch.where(rows, self.start + width, self.start)
+        for name in ("num_fixed", "step", "post_steps"):
+            setattr(self, name, torch.where(rows, torch.zeros_like(self.start), getattr(self, name)))
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep the rows `index` `(M,)`."""
+        for name in ("tokens", "undecided", "start", "num_fixed", "step", "post_steps"):
+            setattr(self, name, getattr(self, name)[index])
 
 
 class BlockDiffusionStrategy(DecodingStrategy):
     """Block diffusion with `low_confidence_dynamic` / `_static`, `sequential` or `entropy_bounded` unmasking.
 
     Source: S2D2 (arXiv 2603.25702) Algorithms 1-2; SDAR `block_diffusion_generate` (strategies.md §2).
+    Subclasses change one denoising step (:meth:`denoise_step`); an :class:`~hf_dllm_spec.editing.EditRule` in
+    `edit_rule` re-decides committed tokens of the current block after every step.
     """
 
     name = "block_diffusion"
     config_class = BlockDiffusionConfig
     paper = "S2D2 Algorithms 1-2 (arXiv 2603.25702); SDAR block_diffusion_generate"
     lossless = False
+    edit_rule: EditRule | None = None
 
-    def __init__(self, config, session, *, block_size: int) -> None:
+    def __init__(self, config, session) -> None:
         super().__init__(config, session)
-        self.block_size = block_size
-        self.steps_per_block = config.steps_per_block or block_size
+        self.block_size = session.block_size
+        self.steps_per_block = config.steps_per_block or self.block_size
 
-    # -- Algorithm 1: the outer loop -------------------------------------------------------------------------
-    def decode(self) -> torch.Tensor:
+    # -- Algorithm 1: the outer loop, every row at its own pace ------------------------------------------------
+    def decode(self) -> list[torch.Tensor]:
         s, B = self.session, self.block_size
-        device = s.prompt_ids.device
-        aligned = (s.prompt_ids.shape[0] // B) * B
-        if aligned:
-            self.prefill(s.prompt_ids[:aligned])
-        generated = torch.empty(0, dtype=torch.long, device=device)
-        tail, pending = s.prompt_ids[aligned:], None
-        start = aligned
-        while True:
-            block = self.new_block(tail, start)
-            while bool(block.masked.any()):
-                logits = self.draft_forward(block, pending)
-                pending = None
-                self.denoise_step(block, logits)
-                block.step += 1
-            new_tokens = block.tokens[block.num_fixed:]
-            s.stats.num_committed_tokens += new_tokens.shape[0]
-            generated = torch.cat([generated, new_tokens])
-            stop = self.should_stop(generated)
+        runner = s.target
+        lengths = torch.tensor([p.shape[0] for p in s.prompts], device=runner.device)
+        aligned = (lengths // B) * B
+        self.prefill(aligned)
+        block = self.first_blocks(aligned)
+        generated = [s.prompts[0].new_empty(0) for _ in range(s.batch_size)]
+        pending: torch.Tensor | None = None          # (N,) bool: rows whose finished block is stored next forward
+        while block.tokens.shape[0]:
+            masked_before = block.masked.clone()
+            logits = self.draft_forward(block, pending)
+            pending = None
+            self.denoise_step(block, logits)
+            done = self.finish_step(block, masked_before, logits)
+            block.step += 1
+            done_rows = done.tolist()
+            if s.stream is not None and self.edit_rule is None:
+                final = self.final_prefix(block, 0)
+                s.stream.push(torch.cat([generated[s.stats.active[0]], final]))
+            if not any(done_rows):
+                continue
+            finished = []
+            for i, is_done in enumerate(done_rows):
+                if not is_done:
+                    continue
+                prompt_index = s.stats.active[i]
+                new_tokens = block.tokens[i, int(block.num_fixed[i]):]
+                s.stats.row(i).num_committed_tokens += new_tokens.shape[0]
+                generated[prompt_index] = torch.cat([generated[prompt_index], new_tokens])
+                if s.stream is not None:
+                    s.stream.push(generated[prompt_index])
+                if self.should_stop(prompt_index, generated[prompt_index]):
+                    finished.append(i)
             if not self.config.fuse_cache_write:
-                self.write_block(block)
-            elif not stop:
-                pending = block
-            if stop:
-                return generated
-            tail, start = tail[:0], start + B
+                self.write_blocks(block, done)
+            pending_rows = done.clone()
+            pending_rows[finished] = False
+            if self.config.fuse_cache_write and bool(pending_rows.any()):
+                pending = (block.tokens.clone(), block.positions, pending_rows)
+            block.restart(pending_rows)
+            if finished:
+                keep = [i for i in range(len(done_rows)) if i not in set(finished)]
+                index = torch.tensor(keep, dtype=torch.long, device=runner.device)
+                self.select_rows(index)
+                block.select(index)
+                if pending is not None:
+                    pending = tuple(t[index] for t in pending)
+                    if not bool(pending[2].any()):
+                        pending = None
+        return generated
 
-    def new_block(self, tail: torch.Tensor, start: int) -> BlockState:
-        """A block of `block_size` positions: the prompt tail, then masks."""
+    def first_blocks(self, aligned: torch.Tensor) -> BlockState:
+        """Each row's first block: its prompt tail, then masks."""
+        s, B = self.session, self.block_size
+        tokens = torch.full((s.batch_size, B), s.mask_token_id, dtype=torch.long, device=aligned.device)
+        for n, prompt in enumerate(s.prompts):
+            tail = prompt[int(aligned[n]):]
+            tokens[n, : tail.shape[0]] = tail
+        zeros = torch.zeros_like(aligned)
+        num_fixed = torch.tensor([p.shape[0] for p in s.prompts], device=aligned.device) - aligned
+        undecided = torch.arange(B, device=aligned.device)[None] >= num_fixed[:, None]
+        return BlockState(tokens, undecided, aligned.clone(), num_fixed, zeros.clone(), zeros.clone(),
+                          s.mask_token_id)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Drop finished rows from every per-row structure (the runners' caches and the counters)."""
         s = self.session
-        masks = torch.full((self.block_size - tail.shape[0],), s.mask_token_id, dtype=torch.long, device=tail.device)
-        schedule = num_transfer_tokens(masks.shape[0], min(self.steps_per_block, masks.shape[0]))
-        return BlockState(torch.cat([tail, masks]), start, tail.shape[0], schedule, s.mask_token_id)
+        s.target.select_rows(index)
+        if s.drafter is not None:
+            s.drafter.select_rows(index)
+        s.stats.select(index.tolist())
+
+    def final_prefix(self, block: BlockState, row: int) -> torch.Tensor:
+        """Committed tokens of `row`'s block left of its first mask (final without token editing), `(n,)`."""
+        masked = block.masked[row]
+        end = int(masked.float().argmax()) if bool(masked.any()) else masked.shape[0]
+        return block.tokens[row, int(block.num_fixed[row]):max(end, int(block.num_fixed[row]))]
 
     # -- forwards ---------------------------------------------------------------------------------------------
-    def store_mask(self, length: int, start: int) -> torch.Tensor:
-        """Visibility among tokens being stored: token-causal with `cache_ver`, else block-causal."""
-        device = self.session.prompt_ids.device
-        if self.config.cache_ver:
-            return causal_mask(length, device)
-        return block_causal_mask(length, self.block_size, start=start, device=device)
+    def store_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """Visibility among tokens being stored, `(N, q, q)`: token-causal with `cache_ver`, else block-causal."""
+        return block_causal_mask(positions, 1 if self.config.cache_ver else self.block_size)
 
-    def prefill(self, prompt: torch.Tensor) -> None:
-        """Store the block-aligned prompt (1 forward, counted as prefill)."""
+    def prefill(self, aligned: torch.Tensor) -> None:
+        """Store each row's block-aligned prompt, left-padded to the longest (1 forward, counted as prefill)."""
         s = self.session
-        t0 = now(s.runner.device)
-        positions = torch.arange(prompt.shape[0], device=prompt.device)
-        s.runner.forward(prompt, positions, self.store_mask(prompt.shape[0], 0), kind="prefill",
-                         store_len=prompt.shape[0], logits_to_keep=1)
-        s.stats.prefill_time_s += now(s.runner.device) - t0
+        longest = int(aligned.max())
+        if longest == 0:
+            return
+        n = s.batch_size
+        ids = torch.zeros(n, longest, dtype=torch.long, device=aligned.device)
+        positions = torch.zeros_like(ids)
+        valid = torch.arange(longest, device=aligned.device)[None] >= (longest - aligned)[:, None]
+        for i, prompt in enumerate(s.prompts):
+            a = int(aligned[i])
+            if a:
+                ids[i, longest - a:] = prompt[:a]
+                positions[i, longest - a:] = torch.arange(a, device=aligned.device)
+        with s.target.timer.span("prefill"):
+            s.target.forward(ids, positions, self.store_mask(positions), kind="prefill", store_len=longest,
+                             store_valid=valid, logits_to_keep=1, rows=(aligned > 0).tolist())
 
-    def write_block(self, block: BlockState) -> None:
-        """Separate cache-write forward of a finished block (Algorithm 1 line 5; 1 forward)."""
-        self.session.runner.forward(block.tokens, block.positions, self.store_mask(self.block_size, block.start),
-                                    kind="cache_write", store_len=self.block_size, logits_to_keep=1)
+    def write_blocks(self, block: BlockState, rows: torch.Tensor) -> None:
+        """Separate cache-write forward of the finished blocks of `rows` (Algorithm 1 line 5; 1 forward)."""
+        B = self.block_size
+        self.session.target.forward(block.tokens, block.positions, self.store_mask(block.positions),
+                                    kind="cache_write", store_len=B, store_valid=rows[:, None].expand(-1, B),
+                                    logits_to_keep=1, rows=rows.tolist())
 
     def draft_mask(self, block: BlockState) -> torch.Tensor:
-        """Visibility inside the block while denoising: full, or S2D2 Eq. 4 with `draft_ver`."""
-        device = block.tokens.device
+        """Visibility inside the block while denoising: full `(B, B)`, or S2D2 Eq. 4 `(N, B, B)` with `draft_ver`."""
         if self.config.draft_ver:
-            masked = block.masked.nonzero()
-            first = int(masked[0, 0]) if masked.numel() else self.block_size
-            return partially_causal_draft_mask(self.block_size, first, device)
-        return full_mask(self.block_size, device)
+            masked = block.masked
+            first = torch.where(masked.any(dim=1), masked.float().argmax(dim=1).long(),
+                                torch.full_like(block.start, self.block_size))
+            return partially_causal_draft_mask(self.block_size, first)
+        return full_mask(self.block_size, block.tokens.device)
 
-    def draft_forward(self, block: BlockState, pending: BlockState | None) -> torch.Tensor:
-        """Denoising forward of the block (cache read-only), fused with the write of `pending` if given.
+    def draft_forward(self, block: BlockState, pending: tuple | None) -> torch.Tensor:
+        """Denoising forward of every row's block (cache read-only), fused with the write of `pending` blocks.
+
+        Args:
+            pending (`tuple`, *optional*): `(tokens (N, B), positions (N, B), rows (N,) bool)` of finished blocks
+                to store in this forward; rows that are false store padding.
 
         Returns:
-            `torch.Tensor` of shape `(B, V)`, float32 draft logits of the block.
+            `torch.Tensor` of shape `(N, B, V)`, float32 draft logits of each row's block.
         """
-        s = self.session
-        ids, positions, intra, store_len = block.tokens, block.positions, self.draft_mask(block), 0
+        s, B = self.session, self.block_size
+        ids, positions, intra = block.tokens, block.positions, self.draft_mask(block)
+        store_len, store_valid = 0, None
         if pending is not None:
-            ids = torch.cat([pending.tokens, ids])
-            positions = torch.cat([pending.positions, positions])
-            intra = concat_segments(self.store_mask(self.block_size, pending.start), intra)
-            store_len = self.block_size
-        s.stats.num_denoising_steps += 1
-        return s.runner.forward(ids, positions, intra, kind="draft", store_len=store_len,
-                                logits_to_keep=self.block_size)
+            tokens, pending_positions, rows = pending
+            ids = torch.cat([tokens, ids], dim=1)
+            positions = torch.cat([pending_positions, positions], dim=1)
+            intra = concat_segments(self.store_mask(pending_positions), intra)
+            store_len, store_valid = B, rows[:, None].expand(-1, B)
+        for i in range(block.tokens.shape[0]):
+            s.stats.row(i).num_denoising_steps += 1
+        return s.target.forward(ids, positions, intra, kind="draft", store_len=store_len, store_valid=store_valid,
+                                logits_to_keep=B)
 
     # -- Algorithm 2: one denoising step -----------------------------------------------------------------------
     def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
         """Draw tokens for every position and commit masked ones by the confidence rule."""
         probs = self.session.sampler.probs(logits)
         tokens, confidence = self.session.sampler.choose(probs)
+        self._last_proposal = (probs, tokens, confidence)
         self.commit_by_rule(block, probs, tokens, confidence)
 
     def commit_by_rule(self, block: BlockState, probs: torch.Tensor, tokens: torch.Tensor,
-                       confidence: torch.Tensor) -> int:
-        """Commit the positions `remasking_strategy` selects; return how many (>= 1 while masks remain)."""
+                       confidence: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Commit the positions `remasking_strategy` selects in `rows` (all if None); return `(N,)` counts."""
         cfg = self.config
+        masked = block.masked if rows is None else block.masked & rows[:, None]
         transfer = select_transfer(
-            cfg.remasking_strategy, masked=block.masked, confidence=confidence, num_tokens=block.scheduled_tokens,
+            cfg.remasking_strategy, masked=masked, confidence=confidence,
+            num_tokens=scheduled_tokens(block.num_masks, self.steps_per_block, block.step),
             confidence_threshold=cfg.confidence_threshold, eb_threshold=cfg.eb_threshold,
             entropies=entropy(probs) if cfg.remasking_strategy == "entropy_bounded" else None,
         )
-        block.tokens[transfer] = tokens[transfer]
-        committed = int(transfer.sum())
-        self.session.stats.num_fallback_tokens += committed
+        block.tokens = torch.where(transfer, tokens, block.tokens)
+        block.undecided = block.undecided & ~transfer
+        committed = transfer.sum(dim=1)
+        self.session.stats.accumulate("num_fallback_tokens", committed)
         return committed
+
+    def finish_step(self, block: BlockState, masked_before: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Apply the edit rule (if any); return `(N,)` bool, the rows whose block is complete."""
+        if self.edit_rule is None:
+            return ~block.masked.any(dim=1)
+        probs, proposal, confidence = self._last_proposal
+        editable = ~masked_before & ~block.fixed
+        edits = self.edit_rule(tokens=block.tokens, editable=editable, probs=probs, proposal=proposal,
+                               confidence=confidence) & editable & (proposal != block.tokens)
+        block.tokens = torch.where(edits, proposal, block.tokens)
+        self.session.stats.accumulate("num_edited_tokens", edits.sum(dim=1))
+        began_full = ~masked_before.any(dim=1)
+        block.post_steps += began_full.long()
+        fired = edits.any(dim=1)
+        return ~block.masked.any(dim=1) & ((began_full & ~fired) | (block.post_steps >= self.edit_rule.max_post_steps))
 
 
 class ARStrategy(BlockDiffusionStrategy):
-    """Autoregressive decoding of a block-diffusion model: block size 1 (S2D2's AR baseline)."""
+    """Autoregressive decoding of a block-diffusion model: block size 1 (S2D2's AR baseline).
+
+    On a right-shifted model (every AR checkpoint) this is plain greedy / sampled AR decoding.
+    """
 
     name = "ar"
     config_class = ARConfig
     paper = "S2D2 §5 AR baseline (block size 1)"
-

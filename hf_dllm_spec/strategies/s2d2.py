@@ -1,26 +1,36 @@
-"""S2D2: training-free self-speculative decoding for block diffusion.
+"""S2D2: training-free self-speculative decoding for block diffusion, batched.
 
 Han et al., "Fast Decoding for Diffusion LLMs via Training-Free Self-Speculation", arXiv 2603.25702:
 Algorithm 3 (the block sampler), Algorithm 4 (routing), Eq. 3 (2L verifier mask), Eq. 5-6 (routing score),
 App. A.5-A.8. Reference-code details and the recommended choices: shared/reference/strategies.md §5.
 
-The same model drafts (block diffusion) and verifies (block size 1). Per denoising step: draft every masked
-position; take the first contiguous masked span C_t; a routing policy decides whether to verify it; if so,
-one verifier forward over `[block with drafts | MASK copy]` with the Eq. 3 mask and duplicated positions gives
-the AR-mode distribution q at every span position, and speculative acceptance commits the accepted prefix
-plus one recovered token; otherwise the block-diffusion rule commits tokens. Not lossless (§4.4): only C_t is
-verified, routing may skip, and drafting/caching stay block-diffusion unless `cache_ver`/`draft_ver`.
+The same model drafts (block diffusion) and verifies (block size 1). Per denoising step and per row: draft
+every masked position; take the row's first contiguous masked span C_t; the row's routing policy decides
+whether to verify it; one verifier forward serves every row that verifies (layout below), and speculative
+acceptance commits each row's accepted prefix plus one recovered token; the other rows commit by the
+block-diffusion rule. Not lossless (§4.4): only C_t is verified, routing may skip, and drafting/caching stay
+block-diffusion unless `cache_ver`/`draft_ver`.
+
+Verifier layout by alignment: a position-aligned model reads the AR-mode prediction for block position r at
+the MASK copy of r in `[x~ | MASK x B]` with the Eq. 3 mask and duplicated positions; a right-shifted model
+reads it at row r - 1 of `[x~]` under a causal mask (the runner's shift gives row r the prediction for r).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from ..configuration import S2D2Config
-from ..masks import verifier_2l_mask
+from ..configuration import check_bool, check_int
+from ..masks import causal_mask, verifier_2l_mask
 from ..routing import (
+    ESTIMATORS,
+    POLICIES,
+    SCORE_TYPES,
+    UCB_ENTROPY_SOURCES,
     HysteresisPolicy,
     MinimumSpanPolicy,
     RoutingContext,
@@ -32,22 +42,135 @@ from ..routing import (
     verify_score,
 )
 from ..sampling import entropy
+from ..validation import check_choice, check_range, invalid
 from ..verification import greedy_match, rejection_sample
-from .block_diffusion import BlockDiffusionStrategy, BlockState
+from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
+
+_SDAR_AR_CACHING = {"cache_ver": True, "draft_ver": True, "token_acceptance_estimator": "soft_entropy_negexp"}
 
 
-def first_masked_span(masked: torch.Tensor) -> tuple[int, int]:
-    """C_t: `[start, end)` of the first contiguous run of True in `masked` `(B,)`; `(B, B)` if none."""
-    idx = masked.nonzero()
-    if idx.numel() == 0:
-        return masked.shape[0], masked.shape[0]
-    start = int(idx[0, 0])
-    after = (~masked[start:]).nonzero()
-    end = start + int(after[0, 0]) if after.numel() else masked.shape[0]
-    return start, end
+@dataclass
+class S2D2Config(BlockDiffusionConfig):
+    """S2D2 self-speculative block diffusion (arXiv 2603.25702, Algorithms 3-4, Eq. 3-6, App. A.5-A.8).
+
+    Inherits the block-diffusion parameters (the fallback rule is `remasking_strategy`). Routing:
+
+    Args:
+        do_verify_policy (`str`, defaults to "mask_span_length"): one of "mask_span_length",
+            "score_threshold", "score_hysteresis", "contextual_bandit_ucb".
+        min_ssd_span_length (`int`, defaults to 1): tau_span; 1 verifies at every step.
+        do_verify_score_threshold (`float`, defaults to 0.0): tau_score.
+        do_verify_score_type (`str`, defaults to "difference_dynamic"): Eq. 6 static or dynamic score.
+        score_penalty_coef (`float`, defaults to 2.0): c of Eq. 6, >= 0.
+        hysteresis_threshold_on / hysteresis_threshold_off (`float`, defaults to 0.0 / -1.0): on > off.
+        token_acceptance_estimator (`str`, defaults to "hard_margin_threshold"): alpha_i of Eq. 5 (the paper's
+            main experiments use "soft_entropy_negexp"; the presets do).
+        ssd_confidence_margin_threshold (`float`, 0.05), ssd_entropy_temperature (`float`, 1.0),
+        ssd_entropy_threshold (`float`, 0.5), ssd_confidence_power (`float`, 1.0),
+        ssd_confidence_margin_coef (`float`, 1.0): estimator parameters.
+        ucb_beta (`float`, 1.0), ucb_span_length_bins / ucb_block_progress_bins / ucb_entropy_bins (`int`, 2),
+        ucb_entropy_source (`str`, "span" or "masked"): UCB bandit (App. A.6).
+    Acceptance:
+        ssd_ratio_tempering_factor (`float`, defaults to 1.0): gamma of min(1, (q/p)^gamma), > 0 (App. A.8).
+        allow_resample (`bool`, defaults to True): draw the recovered token from (q - p)+ on rejection; False
+            commits the rejected draft (SDAR reference).
+        s2d2_acceptance (`str`, *optional*): "stochastic" (rejection sampling, Alg. 3) or "greedy_match"
+            (accept iff draft = verifier argmax; deterministic; a documented deviation). `None` picks
+            "greedy_match" without sampling and "stochastic" with `do_sample=True`.
+    """
+
+    decoding_strategy: ClassVar[str] = "s2d2"
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        # S2D2 §5.1 Table 1 and strategies.md §5.8; all with low_confidence_dynamic 0.85 as the fallback.
+        "sdar-1.7b-config-a": {"block_size": 4, "do_verify_policy": "mask_span_length", "min_ssd_span_length": 2,
+                               "token_acceptance_estimator": "soft_entropy_negexp"},
+        "sdar-1.7b-config-b": {"block_size": 32, "do_verify_policy": "mask_span_length", "min_ssd_span_length": 1,
+                               **_SDAR_AR_CACHING},
+        "sdar-4b-config-a": {"block_size": 16, "do_verify_policy": "mask_span_length", "min_ssd_span_length": 1,
+                             **_SDAR_AR_CACHING},
+        "sdar-4b-config-b": {"block_size": 32, "do_verify_policy": "mask_span_length", "min_ssd_span_length": 1,
+                             **_SDAR_AR_CACHING},
+        "sdar-8b-config-a": {"block_size": 4, "do_verify_policy": "score_threshold", "do_verify_score_threshold": 0.0,
+                             "do_verify_score_type": "difference_static", "score_penalty_coef": 1.0,
+                             **_SDAR_AR_CACHING},
+        "sdar-8b-config-b": {"block_size": 16, "do_verify_policy": "score_threshold", "do_verify_score_threshold": 0.0,
+                             "do_verify_score_type": "difference_static", "score_penalty_coef": 0.0,
+                             **_SDAR_AR_CACHING},
+    }
+
+    do_verify_policy: str = "mask_span_length"
+    min_ssd_span_length: int = 1
+    do_verify_score_threshold: float = 0.0
+    do_verify_score_type: str = "difference_dynamic"
+    score_penalty_coef: float = 2.0
+    hysteresis_threshold_on: float = 0.0
+    hysteresis_threshold_off: float = -1.0
+    token_acceptance_estimator: str = "hard_margin_threshold"
+    ssd_confidence_margin_threshold: float = 0.05
+    ssd_entropy_temperature: float = 1.0
+    ssd_entropy_threshold: float = 0.5
+    ssd_confidence_power: float = 1.0
+    ssd_confidence_margin_coef: float = 1.0
+    ucb_beta: float = 1.0
+    ucb_span_length_bins: int = 2
+    ucb_block_progress_bins: int = 2
+    ucb_entropy_bins: int = 2
+    ucb_entropy_source: str = "span"
+    ssd_ratio_tempering_factor: float = 1.0
+    allow_resample: bool = True
+    s2d2_acceptance: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_choice("do_verify_policy", self.do_verify_policy, POLICIES)
+        check_int("min_ssd_span_length", self.min_ssd_span_length, 1, "pass 1 to verify at every step")
+        check_choice("do_verify_score_type", self.do_verify_score_type, SCORE_TYPES)
+        check_choice("token_acceptance_estimator", self.token_acceptance_estimator, ESTIMATORS)
+        check_choice("ucb_entropy_source", self.ucb_entropy_source, UCB_ENTROPY_SOURCES)
+        for name in ("do_verify_score_threshold", "hysteresis_threshold_on", "hysteresis_threshold_off"):
+            check_range(name, getattr(self, name), fix="pass a finite number")
+        check_range("score_penalty_coef", self.score_penalty_coef, low=0.0, fix="pass c >= 0, e.g. 2.0")
+        if self.hysteresis_threshold_on <= self.hysteresis_threshold_off:
+            raise invalid("hysteresis_threshold_on", self.hysteresis_threshold_on,
+                          f"be greater than `hysteresis_threshold_off` (={self.hysteresis_threshold_off})",
+                          "raise the on threshold or lower the off threshold")
+        check_range("ssd_ratio_tempering_factor", self.ssd_ratio_tempering_factor, low=0.0, low_open=True,
+                    fix="pass gamma > 0; 1.0 is the unmodified rejection test")
+        check_range("ssd_confidence_margin_threshold", self.ssd_confidence_margin_threshold, low=0.0, high=1.0,
+                    fix="pass a probability margin such as 0.05")
+        check_range("ssd_entropy_temperature", self.ssd_entropy_temperature, low=0.0, low_open=True,
+                    fix="pass beta > 0, e.g. 1.0")
+        check_range("ssd_entropy_threshold", self.ssd_entropy_threshold, low=0.0, high=1.0, low_open=True,
+                    fix="pass a normalised entropy in (0, 1], e.g. 0.5")
+        check_range("ssd_confidence_power", self.ssd_confidence_power, low=0.0, low_open=True,
+                    fix="pass an exponent > 0, e.g. 1.0")
+        check_range("ssd_confidence_margin_coef", self.ssd_confidence_margin_coef, low=0.0, low_open=True,
+                    fix="pass a slope > 0, e.g. 1.0")
+        check_range("ucb_beta", self.ucb_beta, low=0.0, fix="pass an exploration weight >= 0, e.g. 1.0")
+        for name in ("ucb_span_length_bins", "ucb_block_progress_bins", "ucb_entropy_bins"):
+            check_int(name, getattr(self, name), 1, "pass a number of bins >= 1, e.g. 2")
+        check_bool("allow_resample", self.allow_resample)
+        if self.s2d2_acceptance is not None:
+            check_choice("s2d2_acceptance", self.s2d2_acceptance, ("greedy_match", "stochastic"),
+                         "pass 'greedy_match', 'stochastic', or None for the default of the sampling mode")
 
 
-def build_policy(config: S2D2Config) -> RoutingPolicy:
+def first_masked_span(masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """C_t per row: `[start, end)` of the first contiguous run of True in `masked` `(N, B)`; `(B, B)` if none.
+
+    Returns:
+        `(start, end)`, each `torch.Tensor` of shape `(N,)`, int64.
+    """
+    width = masked.shape[1]
+    idx = torch.arange(width, device=masked.device)[None]
+    has_mask = masked.any(dim=1)
+    start = torch.where(has_mask, masked.float().argmax(dim=1).long(), torch.full_like(has_mask, width, dtype=torch.long))
+    after = ~masked & (idx >= start[:, None])
+    end = torch.where(after.any(dim=1), after.float().argmax(dim=1).long(), torch.full_like(start, width))
+    return start, torch.where(has_mask, end, start)
+
+
+def build_policy(config: "S2D2Config") -> RoutingPolicy:
     """The routing policy named by `do_verify_policy`, with its thresholds (Algorithm 4, App. A.6)."""
     if config.do_verify_policy == "mask_span_length":
         return MinimumSpanPolicy(config.min_ssd_span_length)
@@ -64,8 +187,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
 
     Acceptance is `s2d2_acceptance`: "stochastic" (Alg. 3: accept with min(1, (q/p)^gamma), residual
     (q - p)+ on the first rejection) or "greedy_match" (accept iff the draft is the verifier argmax, commit the
-    argmax at the first mismatch; deterministic, a documented deviation from the paper). The RNG order per
-    step is: the sampler's draft draw for all B positions, then the verifier's uniforms and residual draw.
+    argmax at the first mismatch; deterministic, a documented deviation from the paper). Each row has its own
+    routing policy state. The RNG order per step is: the sampler's draft draw for all N x B positions, then
+    the verifier's uniforms and residual draws for the verifying rows (verification.py).
     """
 
     name = "s2d2"
@@ -73,69 +197,127 @@ class S2D2Strategy(BlockDiffusionStrategy):
     paper = "Fast Decoding for Diffusion LLMs via Training-Free Self-Speculation, arXiv:2603.25702"
     lossless = False
 
-    def __init__(self, config: S2D2Config, session, *, block_size: int) -> None:
-        super().__init__(config, session, block_size=block_size)
-        self.policy = build_policy(config)
+    def __init__(self, config: S2D2Config, session) -> None:
+        super().__init__(config, session)
+        self.policies = [build_policy(config) for _ in range(session.batch_size)]
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
 
-    def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
-        """Algorithm 3, one step: draft, route, then verify the span or fall back to the confidence rule."""
-        sampler = self.session.sampler
-        draft_probs = sampler.probs(logits)                                  # (B, V)
-        draft_tokens, confidence = sampler.choose(draft_probs)               # (B,), (B,)
-        span = first_masked_span(block.masked)
-        verify = self.policy.decide(self.routing_context(block, draft_probs, confidence, span))
-        if verify:
-            committed = self.verify_span(block, draft_probs, draft_tokens, span)
-        else:
-            committed = self.commit_by_rule(block, draft_probs, draft_tokens, confidence)
-        self.policy.observe(committed, verify)
+    def select_rows(self, index: torch.Tensor) -> None:
+        super().select_rows(index)
+        self.policies = [self.policies[i] for i in index.tolist()]
 
-    def routing_context(self, block: BlockState, draft_probs: torch.Tensor, confidence: torch.Tensor,
-                        span: tuple[int, int]) -> RoutingContext:
-        """Numbers Algorithm 4 needs; the score (Eq. 5-6) and entropies only when the policy uses them."""
-        cfg, masked = self.config, block.masked
-        ctx = RoutingContext(span_length=span[1] - span[0], block_size=self.block_size,
-                             num_masked=int(masked.sum()), num_decodable=self.block_size - block.num_fixed)
-        if self.policy.needs_score:
+    def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
+        """Algorithm 3, one step for every row: draft, route, then verify the span or fall back to the rule."""
+        sampler = self.session.sampler
+        draft_probs = sampler.probs(logits)                                  # (N, B, V)
+        draft_tokens, confidence = sampler.choose(draft_probs)               # (N, B), (N, B)
+        start, end = first_masked_span(block.masked)
+        contexts = self.routing_contexts(block, draft_probs, confidence, start, end)
+        decisions = [policy.decide(ctx) for policy, ctx in zip(self.policies, contexts)]
+        verify = torch.tensor(decisions, device=block.tokens.device)
+        committed = torch.zeros_like(block.start)
+        if any(decisions):
+            committed = committed + self.verify_spans(block, draft_probs, draft_tokens, start, end, decisions,
+                                                      min(c.span_start for c, d in zip(contexts, decisions) if d))
+        if not all(decisions):
+            committed = committed + self.commit_by_rule(block, draft_probs, draft_tokens, confidence, rows=~verify)
+        if any(policy.needs_feedback for policy in self.policies):
+            for policy, count, decided in zip(self.policies, committed.tolist(), decisions):
+                policy.observe(count, decided)
+
+    def routing_contexts(self, block: BlockState, draft_probs: torch.Tensor, confidence: torch.Tensor,
+                         start: torch.Tensor, end: torch.Tensor) -> list[RoutingContext]:
+        """Numbers Algorithm 4 needs, per row; the score (Eq. 5-6) and entropies only when the policy uses them."""
+        cfg, masked, policy = self.config, block.masked, self.policies[0]
+        span = (block.offsets >= start[:, None]) & (block.offsets < end[:, None])      # (N, B)
+        columns: dict[str, Any] = {
+            "span_start": start, "span_length": end - start, "num_masked": masked.sum(dim=1),
+            "num_decodable": block.num_masks,
+        }
+        if policy.needs_score:
             alpha = acceptance_estimates(
-                cfg.token_acceptance_estimator, draft_probs[span[0]:span[1]], confidence[span[0]:span[1]],
+                cfg.token_acceptance_estimator, draft_probs, confidence,
                 margin_threshold=cfg.ssd_confidence_margin_threshold, entropy_temperature=cfg.ssd_entropy_temperature,
                 entropy_threshold=cfg.ssd_entropy_threshold, confidence_power=cfg.ssd_confidence_power,
                 margin_coef=cfg.ssd_confidence_margin_coef,
             )
-            num_confident = int(((confidence > cfg.confidence_threshold) & masked).sum())
-            ctx.score = verify_score(expected_accepted_length(alpha), score_type=cfg.do_verify_score_type,
-                                     penalty_coef=cfg.score_penalty_coef, num_confident=num_confident)
-        if self.policy.needs_entropy:
-            rows = draft_probs[span[0]:span[1]] if cfg.ucb_entropy_source == "span" else draft_probs[masked]
-            ctx.mean_normalized_entropy = float(entropy(rows).mean()) / math.log(draft_probs.shape[-1])
-        return ctx
+            num_confident = ((confidence > cfg.confidence_threshold) & masked).sum(dim=1)
+            columns["score"] = verify_score(expected_accepted_length(alpha, span), score_type=cfg.do_verify_score_type,
+                                            penalty_coef=cfg.score_penalty_coef, num_confident=num_confident)
+        if policy.needs_entropy:
+            rows = span if cfg.ucb_entropy_source == "span" else masked
+            ent = (entropy(draft_probs) * rows).sum(dim=1) / rows.sum(dim=1).clamp(min=1)
+            columns["mean_normalized_entropy"] = ent / math.log(draft_probs.shape[-1])
+        host = {k: v.tolist() for k, v in columns.items()}                              # one sync per step
+        return [RoutingContext(block_size=self.block_size, **{k: host[k][i] for k in host})
+                for i in range(block.tokens.shape[0])]
 
-    def verify_span(self, block: BlockState, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                    span: tuple[int, int]) -> int:
-        """Verifier forward (Eq. 3, full-block form) and acceptance over the span; returns tokens committed.
+    def verify_spans(self, block: BlockState, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                     start: torch.Tensor, end: torch.Tensor, decisions: list[bool], first_start: int) -> torch.Tensor:
+        """One verifier forward for the batch and acceptance over each verifying row's span.
 
-        Input `[x~ | MASK x B]` (x~ = block with every mask filled by its draft), positions repeated twice,
-        cache read-only. The logits of the MASK copy at position r are the block-size-1 prediction for r.
+        x~ = block with every mask filled by its draft; cache read-only. Rows that do not verify ride along in
+        the forward and are ignored.
+
+        Returns:
+            `torch.Tensor` of shape `(N,)`, int64, tokens committed per row (0 for rows that do not verify).
         """
         s, B = self.session, self.block_size
         filled = torch.where(block.masked, draft_tokens, block.tokens)
-        ids = torch.cat([filled, torch.full_like(filled, s.mask_token_id)])
-        positions = torch.cat([block.positions, block.positions])
-        logits = s.runner.forward(ids, positions, verifier_2l_mask(B, ids.device), kind="verify",
-                                  logits_to_keep=B - span[0])                        # rows B+span[0] .. 2B-1
-        target_probs = s.sampler.probs(logits[: span[1] - span[0]])                  # (L, V)
-        span_tokens = draft_tokens[span[0]:span[1]]
+        keep = B - first_start
+        if s.target.alignment == "position":       # Eq. 3: read the MASK copies
+            ids = torch.cat([filled, torch.full_like(filled, s.mask_token_id)], dim=1)
+            positions = torch.cat([block.positions, block.positions], dim=1)
+            intra = verifier_2l_mask(B, ids.device)
+        else:                                      # right shift: row r - 1 of a causal pass predicts r
+            ids, positions, intra = filled, block.positions, causal_mask(B, filled.device)
+        logits = s.target.forward(ids, positions, intra, kind="verify", logits_to_keep=keep, rows=decisions)
+        rows = torch.tensor([i for i, d in enumerate(decisions) if d], device=filled.device)     # (M,)
+        lengths = (end - start)[rows]
+        width = int(lengths.max())
+        idx = (start[rows, None] + torch.arange(width, device=rows.device)[None]).clamp(max=B - 1)   # (M, L)
+        span_tokens = draft_tokens[rows].gather(1, idx)
+        target_probs = s.sampler.probs(logits[rows].gather(1, (idx - first_start)[..., None].expand(
+            -1, -1, logits.shape[-1])))                                                   # (M, L, V)
         if self.acceptance == "greedy_match":
-            result = greedy_match(span_tokens, target_probs)
+            result = greedy_match(span_tokens, target_probs, num_drafts=lengths)
         else:
-            result = rejection_sample(span_tokens, draft_probs[span[0]:span[1]], target_probs,
+            span_draft_probs = draft_probs[rows].gather(1, idx[..., None].expand(-1, -1, draft_probs.shape[-1]))
+            result = rejection_sample(span_tokens, span_draft_probs, target_probs, num_drafts=lengths,
                                       gamma=self.config.ssd_ratio_tempering_factor,
                                       allow_resample=self.config.allow_resample, generator=s.sampler.generator)
-        committed = result.token_ids.shape[0]
-        block.tokens[span[0]:span[0] + committed] = result.token_ids
-        s.stats.observe_verification(span[1] - span[0], result.num_accepted, result.recovered, result.bonus)
-        if not result.recovered:  # allow_resample=False commits the rejected draft itself: a fallback token
-            s.stats.num_fallback_tokens += committed - result.num_accepted
+        # Commit each row's tokens at block positions start .. start + num_tokens - 1.
+        relative = block.offsets - start[rows, None]                                      # (M, B)
+        write = (relative >= 0) & (relative < result.num_tokens[:, None])
+        committed_ids = result.token_ids.gather(1, relative.clamp(0, result.token_ids.shape[1] - 1))
+        block.tokens[rows] = torch.where(write, committed_ids, block.tokens[rows])
+        block.undecided[rows] = block.undecided[rows] & ~write
+        self.observe_verification(rows, lengths, result)
+        committed = torch.zeros_like(block.start)
+        committed[rows] = result.num_tokens
         return committed
+
+    def observe_verification(self, rows: torch.Tensor, lengths: torch.Tensor, result) -> None:
+        """Add the verification counters of the verifying `rows` to the per-row statistics (on the device)."""
+        stats = self.session.stats
+        n = len(stats.active)
+        width = self.block_size + 1
+
+        def per_row(values: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros((n, *values.shape[1:]), dtype=torch.long, device=values.device)
+            out[rows] = values.long()
+            return out
+
+        positions = torch.arange(self.block_size, device=rows.device)[None]
+        stats.accumulate("num_drafts", per_row(lengths > 0))
+        stats.accumulate("num_draft_tokens", per_row(lengths))
+        stats.accumulate("num_accepted_tokens", per_row(result.num_accepted))
+        stats.accumulate("num_recovered_tokens", per_row(result.recovered))
+        stats.accumulate("num_bonus_tokens", per_row(result.bonus))
+        stats.accumulate("accepted_length_histogram",
+                         per_row(torch.nn.functional.one_hot(result.num_accepted, width) * (lengths > 0)[:, None]))
+        stats.accumulate("num_accepted_tokens_per_pos", per_row(positions < result.num_accepted[:, None]))
+        stats.accumulate("num_drafts_reaching_pos", per_row(positions < lengths[:, None]))
+        # allow_resample=False commits the rejected draft itself: a fallback token, not a recovered one.
+        stats.accumulate("num_fallback_tokens",
+                         per_row((result.num_tokens - result.num_accepted) * ~(result.recovered | result.bonus)))

@@ -1,0 +1,152 @@
+"""Batches: left-padded prompts of different lengths decode exactly as the same prompts one at a time.
+
+Greedy, fp32, CPU, on the tiny SDAR model (and the bundled model in test_bundled_model.py). Every row keeps its
+own block grid, routing state and stop; statistics of the batch are the sums of the singles'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+import torch
+from conftest import gen
+
+from hf_dllm_spec import SpecDecodingStats
+
+#: Lengths cover a prompt shorter than a block, exactly one block, a tail of 3 and several blocks.
+LENGTHS = [1, 3, 4, 5, 7, 8, 11, 13]
+COMMON = dict(eos_token_id=None,        # no stop id: every row decodes its whole budget ...
+              pad_token_id=0,           # ... except where a stop id is given below; pads finished rows
+              max_new_tokens=14,        # not a multiple of 4 or 16: the last block is trimmed
+              return_dict_in_generate=True)
+TIMES_AND_CALLS = {"wall_time_s", "prefill_time_s", "forward_time_s", "num_forward_calls"}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """8 prompts of different lengths, left-padded with 0, and the unpadded prompts."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 90, (n,), generator=g) for n in LENGTHS]
+    width = max(LENGTHS)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask, prompts
+
+
+def counters(stats: SpecDecodingStats) -> dict:
+    return {f.name: getattr(stats, f.name) for f in fields(stats) if f.name not in TIMES_AND_CALLS}
+
+
+def assert_batch_equals_singles(model, batch, **kwargs):
+    ids, mask, prompts = batch
+    out = model.generate(ids, attention_mask=mask, **COMMON, **kwargs)
+    singles = [model.generate(p[None], **COMMON, **kwargs) for p in prompts]
+    width = ids.shape[1]
+    for i, (p, single) in enumerate(zip(prompts, singles)):
+        new = single.sequences[0, len(p):].tolist()
+        assert out.sequences[i, width:width + len(new)].tolist() == new, f"row {i} (prompt of {len(p)} tokens)"
+        assert (out.sequences[i, width + len(new):] == COMMON["pad_token_id"]).all()
+        assert counters(out.spec_stats_per_row[i]) == counters(single.spec_stats), f"row {i} statistics"
+    summed = SpecDecodingStats()
+    for single in singles:
+        summed.merge(single.spec_stats)
+    assert counters(out.spec_stats) == counters(summed)
+    # One forward call serves the whole batch: far fewer calls than the singles together.
+    assert out.spec_stats.num_forward_calls < summed.num_forward_calls
+    return out, singles
+
+
+@pytest.mark.parametrize("strategy,kwargs", [
+    ("ar", {}),
+    ("block_diffusion", {"block_size": 4, "remasking_strategy": "low_confidence_static"}),
+    ("block_diffusion", {"block_size": 4, "confidence_threshold": 0.5}),
+    ("block_diffusion", {"block_size": 16, "remasking_strategy": "low_confidence_static"}),
+    ("block_diffusion", {"block_size": 16, "confidence_threshold": 0.5}),
+    ("block_diffusion", {"block_size": 4, "remasking_strategy": "entropy_bounded", "steps_per_block": 2}),
+])
+@pytest.mark.filterwarnings("ignore:`block_size`")
+def test_block_diffusion_and_ar_batch_equals_singles(sdar_model, batch, strategy, kwargs):
+    assert_batch_equals_singles(sdar_model, batch, decoding_strategy=strategy, **kwargs)
+
+
+S2D2_POLICIES = [
+    {"do_verify_policy": "mask_span_length", "min_ssd_span_length": 1},
+    {"do_verify_policy": "mask_span_length", "min_ssd_span_length": 2},
+    {"do_verify_policy": "score_threshold", "token_acceptance_estimator": "soft_entropy_negexp"},
+    {"do_verify_policy": "score_hysteresis", "hysteresis_threshold_on": 0.5, "hysteresis_threshold_off": -0.5},
+    {"do_verify_policy": "contextual_bandit_ucb"},
+]
+
+
+@pytest.mark.parametrize("policy", S2D2_POLICIES, ids=lambda p: "-".join(str(v) for v in p.values()))
+@pytest.mark.parametrize("ar_caching", [False, True], ids=["block-causal", "cache_ver+draft_ver"])
+@pytest.mark.filterwarnings("ignore:`block_size`")
+def test_s2d2_batch_equals_singles(sdar_model, batch, policy, ar_caching):
+    out, _ = assert_batch_equals_singles(sdar_model, batch, decoding_strategy="s2d2", block_size=4,
+                                         cache_ver=ar_caching, draft_ver=ar_caching, **policy)
+    if policy["do_verify_policy"] == "mask_span_length":
+        assert out.spec_stats.num_verify_forwards > 0
+
+
+@pytest.mark.filterwarnings("ignore:`block_size`")
+def test_s2d2_block_16_batch_equals_singles(sdar_model, batch):
+    assert_batch_equals_singles(sdar_model, batch, decoding_strategy="s2d2", block_size=16,
+                                do_verify_policy="score_threshold")
+
+
+@pytest.mark.parametrize("strategy,kwargs", [
+    ("block_diffusion", {"confidence_threshold": 0.5}),
+    ("s2d2", {"min_ssd_span_length": 2, "cache_ver": True}),
+])
+def test_batch_cache_equals_no_cache_and_fused_equals_unfused(sdar_model, batch, strategy, kwargs):
+    ids, mask, _ = batch
+    runs = [sdar_model.generate(ids, attention_mask=mask, decoding_strategy=strategy, block_size=4, **COMMON,
+                                **kwargs, **extra)
+            for extra in ({}, {"use_cache": False}, {"fuse_cache_write": False})]
+    assert torch.equal(runs[0].sequences, runs[1].sequences) and torch.equal(runs[0].sequences, runs[2].sequences)
+    fused, unfused = runs[0].spec_stats, runs[2].spec_stats
+    assert fused.num_cache_write_forwards == 0 and unfused.num_cache_write_forwards > 0
+
+
+def test_rows_stop_at_their_own_stop_id(sdar_model, batch):
+    """A stop id ends each row where it appears; the finished rows are padded and leave the batch."""
+    ids, mask, prompts = batch
+    free = sdar_model.generate(ids, attention_mask=mask, decoding_strategy="block_diffusion", **COMMON)
+    stop = int(free.sequences[2, ids.shape[1] + 5])          # a token row 2 emits mid-way
+    kwargs = {**COMMON, "eos_token_id": stop, "pad_token_id": 0}
+    out = sdar_model.generate(ids, attention_mask=mask, decoding_strategy="block_diffusion", **kwargs)
+    for i, p in enumerate(prompts):
+        single = sdar_model.generate(p[None], decoding_strategy="block_diffusion", **kwargs).sequences[0, len(p):]
+        row = out.sequences[i, ids.shape[1]:]
+        assert row[: len(single)].tolist() == single.tolist()
+        assert (row[len(single):] == 0).all()
+    assert out.sequences.shape[1] - ids.shape[1] <= COMMON["max_new_tokens"]
+
+
+def test_sampling_same_seed_same_batch(sdar_model, batch):
+    ids, mask, _ = batch
+    kwargs = dict(COMMON, do_sample=True, top_k=0, decoding_strategy="s2d2", block_size=4, min_ssd_span_length=2)
+    a = sdar_model.generate(ids, attention_mask=mask, generator=gen(11), **kwargs)
+    b = sdar_model.generate(ids, attention_mask=mask, generator=gen(11), **kwargs)
+    c = sdar_model.generate(ids, attention_mask=mask, generator=gen(12), **kwargs)
+    assert torch.equal(a.sequences, b.sequences)
+    assert not torch.equal(a.sequences, c.sequences)
+    assert a.spec_stats.num_verify_forwards > 0 and a.spec_stats.num_recovered_tokens >= 0
+    no_cache = sdar_model.generate(ids, attention_mask=mask, generator=gen(11), use_cache=False, **kwargs)
+    assert torch.equal(a.sequences, no_cache.sequences)
+
+
+def test_padding_invariance_of_a_single_prompt(sdar_model, batch):
+    """The same prompt left-padded by different amounts decodes to the same tokens (NVlabs/Fast-dLLM #39)."""
+    _, _, prompts = batch
+    p = prompts[4]
+    outs = []
+    for pad in (0, 3, 9):
+        ids = torch.cat([torch.zeros(pad, dtype=torch.long), p])[None]
+        mask = (torch.arange(ids.shape[1]) >= pad).long()[None]
+        out = sdar_model.generate(ids, attention_mask=mask, decoding_strategy="s2d2", block_size=4, **COMMON)
+        outs.append(out.sequences[0, pad + len(p):].tolist())
+    assert outs[0] == outs[1] == outs[2]

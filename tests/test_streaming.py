@@ -1,0 +1,107 @@
+"""Streaming: final tokens reach a transformers streamer as they become final, on all three entry points.
+
+A `TextIteratorStreamer` consumed in a thread must finish (its `end()` is always called) and its text must
+equal the returned text. Bundled trained model and tokenizer, greedy, CPU.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TextIteratorStreamer
+
+import hf_dllm_spec
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / "models" / "sdar-tiny-arith"
+PROMPT = "Question: Tom has 12 apples. Tom gets 7 more apples. How many apples does Tom have now?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    return tokenizer, model, tokenizer(PROMPT, return_tensors="pt").input_ids
+
+
+ENTRY_POINTS = {
+    "model_class": lambda model, ids, **kw: model.generate(ids, **kw),
+    "callable": lambda model, ids, **kw: model.generate(ids, custom_generate=hf_dllm_spec.custom_generate, **kw),
+    "hub_folder": lambda model, ids, **kw: model.generate(ids, custom_generate=str(ROOT), trust_remote_code=True,
+                                                          **kw),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize("strategy,kwargs", [
+    ("s2d2", {"block_size": 16, "min_ssd_span_length": 1, "cache_ver": True, "draft_ver": True}),
+    ("block_diffusion", {"block_size": 4}),
+    ("ar", {}),
+])
+def test_text_iterator_streamer_finishes_with_the_returned_text(bundled, entry, strategy, kwargs):
+    tokenizer, model, ids = bundled
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=20)
+    result = {}
+
+    def run():
+        result["out"] = ENTRY_POINTS[entry](model, ids, decoding_strategy=strategy, max_new_tokens=24,
+                                            streamer=streamer, **kwargs)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    streamed = "".join(streamer)          # ends only when the producer calls end()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    returned = tokenizer.decode(result["out"][0, ids.shape[1]:])
+    assert streamed == returned and returned
+
+
+class Recorder:
+    def __init__(self):
+        self.chunks, self.ended = [], 0
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_prompt_once_then_final_chunks_then_end(bundled, entry):
+    """S2D2 streams each accepted left-contiguous prefix: more chunks than blocks, in order, end() once."""
+    _, model, ids = bundled
+    rec = Recorder()
+    out = ENTRY_POINTS[entry](model, ids, decoding_strategy="s2d2", block_size=16, max_new_tokens=32,
+                              eos_token_id=None, streamer=rec, min_ssd_span_length=1, cache_ver=True,
+                              draft_ver=True)
+    assert rec.ended == 1
+    assert rec.chunks[0] == ids[0].tolist()
+    assert sum(rec.chunks[1:], []) == out[0, ids.shape[1]:].tolist()
+    assert len(rec.chunks) - 1 > 2                     # 2 blocks of 16, streamed in more pieces than blocks
+
+
+def test_direct_call_streams_prompt_and_end(bundled):
+    _, model, ids = bundled
+    rec = Recorder()
+    out = hf_dllm_spec.dllm_generate(model, ids, decoding_strategy="block_diffusion", streamer=rec,
+                                     generation_config=GenerationConfig(max_new_tokens=8))
+    assert rec.chunks[0] == ids[0].tolist() and rec.ended == 1
+    assert sum(rec.chunks[1:], []) == out[0, ids.shape[1]:].tolist()
+
+
+def test_end_is_called_when_decoding_fails(bundled, monkeypatch):
+    _, model, ids = bundled
+    rec = Recorder()
+    from hf_dllm_spec.strategies import BlockDiffusionStrategy
+
+    def boom(self, block, logits):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(BlockDiffusionStrategy, "denoise_step", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.generate(ids, decoding_strategy="block_diffusion", streamer=rec, max_new_tokens=8)
+    assert rec.ended == 1
