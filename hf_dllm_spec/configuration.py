@@ -41,6 +41,13 @@ class DecodingConfig:
     decoding_strategy: ClassVar[str] = ""
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "DecodingConfig":
+        # Remember which parameters the caller set, so a config object overrides exactly those (merge_parameters).
+        obj = super().__new__(cls)
+        names = [f.name for f in fields(cls)]
+        object.__setattr__(obj, "_explicit", frozenset(names[: len(args)]) | frozenset(kwargs))
+        return obj
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -112,10 +119,11 @@ class DecodingConfig:
         return {k: v for k, v in stored.items() if k != "decoding_strategy"}
 
     def explicit_parameters(self) -> dict[str, Any]:
-        """Parameters that differ from this strategy's defaults: what an explicit config object overrides."""
+        """Parameters set when this object was built, or changed since: what a config object overrides."""
         defaults = type(self)()
+        explicit = getattr(self, "_explicit", frozenset())
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) != getattr(defaults, f.name)}
+                if f.name in explicit or getattr(self, f.name) != getattr(defaults, f.name)}
 
 
 @dataclass
@@ -149,7 +157,8 @@ def merge_parameters(
     """Merge field by field, lowest priority first, and validate the result.
 
     Order: the strategy's defaults < the generation config's stored ``dllm_decoding`` < the preset's listed
-    fields < the fields of `strategy_config` that differ from the defaults < the call's keyword `overrides`.
+    fields < the fields `strategy_config` was built with (or that differ from the defaults) < the call's
+    keyword `overrides`.
 
     Raises:
         ValueError: unknown preset or parameter; out-of-range value; a `strategy_config` of another strategy.

@@ -20,12 +20,13 @@ every registered strategy, so transformers routes them to it and still rejects t
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import model_patches
@@ -125,11 +126,28 @@ def _check_inputs(input_ids: torch.Tensor, generation_config: GenerationConfig, 
             raise invalid(flag, True, "be False for hf_dllm_spec strategies (per-token scores are not defined "
                           "for out-of-order commits)", f"drop `{flag}`; `return_dict_in_generate=True` "
                           "returns the statistics")
+    if input_ids.shape[1] == 0:
+        raise invalid("input_ids", tuple(input_ids.shape), "hold at least one prompt token per row",
+                      "pass a non-empty prompt (e.g. the tokenizer's BOS token)")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and type(cache) is not DynamicCache:
+        raise invalid("past_key_values", type(cache).__name__, "be an empty DynamicCache (or unset): the decoding "
+                      "loop stores, reads and crops blocks", "drop `cache_implementation` / `past_key_values`")
     if streamer is not None and input_ids.shape[0] > 1:
         raise invalid("streamer", type(streamer).__name__, "be used with batch size 1 (transformers' streamers "
                       f"follow one sequence; got {input_ids.shape[0]} rows)",
                       "decode one prompt at a time when streaming, or drop `streamer`")
-    return _prompt_lengths(input_ids, model_kwargs.get("attention_mask"))
+    lengths = _prompt_lengths(input_ids, model_kwargs.get("attention_mask"))
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is not None:
+        width = input_ids.shape[1]
+        real = torch.arange(width, device=input_ids.device)[None] >= (width - torch.tensor(lengths, device=input_ids.device))[:, None]
+        expected = (real.long().cumsum(dim=1) - 1).clamp(min=0)
+        if position_ids.shape != input_ids.shape or not bool((position_ids.to(expected.device)[real] == expected[real]).all()):
+            raise invalid("position_ids", "<custom positions>", "follow the attention mask (0, 1, ... from each row's "
+                          "first real token): the block grid is counted from position 0",
+                          "drop `position_ids`; positions are derived from `attention_mask`")
+    return lengths
 
 
 def _resolve_budget(input_ids: torch.Tensor, generation_config: GenerationConfig) -> int:
@@ -159,9 +177,11 @@ def _resolve_block_size(patch, model, block_size: int | None, name: str = "block
 
 def _special_ids(patch, model, gc=None) -> dict[str, Any]:
     gc = gc if gc is not None else getattr(model, "generation_config", None)
-    return {"eos_token_id": sorted(patch.stop_token_ids(model, gc)),
-            "pad_token_id": getattr(gc, "pad_token_id", None) or getattr(model.config, "pad_token_id", None),
-            "bos_token_id": getattr(gc, "bos_token_id", None) or getattr(model.config, "bos_token_id", None)}
+    ids: dict[str, Any] = {"eos_token_id": sorted(patch.stop_token_ids(model, gc)) or None}
+    for key in ("pad_token_id", "bos_token_id"):
+        value = getattr(gc, key, None)
+        ids[key] = value if value is not None else getattr(model.config, key, None)
+    return ids
 
 
 def check_model_pair(target, target_patch, drafter, drafter_patch, generation_config=None) -> None:
@@ -181,7 +201,7 @@ def check_model_pair(target, target_patch, drafter, drafter_patch, generation_co
     ids_drafter = _special_ids(drafter_patch, drafter)
     for key, value in ids_target.items():
         other = ids_drafter[key]
-        if value and other and value != other:
+        if value is not None and other is not None and value != other:
             raise invalid("draft_model", f"<{key}={other}>", f"use the target's {key} ({value})",
                           f"align the drafter's generation config (`draft_model.generation_config.{key} = {value}`)")
 
@@ -253,18 +273,79 @@ def dllm_generate(
         NotImplementedError: an unsupported model family or logits processor.
     """
     call = _generate_call_arguments(model)
-    direct_streamer = streamer
-    streamer = streamer if streamer is not None else call.get("streamer")
+    streamer_of_call = streamer if streamer is not None else call.get("streamer")
+    try:
+        if not call:                 # a direct call: generation options may come as keyword arguments
+            generation_config, kwargs = _direct_call_config(model, generation_config, kwargs)
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, kwargs,
+                       streamer=streamer_of_call, put_prompt=streamer is not None,
+                       decoding_strategy=decoding_strategy, generator=generator, mask_token_id=mask_token_id,
+                       strategy_config=strategy_config, preset=preset,
+                       draft_model=_draft_model(draft_model, assistant_model, call),
+                       draft_mask_token_id=draft_mask_token_id)
+    finally:
+        if streamer_of_call is not None:  # always, also when a check or the decoding fails (no hung consumer)
+            streamer_of_call.end()
+
+
+def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
+    """`draft_model`, or transformers' `assistant_model` as its alias (also when transformers dropped it)."""
     assistant_model = assistant_model if assistant_model is not None else call.get("assistant_model")
-    if assistant_model is not None:
-        if draft_model is not None and draft_model is not assistant_model:
-            raise invalid("assistant_model", type(assistant_model).__name__,
-                          "not be given together with a different `draft_model`", "pass only `draft_model`")
-        draft_model = assistant_model
+    if assistant_model is None:
+        return draft_model
+    if draft_model is not None and draft_model is not assistant_model:
+        raise invalid("assistant_model", type(assistant_model).__name__,
+                      "not be given together with a different `draft_model`", "pass only `draft_model`")
+    return assistant_model
+
+
+def _direct_call_config(model, generation_config, kwargs: dict[str, Any]):
+    """For a direct call: a copy of the generation config updated with the generation options in `kwargs`."""
+    base = generation_config if generation_config is not None else model.generation_config
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k not in _KNOWN_MODEL_KWARGS and hasattr(base, k)}
+    if options:
+        base = copy.deepcopy(base)
+        base.update(**options)
+    return base, kwargs
+
+
+class _CriteriaScan:
+    """Transformers stopping criteria applied to every final prefix of a row, first match wins.
+
+    transformers' criteria look at the end of the sequence (a stop string, the length, the time); a block
+    decoder finishes several tokens at once, so each new final prefix is tested and the row is cut where a
+    criterion first fires.
+    """
+
+    def __init__(self, criteria, input_ids: torch.Tensor, max_new_tokens: int, stop_ids: list[int]) -> None:
+        self.criteria, self.input_ids = criteria, input_ids
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+        self.checked = [0] * input_ids.shape[0]
+        self.cut: list[int | None] = [None] * input_ids.shape[0]
+
+    def __call__(self, prompt_index: int, final_tokens: torch.Tensor) -> int | None:
+        """Length at which the row's output ends, or None while no criterion has fired."""
+        if self.cut[prompt_index] is not None:
+            return self.cut[prompt_index]
+        tokens = _trim(final_tokens, self.max_new_tokens, self.stop_ids)
+        prompt = self.input_ids[prompt_index].to(tokens.device)
+        for length in range(self.checked[prompt_index] + 1, tokens.shape[0] + 1):
+            if bool(self.criteria(torch.cat([prompt, tokens[:length]])[None], None).any()):
+                self.cut[prompt_index] = length
+                return length
+        self.checked[prompt_index] = max(self.checked[prompt_index], tokens.shape[0])
+        return None
+
+
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, kwargs, *, streamer,
+            put_prompt, decoding_strategy, generator, mask_token_id, strategy_config, preset, draft_model,
+            draft_mask_token_id):
+    """The body of :func:`dllm_generate`: checks, session, strategy, output."""
     generation_config = generation_config if generation_config is not None else model.generation_config
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in strategy_parameter_names() and kwargs[k] is not _UNSET}
     for k in [k for k in kwargs if kwargs[k] is _UNSET]:
         kwargs.pop(k)
+
     config = resolve_config(decoding_strategy, generation_config=generation_config,
                             strategy_config=strategy_config, preset=preset, overrides=overrides)
     strategy_cls = get_strategy(config.decoding_strategy)
@@ -282,11 +363,11 @@ def dllm_generate(
     block_size = _resolve_block_size(patch, model, getattr(config, "block_size", None))
     max_new_tokens = _resolve_budget(input_ids, generation_config)
     max_positions = patch.max_positions(model)
-    needed = max(lengths) + -(-max_new_tokens // block_size) * block_size
+    needed = max(-(-(n + max_new_tokens) // block_size) * block_size for n in lengths)   # end of the last block
     if max_positions is not None and needed > max_positions:
         raise invalid("input_ids", f"<prompt of {max(lengths)} tokens>",
-                      f"fit with max_new_tokens={max_new_tokens} rounded up to whole blocks of {block_size} "
-                      f"(= {needed} positions) in the model's {max_positions} positions",
+                      f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} "
+                      f"(up to position {needed}), in the model's {max_positions} positions",
                       "shorten the prompt or lower max_new_tokens")
     stop_ids = patch.stop_token_ids(model, generation_config)
     pad_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else (
@@ -307,6 +388,10 @@ def dllm_generate(
         drafter_patch = model_patches.get_patch(draft_model)
         check_model_pair(model, patch, draft_model, drafter_patch, generation_config)
         draft_mask = drafter_patch.mask_token_id(draft_model, draft_mask_token_id)
+        if strategy_cls.requires_draft_mask_token and draft_mask is None:
+            raise invalid("draft_mask_token_id", None, f"be known for decoding_strategy={config.decoding_strategy!r}: "
+                          f"the drafter (model_type `{draft_model.config.model_type}`) has no `mask_token_id`",
+                          "pass draft_mask_token_id=<id>, or set draft_model.config.mask_token_id")
         draft_block_size = getattr(config, "draft_block_size", None) or drafter_patch.trained_block_size(draft_model)
         strategy_cls.check_block_sizes(block_size, draft_block_size)
 
@@ -315,11 +400,7 @@ def dllm_generate(
     stats = BatchStats(batch_size)
     use_cache = generation_config.use_cache is not False          # None (unset) means the default: cached
     prompts = [input_ids[n, input_ids.shape[1] - lengths[n]:].to(device) for n in range(batch_size)]
-    stop_check = None
-    if stopping_criteria:
-        def stop_check(prompt_index: int, generated: torch.Tensor) -> bool:
-            seq = torch.cat([input_ids[prompt_index].to(device), _trim(generated, max_new_tokens, stop_ids)])[None]
-            return bool(stopping_criteria(seq, None).any())
+    scan = _CriteriaScan(stopping_criteria, input_ids, max_new_tokens, stop_ids) if stopping_criteria else None
 
     suppress = [resolved_mask] if resolved_mask is not None else []
     session = DecodingSession(
@@ -331,24 +412,25 @@ def dllm_generate(
                         do_sample=bool(generation_config.do_sample), suppress_token_ids=suppress,
                         generator=generator),
         stats=stats, mask_token_id=resolved_mask if resolved_mask is not None else 0, stop_token_ids=stop_ids,
-        max_new_tokens=max_new_tokens, block_size=block_size, stop_check=stop_check, device=device,
+        max_new_tokens=max_new_tokens, block_size=block_size,
+        stop_check=(lambda i, generated: scan(i, generated) is not None) if scan is not None else None,
         drafter=ModelRunner(draft_model, drafter_patch, stats, batch_size=batch_size, use_cache=use_cache,
                             timer=timer) if draft_model is not None else None,
         draft_mask_token_id=draft_mask, draft_block_size=draft_block_size,
-        stream=TokenStream(streamer, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids) if streamer else None,
+        stream=TokenStream(streamer, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
+                           stop_length=(lambda final: scan(0, final)) if scan is not None else None)
+        if streamer is not None else None,
     )
     strategy = strategy_cls(config, session)
-    if direct_streamer is not None:          # through `generate`, transformers has already put the prompt
-        direct_streamer.put(input_ids.cpu())
+    if put_prompt:                       # through `generate`, transformers has already put the prompt
+        streamer.put(input_ids.cpu())
     t0 = now(device)
-    try:
-        generated = strategy.decode()
-    finally:
-        if session.stream is not None:
-            session.stream.end()
+    generated = strategy.decode()
     wall = now(device) - t0
     forward_time, prefill_time = timer.total("forward"), timer.total("prefill")
     generated = [_trim(g, max_new_tokens, stop_ids) for g in generated]
+    if scan is not None:
+        generated = [g[: scan(n, g) or g.shape[0]] for n, g in enumerate(generated)]
     stats.flush()
     for n, row in enumerate(stats.per_row):
         row.num_generated_tokens = generated[n].shape[0]
@@ -362,6 +444,8 @@ def dllm_generate(
     if generation_config.return_dict_in_generate:
         return GenerateDllmOutput(sequences=sequences, spec_stats=stats.total(), spec_stats_per_row=stats.per_row)
     return sequences
+
+
 
 
 _BASE_SIGNATURE = inspect.signature(dllm_generate)

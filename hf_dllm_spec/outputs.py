@@ -198,7 +198,7 @@ class BatchStats:
         self.per_row = [SpecDecodingStats() for _ in range(batch_size)]
         self.active = list(range(batch_size))         # batch index -> prompt index
         self.num_forward_calls = 0
-        self._pending: dict[str, "torch.Tensor"] = {}
+        self._pending: dict[str, list] = {}
 
     def row(self, index: int) -> SpecDecodingStats:
         """Counters of the row at batch index `index`."""
@@ -217,23 +217,55 @@ class BatchStats:
         for r, value in zip(self.active, values):
             setattr(self.per_row[r], name, getattr(self.per_row[r], name) + int(value))
 
-    def accumulate(self, name: str, values: "torch.Tensor") -> None:
-        """Add device-side per-row values to counter `name` without a sync.
+    def accumulate(self, name: str, values: "torch.Tensor", rows: "torch.Tensor | None" = None) -> None:
+        """Add device-side per-row values to counter `name`; no device work until :meth:`flush`.
 
-        `values` is `(N,)` for an integer counter, or `(N, K)` for a per-position list (index k) or a histogram
-        (`accepted_length_histogram`, bin k).
+        Args:
+            name (`str`): a `SpecDecodingStats` field: an integer counter, a per-position list
+                (`num_accepted_tokens_per_pos`, `num_drafts_reaching_pos`) or `accepted_length_histogram`.
+            values (`torch.Tensor` of shape `(M,)`, or `(M, K)` for a list (index k) or the histogram (bin k)).
+            rows (`torch.Tensor` of shape `(M,)`, int64, *optional*): the batch rows `values` belong to; all rows
+                (M = N) when omitted.
         """
-        current = self._pending.get(name)
-        if current is not None and current.shape[1:] != values.shape[1:]:
-            width = max(current.shape[-1], values.shape[-1])
-            current = torch.nn.functional.pad(current, (0, width - current.shape[-1]))
-            values = torch.nn.functional.pad(values, (0, width - values.shape[-1]))
-        self._pending[name] = values.long() if current is None else current + values.long()
+        self._pending.setdefault(name, []).append((rows, values))
+
+    def observe_verification(self, rows: "torch.Tensor", num_draft_tokens: "torch.Tensor",
+                             num_accepted: "torch.Tensor", recovered: "torch.Tensor", bonus: "torch.Tensor") -> None:
+        """Record one verification cycle for each of `rows` (vLLM `observe_draft` analogue, batched).
+
+        Args:
+            rows (`torch.Tensor` of shape `(M,)`, int64): batch rows that verified.
+            num_draft_tokens, num_accepted (`torch.Tensor` of shape `(M,)`, int64): drafts submitted / passed.
+            recovered, bonus (`torch.Tensor` of shape `(M,)`, bool): the extra committed token's origin.
+        """
+        drafted = num_draft_tokens > 0
+        width = int(num_draft_tokens.max()) if num_draft_tokens.numel() else 0
+        positions = torch.arange(max(width, 1), device=rows.device)[None]
+        self.accumulate("num_drafts", drafted, rows)
+        self.accumulate("num_draft_tokens", num_draft_tokens, rows)
+        self.accumulate("num_accepted_tokens", num_accepted, rows)
+        self.accumulate("num_recovered_tokens", recovered, rows)
+        self.accumulate("num_bonus_tokens", bonus, rows)
+        bins = torch.arange(width + 1, device=rows.device)[None]                # 0 .. width accepted drafts
+        self.accumulate("accepted_length_histogram", (bins == num_accepted[:, None]) & drafted[:, None], rows)
+        self.accumulate("num_accepted_tokens_per_pos", positions < num_accepted[:, None], rows)
+        self.accumulate("num_drafts_reaching_pos", positions < num_draft_tokens[:, None], rows)
 
     def flush(self) -> None:
-        """Move the device-side counters into the per-row stats (one host sync)."""
-        for name, values in self._pending.items():
-            for r, row in zip(self.active, values.tolist()):
+        """Move the device-side counters into the per-row stats (one host sync per counter)."""
+        n = len(self.active)
+        for name, entries in self._pending.items():
+            width = max(v.shape[1] if v.dim() == 2 else 0 for _, v in entries)
+            total = torch.zeros((n, width) if width else (n,), dtype=torch.long, device=entries[0][1].device)
+            for rows, values in entries:
+                values = values.long()
+                if width:
+                    values = torch.nn.functional.pad(values, (0, width - values.shape[1]))
+                if rows is None:
+                    total += values
+                else:
+                    total.index_add_(0, rows, values)
+            for r, row in zip(self.active, total.tolist()):
                 stats = self.per_row[r]
                 if isinstance(row, int):
                     setattr(stats, name, getattr(stats, name) + row)

@@ -53,6 +53,9 @@ class ModelRunner:
 
     #: Compact once the cache is at least this long and padding columns outnumber the longest row's tokens.
     COMPACT_MIN_LENGTH = 64
+    #: Check every layout (stored rows blind to read-only rows, padding first); costs a host sync per storing
+    #: forward, so it is off by default and on in the test suite (vLLM's `strict_mode`).
+    check_layouts: bool = False
 
     def __init__(self, model, patch, stats: BatchStats, *, batch_size: int, use_cache: bool = True, cache=None,
                  timer: ForwardTimer | None = None) -> None:
@@ -122,11 +125,8 @@ class ModelRunner:
         n, q = input_ids.shape
         s = store_len
         intra = intra_mask.expand(n, q, q) if intra_mask.dim() == 2 else intra_mask
-        if s and bool(intra[:, :s, s:].any()):
-            raise ValueError(
-                f"ModelRunner.forward: the {s} stored query rows must not see the {q - s} read-only rows after "
-                "them; fix the intra mask."
-            )
+        if self.check_layouts and s:
+            self._check_layout(intra, s, store_valid)
         query_valid = torch.ones(n, q, dtype=torch.bool, device=self.device)
         if store_valid is not None:
             query_valid[:, :s] = store_valid
@@ -154,6 +154,19 @@ class ModelRunner:
         if self.alignment == "position":
             return raw[:, -keep:]
         return self._align_right_shift(raw, query_valid, keep, s)
+
+    @staticmethod
+    def _check_layout(intra: torch.Tensor, s: int, store_valid: torch.Tensor | None) -> None:
+        """Raise `ValueError` if stored rows see read-only rows, or padding follows a real stored token."""
+        q = intra.shape[-1]
+        if bool(intra[:, :s, s:].any()):
+            raise ValueError(
+                f"ModelRunner.forward: the {s} stored query rows must not see the {q - s} read-only rows after "
+                "them; fix the intra mask."
+            )
+        if store_valid is not None and bool((store_valid[:, :-1] & ~store_valid[:, 1:]).any()):
+            raise ValueError("ModelRunner.forward: `store_valid` must put a row's padding before its real tokens "
+                             "(left padding); the right-shift carry reads the last stored token.")
 
     def _align_right_shift(self, raw: torch.Tensor, query_valid: torch.Tensor, keep: int, s: int) -> torch.Tensor:
         """Logits at row i - 1 predict query token i; a token without a query predecessor takes the carry."""

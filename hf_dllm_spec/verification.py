@@ -60,14 +60,15 @@ def acceptance_probability(
     """Per-position acceptance probability min(1, (t(y) / d(y))^gamma).
 
     Args:
-        target_probs_of_draft (`torch.Tensor` of shape `(L,)`): target probability of each drafted token, q_i.
-        draft_probs_of_draft (`torch.Tensor` of shape `(L,)`): draft probability of each drafted token, p_i;
+        target_probs_of_draft (`torch.Tensor` of any shape, e.g. `(N, L)`): target probability of each drafted
+            token, q_i.
+        draft_probs_of_draft (`torch.Tensor` of the same shape): draft probability of each drafted token, p_i;
             clamped below at 1e-12.
         gamma (`float`, defaults to 1.0): ratio tempering exponent (S2D2 App. A.8, `ssd_ratio_tempering_factor`).
             gamma = 1 is the lossless test of Leviathan et al.; other values trade acceptance for fidelity.
 
     Returns:
-        `torch.Tensor` of shape `(L,)` with values in [0, 1]. Source: S2D2 Algorithm 3 line 16.
+        `torch.Tensor` of the input shape with values in [0, 1]. Source: S2D2 Algorithm 3 line 16.
     """
     ratio = target_probs_of_draft / draft_probs_of_draft.clamp_min(MIN_DRAFT_PROB)
     if gamma != 1.0:

@@ -12,9 +12,11 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_dllm_spec
+from hf_dllm_spec.runner import ModelRunner
 from model_patches.sdar import SDARConfig, SDARForCausalLM
 
 hf_dllm_spec.register_auto_classes()
+ModelRunner.check_layouts = True      # every forward of the suite checks its layout (off by default: a host sync)
 
 MASK_ID = 98
 TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,

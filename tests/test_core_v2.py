@@ -287,3 +287,63 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_strategy_config_overrides_the_fields_it_was_built_with_even_at_their_default():
+    gc = S2D2Config(confidence_threshold=0.6).save_to_generation_config(GenerationConfig())
+    assert resolve_config("s2d2", generation_config=gc,
+                          strategy_config=S2D2Config(confidence_threshold=0.85)).confidence_threshold == 0.85
+    assert resolve_config("s2d2", preset="sdar-1.7b-config-a",
+                          strategy_config=S2D2Config(min_ssd_span_length=1)).min_ssd_span_length == 1
+    assert resolve_config("s2d2", generation_config=gc,
+                          strategy_config=S2D2Config(min_ssd_span_length=1)).confidence_threshold == 0.6
+
+
+def test_direct_call_takes_generation_options_as_keywords(sdar_model, prompt):
+    direct = hf_dllm_spec.dllm_generate(sdar_model, prompt, decoding_strategy="s2d2", max_new_tokens=6,
+                                        eos_token_id=None)
+    via_generate = sdar_model.generate(prompt, decoding_strategy="s2d2", max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(direct, via_generate)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"input_ids": torch.empty(1, 0, dtype=torch.long)}, r"`input_ids` \(=\(1, 0\)\) must hold at least one"),
+    ({"position_ids": torch.arange(7)[None] + 100}, r"`position_ids` .* must follow the attention mask"),
+    ({"cache_implementation": "static"}, r"`past_key_values` \(='StaticCache'\) must be an empty DynamicCache"),
+    ({"max_new_tokens": 250}, r"up to position 260\), in the model's 256 positions"),     # 249 would fit
+])
+def test_more_bad_input_before_any_forward(sdar_model, prompt, monkeypatch, kwargs, match):
+    ids = kwargs.pop("input_ids", prompt)
+    monkeypatch.setattr(sdar_model, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("forward")))
+    with pytest.raises(ValueError, match=match):
+        sdar_model.generate(ids, decoding_strategy="block_diffusion", block_size=4, **kwargs)
+
+
+def test_positions_are_checked_for_whole_blocks(sdar_model, prompt, monkeypatch):
+    """7 prompt tokens + 2 new ones end inside the block 8..11: position 11 must exist (max 256 here)."""
+    monkeypatch.setattr(sdar_model.config, "max_position_embeddings", 11)
+    with pytest.raises(ValueError, match=r"up to position 12\), in the model's 11 positions"):
+        sdar_model.generate(prompt, decoding_strategy="block_diffusion", block_size=4, max_new_tokens=2)
+
+
+def test_drafter_mask_token_and_zero_special_ids_are_checked(sdar_model, qwen2_ar, prompt, registered):
+    class NeedsDraftMask(DrafterAR):
+        name = "toy_drafter_mask"
+        requires_draft_mask_token = True
+
+    @dataclass
+    class NeedsDraftMaskConfig(DrafterARConfig):
+        decoding_strategy: ClassVar[str] = "toy_drafter_mask"
+
+    NeedsDraftMask.config_class = NeedsDraftMaskConfig
+    registered(NeedsDraftMask)
+    with pytest.raises(ValueError, match=r"`draft_mask_token_id` \(=None\) must be known"):
+        sdar_model.generate(prompt, decoding_strategy="toy_drafter_mask", draft_model=qwen2_ar, max_new_tokens=4)
+    registered(DrafterAR)
+    qwen2_ar.generation_config.pad_token_id = 5
+    try:
+        with pytest.raises(ValueError, match=r"`draft_model` \(='<pad_token_id=5>'\) must use the target's pad_token_id \(0\)"):
+            sdar_model.generate(prompt, decoding_strategy="toy_drafter_ar", draft_model=qwen2_ar, pad_token_id=0,
+                                max_new_tokens=4, eos_token_id=None)
+    finally:
+        qwen2_ar.generation_config.pad_token_id = None

@@ -105,3 +105,36 @@ def test_end_is_called_when_decoding_fails(bundled, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         model.generate(ids, decoding_strategy="block_diffusion", streamer=rec, max_new_tokens=8)
     assert rec.ended == 1
+
+
+@pytest.mark.parametrize("strategy,kwargs", [
+    ("ar", {}),
+    ("block_diffusion", {"block_size": 4}),
+    ("s2d2", {"block_size": 8}),
+])
+@pytest.mark.filterwarnings("ignore:`block_size`")
+def test_stop_string_inside_a_block_cuts_output_and_stream(bundled, strategy, kwargs):
+    """transformers' criteria look at the end of the sequence: every final prefix is tested, not block ends."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    tokenizer, model, ids = bundled
+    free = tokenizer.decode(model.generate(ids, decoding_strategy=strategy, max_new_tokens=40, eos_token_id=None,
+                                           **kwargs)[0, ids.shape[1]:])
+    assert "apples" in free                                       # the stop string occurs in the free text
+    rec = Recorder()
+    criteria = StoppingCriteriaList([StopStringCriteria(tokenizer, ["apples"])])
+    out = model.generate(ids, decoding_strategy=strategy, max_new_tokens=40, eos_token_id=None,
+                         stopping_criteria=criteria, streamer=rec, **kwargs)
+    text = tokenizer.decode(out[0, ids.shape[1]:])
+    assert text.endswith("apples") and free.startswith(text)
+    assert sum(rec.chunks[1:], []) == out[0, ids.shape[1]:].tolist() and rec.ended == 1
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_end_is_called_when_a_check_fails(bundled, entry):
+    """transformers puts the prompt before the callable runs: a failing check must still end the stream."""
+    _, model, ids = bundled
+    rec = Recorder()
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        ENTRY_POINTS[entry](model, ids, decoding_strategy="s2d2", confidence_threshold=2.0, streamer=rec)
+    assert rec.ended == 1

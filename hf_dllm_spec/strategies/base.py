@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 import torch
 
@@ -24,7 +24,8 @@ class DecodingSession:
         target (`ModelRunner`): the model whose output is decoded (the self-drafting model of S2D2).
         sampler (`Sampler`): logits -> distributions and tokens; holds the generator.
         stats (`BatchStats`): per-row counters, updated in place.
-        mask_token_id (`int` or `None`): the target's mask token.
+        mask_token_id (`int`): the target's mask token (0 as a placeholder input where none is needed: AR
+            decoding of a right-shifted model never reads the placeholder's logits).
         stop_token_ids (`list[int]`): a row stops after the block in which one of them is committed.
         max_new_tokens (`int`): budget in tokens per row (whole blocks are decoded, the caller trims).
         drafter (`ModelRunner`, *optional*): a separate drafter model (SimSD, DEER), with its own cache, family
@@ -41,7 +42,7 @@ class DecodingSession:
     target: ModelRunner
     sampler: Sampler
     stats: BatchStats
-    mask_token_id: int | None
+    mask_token_id: int
     stop_token_ids: list[int]
     max_new_tokens: int
     block_size: int = 1
@@ -50,7 +51,6 @@ class DecodingSession:
     draft_block_size: int | None = None
     stop_check: Callable[[int, torch.Tensor], bool] | None = None
     stream: TokenStream | None = None
-    device: Any = field(default=None)
 
     @property
     def batch_size(self) -> int:
@@ -67,6 +67,7 @@ class DecodingStrategy(ABC):
         lossless (`bool`): whether outputs follow the target distribution exactly.
         requires_mask_token (`bool`): whether the target needs a mask token.
         uses_drafter (`bool`): whether the strategy runs a separate `draft_model` (then required).
+        requires_draft_mask_token (`bool`): whether that drafter needs a mask token (a diffusion drafter).
     """
 
     name: ClassVar[str]
@@ -75,6 +76,7 @@ class DecodingStrategy(ABC):
     lossless: ClassVar[bool] = False
     requires_mask_token: ClassVar[bool] = True
     uses_drafter: ClassVar[bool] = False
+    requires_draft_mask_token: ClassVar[bool] = False
 
     def __init__(self, config: DecodingConfig, session: DecodingSession) -> None:
         self.config, self.session = config, session

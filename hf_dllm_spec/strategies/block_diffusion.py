@@ -178,6 +178,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         super().__init__(config, session)
         self.block_size = session.block_size
         self.steps_per_block = config.steps_per_block or self.block_size
+        self._full_mask: torch.Tensor | None = None            # (B, B), built once
 
     # -- Algorithm 1: the outer loop, every row at its own pace ------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -215,7 +216,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 if self.should_stop(prompt_index, generated[prompt_index]):
                     finished.append(i)
             if not self.config.fuse_cache_write:
-                self.write_blocks(block, done)
+                self.write_blocks(block, done, done_rows)
             pending_rows = done.clone()
             pending_rows[finished] = False
             if self.config.fuse_cache_write and bool(pending_rows.any()):
@@ -283,12 +284,12 @@ class BlockDiffusionStrategy(DecodingStrategy):
             s.target.forward(ids, positions, self.store_mask(positions), kind="prefill", store_len=longest,
                              store_valid=valid, logits_to_keep=1, rows=(aligned > 0).tolist())
 
-    def write_blocks(self, block: BlockState, rows: torch.Tensor) -> None:
-        """Separate cache-write forward of the finished blocks of `rows` (Algorithm 1 line 5; 1 forward)."""
+    def write_blocks(self, block: BlockState, rows: torch.Tensor, row_flags: list[bool]) -> None:
+        """Separate cache-write forward of the finished blocks of `rows` `(N,)` (Algorithm 1 line 5; 1 forward)."""
         B = self.block_size
         self.session.target.forward(block.tokens, block.positions, self.store_mask(block.positions),
                                     kind="cache_write", store_len=B, store_valid=rows[:, None].expand(-1, B),
-                                    logits_to_keep=1, rows=rows.tolist())
+                                    logits_to_keep=1, rows=row_flags)
 
     def draft_mask(self, block: BlockState) -> torch.Tensor:
         """Visibility inside the block while denoising: full `(B, B)`, or S2D2 Eq. 4 `(N, B, B)` with `draft_ver`."""
@@ -297,7 +298,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
             first = torch.where(masked.any(dim=1), masked.float().argmax(dim=1).long(),
                                 torch.full_like(block.start, self.block_size))
             return partially_causal_draft_mask(self.block_size, first)
-        return full_mask(self.block_size, block.tokens.device)
+        if self._full_mask is None:
+            self._full_mask = full_mask(self.block_size, block.tokens.device)
+        return self._full_mask
 
     def draft_forward(self, block: BlockState, pending: tuple | None) -> torch.Tensor:
         """Denoising forward of every row's block (cache read-only), fused with the write of `pending` blocks.
@@ -326,10 +329,18 @@ class BlockDiffusionStrategy(DecodingStrategy):
     # -- Algorithm 2: one denoising step -----------------------------------------------------------------------
     def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
         """Draw tokens for every position and commit masked ones by the confidence rule."""
+        probs, tokens, confidence = self.propose(logits)
+        self.commit_by_rule(block, probs, tokens, confidence)
+
+    def propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's processed distribution `(N, B, V)`, chosen tokens and confidences `(N, B)`.
+
+        Kept for the edit rule (:meth:`finish_step`), which re-decides committed tokens from the same proposal.
+        """
         probs = self.session.sampler.probs(logits)
         tokens, confidence = self.session.sampler.choose(probs)
         self._last_proposal = (probs, tokens, confidence)
-        self.commit_by_rule(block, probs, tokens, confidence)
+        return probs, tokens, confidence
 
     def commit_by_rule(self, block: BlockState, probs: torch.Tensor, tokens: torch.Tensor,
                        confidence: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

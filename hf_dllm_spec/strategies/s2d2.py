@@ -200,6 +200,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
     def __init__(self, config: S2D2Config, session) -> None:
         super().__init__(config, session)
         self.policies = [build_policy(config) for _ in range(session.batch_size)]
+        self._verify_mask: torch.Tensor | None = None          # (2B, 2B) Eq. 3 pattern, built once
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -208,9 +209,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
 
     def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
         """Algorithm 3, one step for every row: draft, route, then verify the span or fall back to the rule."""
-        sampler = self.session.sampler
-        draft_probs = sampler.probs(logits)                                  # (N, B, V)
-        draft_tokens, confidence = sampler.choose(draft_probs)               # (N, B), (N, B)
+        draft_probs, draft_tokens, confidence = self.propose(logits)         # (N, B, V), (N, B), (N, B)
         start, end = first_masked_span(block.masked)
         contexts = self.routing_contexts(block, draft_probs, confidence, start, end)
         decisions = [policy.decide(ctx) for policy, ctx in zip(self.policies, contexts)]
@@ -268,7 +267,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
         if s.target.alignment == "position":       # Eq. 3: read the MASK copies
             ids = torch.cat([filled, torch.full_like(filled, s.mask_token_id)], dim=1)
             positions = torch.cat([block.positions, block.positions], dim=1)
-            intra = verifier_2l_mask(B, ids.device)
+            if self._verify_mask is None:
+                self._verify_mask = verifier_2l_mask(B, ids.device)
+            intra = self._verify_mask
         else:                                      # right shift: row r - 1 of a causal pass predicts r
             ids, positions, intra = filled, block.positions, causal_mask(B, filled.device)
         logits = s.target.forward(ids, positions, intra, kind="verify", logits_to_keep=keep, rows=decisions)
@@ -300,24 +301,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
     def observe_verification(self, rows: torch.Tensor, lengths: torch.Tensor, result) -> None:
         """Add the verification counters of the verifying `rows` to the per-row statistics (on the device)."""
         stats = self.session.stats
-        n = len(stats.active)
-        width = self.block_size + 1
-
-        def per_row(values: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros((n, *values.shape[1:]), dtype=torch.long, device=values.device)
-            out[rows] = values.long()
-            return out
-
-        positions = torch.arange(self.block_size, device=rows.device)[None]
-        stats.accumulate("num_drafts", per_row(lengths > 0))
-        stats.accumulate("num_draft_tokens", per_row(lengths))
-        stats.accumulate("num_accepted_tokens", per_row(result.num_accepted))
-        stats.accumulate("num_recovered_tokens", per_row(result.recovered))
-        stats.accumulate("num_bonus_tokens", per_row(result.bonus))
-        stats.accumulate("accepted_length_histogram",
-                         per_row(torch.nn.functional.one_hot(result.num_accepted, width) * (lengths > 0)[:, None]))
-        stats.accumulate("num_accepted_tokens_per_pos", per_row(positions < result.num_accepted[:, None]))
-        stats.accumulate("num_drafts_reaching_pos", per_row(positions < lengths[:, None]))
+        stats.observe_verification(rows, lengths, result.num_accepted, result.recovered, result.bonus)
         # allow_resample=False commits the rejected draft itself: a fallback token, not a recovered one.
         stats.accumulate("num_fallback_tokens",
-                         per_row((result.num_tokens - result.num_accepted) * ~(result.recovered | result.bonus)))
+                         (result.num_tokens - result.num_accepted) * ~(result.recovered | result.bonus), rows)
