@@ -112,23 +112,31 @@ class RunResult:
         return 100.0 * self.correct / self.scored if self.scored else float("nan")
 
 
-def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_tokens: int, seed: int) -> RunResult:
-    """Generate every prompt with one strategy; merge the statistics; score arithmetic and HumanEval."""
+def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_tokens: int, seed: int,
+        batch_size: int = 1) -> RunResult:
+    """Generate every prompt with one strategy, `batch_size` prompts per call (left-padded); merge the
+    statistics; score arithmetic and HumanEval."""
     result = RunResult(spec, [], SpecDecodingStats())
-    for i, prompt in enumerate(prompts):
-        ids = tokenizer(prompt.text, return_tensors="pt").input_ids
-        out = model.generate(ids, decoding_strategy=spec.decoding_strategy, max_new_tokens=max_new_tokens,
-                             return_dict_in_generate=True, generator=torch.Generator().manual_seed(seed + i),
+    tokenizer.padding_side = "left"
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        enc = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True)
+        out = model.generate(enc.input_ids, attention_mask=enc.attention_mask,
+                             decoding_strategy=spec.decoding_strategy, max_new_tokens=max_new_tokens,
+                             return_dict_in_generate=True, generator=torch.Generator().manual_seed(seed + start),
                              **spec.params)
         result.stats.merge(out.spec_stats)
-        text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
-        result.texts.append(text)
-        if prompt.kind == "arithmetic":
-            result.scored += 1
-            result.correct += int(extract_answer(text) == prompt.answer)
-        elif prompt.kind == "humaneval":
-            result.scored += 1
-            result.correct += int(syntax_ok(prompt.text, text))
+        for row, prompt in enumerate(chunk):
+            new = out.sequences[row, enc.input_ids.shape[1]:]
+            new = new[: out.spec_stats_per_row[row].num_generated_tokens]
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            result.texts.append(text)
+            if prompt.kind == "arithmetic":
+                result.scored += 1
+                result.correct += int(extract_answer(text) == prompt.answer)
+            elif prompt.kind == "humaneval":
+                result.scored += 1
+                result.correct += int(syntax_ok(prompt.text, text))
     return result
 
 

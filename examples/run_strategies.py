@@ -3,6 +3,7 @@
     ./run.sh main                                   # bundled model, held-out arithmetic + HumanEval prompts
     ./run.sh main --prompt "def fibonacci(n):"      # your own prompt
     ./run.sh main --model path/to/sdar --block-size 4 --set do_verify_policy=score_threshold
+    ./run.sh main --batch-size 8                     # 8 left-padded prompts per generate call
 
 Loads the model with `AutoModelForCausalLM.from_pretrained` (no remote code) and decodes every prompt with
 `model.generate(..., decoding_strategy=...)`. Prints sample generations and, per prompt set, a table of
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 48 (arithmetic), 64 (code)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra S2D2 parameter")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (left-padded batch)")
     args = ap.parse_args(argv)
 
     tokenizer, model = load(args.model)
@@ -94,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"trained block size {model.config.block_size}, mask id {model.config.mask_token_id})")
     for name, (prompts, max_new, metric) in sets.items():
-        results = [run(model, tokenizer, prompts, spec, max_new_tokens=max_new, seed=args.seed)
-                   for spec in strategy_specs]
+        results = [run(model, tokenizer, prompts, spec, max_new_tokens=max_new, seed=args.seed,
+                       batch_size=args.batch_size) for spec in strategy_specs]
         print(f"\n=== {name}: {len(prompts)} prompts, max_new_tokens={max_new} ===")
         for idx in range(min(2, len(prompts))):
             print(f"\n--- prompt {idx}:\n{prompts[idx].text}")

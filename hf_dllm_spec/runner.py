@@ -127,11 +127,12 @@ class ModelRunner:
         intra = intra_mask.expand(n, q, q) if intra_mask.dim() == 2 else intra_mask
         if self.check_layouts and s:
             self._check_layout(intra, s, store_valid)
-        query_valid = torch.ones(n, q, dtype=torch.bool, device=self.device)
+        query_valid = None                                        # (N, q) bool; None = no padding in the query
         if store_valid is not None:
+            query_valid = torch.ones(n, q, dtype=torch.bool, device=self.device)
             query_valid[:, :s] = store_valid
-        # Padding is seen by nobody but itself (a row with no visible key would be ill-defined).
-        intra = (intra & query_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=self.device)
+            # Padding is seen by nobody but itself (a row with no visible key would be ill-defined).
+            intra = (intra & query_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=self.device)
         keep = logits_to_keep or q
         keep_raw = keep if self.alignment == "position" else min(q, keep + 1)
         if self.alignment != "position" and s:
@@ -150,10 +151,13 @@ class ModelRunner:
             else:
                 raw = self._forward_recompute(input_ids, position_ids, intra, keep_raw)
                 self._append(input_ids[:, :s], position_ids[:, :s], intra[:, :s, :s])
-        self.valid = torch.cat([self.valid, query_valid[:, :s]], dim=1)
+        if s:
+            stored = query_valid[:, :s] if query_valid is not None else torch.ones(n, s, dtype=torch.bool,
+                                                                                     device=self.device)
+            self.valid = torch.cat([self.valid, stored], dim=1)
         if self.alignment == "position":
             return raw[:, -keep:]
-        return self._align_right_shift(raw, query_valid, keep, s)
+        return self._align_right_shift(raw, query_valid, q, keep, s)
 
     @staticmethod
     def _check_layout(intra: torch.Tensor, s: int, store_valid: torch.Tensor | None) -> None:
@@ -168,10 +172,12 @@ class ModelRunner:
             raise ValueError("ModelRunner.forward: `store_valid` must put a row's padding before its real tokens "
                              "(left padding); the right-shift carry reads the last stored token.")
 
-    def _align_right_shift(self, raw: torch.Tensor, query_valid: torch.Tensor, keep: int, s: int) -> torch.Tensor:
+    def _align_right_shift(self, raw: torch.Tensor, query_valid: torch.Tensor | None, q: int, keep: int,
+                           s: int) -> torch.Tensor:
         """Logits at row i - 1 predict query token i; a token without a query predecessor takes the carry."""
         n, keep_raw, vocab = raw.shape
-        q = query_valid.shape[1]
+        if query_valid is None:
+            query_valid = torch.ones(n, q, dtype=torch.bool, device=raw.device)
         offset = q - keep_raw                                      # query index of raw[:, 0]
         carry = self.carry if self.carry is not None else raw.new_zeros(n, vocab)
         prev = torch.arange(q - keep, q, device=raw.device) - 1    # predecessor query index of each kept token

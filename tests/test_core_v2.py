@@ -347,3 +347,17 @@ def test_drafter_mask_token_and_zero_special_ids_are_checked(sdar_model, qwen2_a
                                 max_new_tokens=4, eos_token_id=None)
     finally:
         qwen2_ar.generation_config.pad_token_id = None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_device_sync_per_forward_on_cuda(sdar_model, prompt, monkeypatch):
+    """Statistics and forward timing never synchronise the device per forward (CUDA events, read once)."""
+    model = type(sdar_model)(sdar_model.config).to("cuda").eval()
+    calls = []
+    original = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    out = model.generate(prompt.cuda(), decoding_strategy="block_diffusion", max_new_tokens=32, eos_token_id=None,
+                         return_dict_in_generate=True)
+    assert out.spec_stats.nfe > 8 and len(calls) <= 2          # the call's start and end only
+    assert 0 < out.spec_stats.forward_time_s <= out.spec_stats.wall_time_s

@@ -147,12 +147,11 @@ class BlockState:
 
     def restart(self, rows: torch.Tensor) -> None:
         """Move the rows where `rows` `(N,)` is true to their next block: all masks, B positions further on."""
-        width = self.tokens.shape[1]
-        self.tokens[rows] = self.mask_token_id
-        self.undecided[rows] = True
-        self.start = torch.where(rows, self.start + width, self.start)
-        for name in ("num_fixed", "step", "post_steps"):
-            setattr(self, name, torch.where(rows, torch.zeros_like(self.start), getattr(self, name)))
+        self.tokens.masked_fill_(rows[:, None], self.mask_token_id)
+        self.undecided.masked_fill_(rows[:, None], True)
+        self.start += rows.long() * self.tokens.shape[1]
+        for counter in (self.num_fixed, self.step, self.post_steps):
+            counter.masked_fill_(rows, 0)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep the rows `index` `(M,)`."""
@@ -191,7 +190,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         generated = [s.prompts[0].new_empty(0) for _ in range(s.batch_size)]
         pending: torch.Tensor | None = None          # (N,) bool: rows whose finished block is stored next forward
         while block.tokens.shape[0]:
-            masked_before = block.masked.clone()
+            masked_before = block.masked.clone() if self.edit_rule is not None else None
             logits = self.draft_forward(block, pending)
             pending = None
             self.denoise_step(block, logits)
@@ -217,8 +216,10 @@ class BlockDiffusionStrategy(DecodingStrategy):
                     finished.append(i)
             if not self.config.fuse_cache_write:
                 self.write_blocks(block, done, done_rows)
-            pending_rows = done.clone()
-            pending_rows[finished] = False
+            pending_rows = done
+            if finished:
+                pending_rows = done.clone()
+                pending_rows[finished] = False
             if self.config.fuse_cache_write and bool(pending_rows.any()):
                 pending = (block.tokens.clone(), block.positions, pending_rows)
             block.restart(pending_rows)
@@ -359,7 +360,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         self.session.stats.accumulate("num_fallback_tokens", committed)
         return committed
 
-    def finish_step(self, block: BlockState, masked_before: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def finish_step(self, block: BlockState, masked_before: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
         """Apply the edit rule (if any); return `(N,)` bool, the rows whose block is complete."""
         if self.edit_rule is None:
             return ~block.masked.any(dim=1)
