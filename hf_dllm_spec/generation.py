@@ -342,7 +342,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
             draft_mask_token_id):
     """The body of :func:`dllm_generate`: checks, session, strategy, output."""
     generation_config = generation_config if generation_config is not None else model.generation_config
-    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in strategy_parameter_names() and kwargs[k] is not _UNSET}
+    names = set(strategy_parameter_names())
+    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names and kwargs[k] is not _UNSET}
     for k in [k for k in kwargs if kwargs[k] is _UNSET]:
         kwargs.pop(k)
 

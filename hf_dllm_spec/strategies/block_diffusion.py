@@ -182,57 +182,80 @@ class BlockDiffusionStrategy(DecodingStrategy):
     # -- Algorithm 1: the outer loop, every row at its own pace ------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
         s, B = self.session, self.block_size
-        runner = s.target
-        lengths = torch.tensor([p.shape[0] for p in s.prompts], device=runner.device)
+        lengths = torch.tensor([p.shape[0] for p in s.prompts], device=s.target.device)
         aligned = (lengths // B) * B
         self.prefill(aligned)
         block = self.first_blocks(aligned)
         generated = [s.prompts[0].new_empty(0) for _ in range(s.batch_size)]
-        pending: torch.Tensor | None = None          # (N,) bool: rows whose finished block is stored next forward
+        pending: tuple | None = None      # finished blocks to store in the next forward (see draft_forward)
         while block.tokens.shape[0]:
+            # 1. one denoising forward for every row, storing last step's finished blocks on the way
             masked_before = block.masked.clone() if self.edit_rule is not None else None
             logits = self.draft_forward(block, pending)
-            pending = None
+            # 2. commit (and edit) tokens; which rows finished their block
             self.denoise_step(block, logits)
             done = self.finish_step(block, masked_before, logits)
             block.step += 1
             done_rows = done.tolist()
             if s.stream is not None and self.edit_rule is None:
-                final = self.final_prefix(block, 0)
-                s.stream.push(torch.cat([generated[s.stats.active[0]], final]))
+                s.stream.push(torch.cat([generated[s.stats.active[0]], self.final_prefix(block, 0)]))
+            pending = None
             if not any(done_rows):
                 continue
-            finished = []
-            for i, is_done in enumerate(done_rows):
-                if not is_done:
-                    continue
-                prompt_index = s.stats.active[i]
-                new_tokens = block.tokens[i, int(block.num_fixed[i]):]
-                s.stats.row(i).num_committed_tokens += new_tokens.shape[0]
-                generated[prompt_index] = torch.cat([generated[prompt_index], new_tokens])
-                if s.stream is not None:
-                    s.stream.push(generated[prompt_index])
-                if self.should_stop(prompt_index, generated[prompt_index]):
-                    finished.append(i)
-            if not self.config.fuse_cache_write:
-                self.write_blocks(block, done, done_rows)
-            pending_rows = done
+            # 3. append finished blocks, decide stops, schedule the cache writes, start the next blocks
+            finished = self.collect_finished_blocks(block, done_rows, generated)
+            pending = self.schedule_writes(block, done, done_rows, finished)
+            # 4. finished rows leave the batch
             if finished:
-                pending_rows = done.clone()
-                pending_rows[finished] = False
-            if self.config.fuse_cache_write and bool(pending_rows.any()):
-                pending = (block.tokens.clone(), block.positions, pending_rows)
-            block.restart(pending_rows)
-            if finished:
-                keep = [i for i in range(len(done_rows)) if i not in set(finished)]
-                index = torch.tensor(keep, dtype=torch.long, device=runner.device)
-                self.select_rows(index)
-                block.select(index)
-                if pending is not None:
-                    pending = tuple(t[index] for t in pending)
-                    if not bool(pending[2].any()):
-                        pending = None
+                pending = self.drop_rows(block, done_rows, finished, pending)
         return generated
+
+    def collect_finished_blocks(self, block: BlockState, done_rows: list[bool],
+                                generated: list[torch.Tensor]) -> list[int]:
+        """Append each finished block to its row's output; return the batch indices of rows that stop."""
+        s, finished = self.session, []
+        for i in (i for i, is_done in enumerate(done_rows) if is_done):
+            prompt_index = s.stats.active[i]
+            new_tokens = block.tokens[i, int(block.num_fixed[i]):]
+            s.stats.row(i).num_committed_tokens += new_tokens.shape[0]
+            generated[prompt_index] = torch.cat([generated[prompt_index], new_tokens])
+            if s.stream is not None:
+                s.stream.push(generated[prompt_index])
+            if self.should_stop(prompt_index, generated[prompt_index]):
+                finished.append(i)
+        return finished
+
+    def schedule_writes(self, block: BlockState, done: torch.Tensor, done_rows: list[bool],
+                        finished: list[int]) -> tuple | None:
+        """Store finished blocks now (`fuse_cache_write=False`) or in the next forward; restart their rows.
+
+        Returns:
+            `(tokens (N, B), positions (N, B), rows (N,) bool)` of the blocks the next forward stores, or None.
+        """
+        if not self.config.fuse_cache_write:
+            self.write_blocks(block, done, done_rows)
+        continuing = done
+        if finished:
+            continuing = done.clone()
+            continuing[finished] = False
+        pending = None
+        if self.config.fuse_cache_write and bool(continuing.any()):
+            pending = (block.tokens.clone(), block.positions, continuing)
+        block.restart(continuing)
+        return pending
+
+    def drop_rows(self, block: BlockState, done_rows: list[bool], finished: list[int],
+                  pending: tuple | None) -> tuple | None:
+        """Remove the `finished` rows from the batch (they stop costing compute); return `pending` for the rest."""
+        gone = set(finished)
+        index = torch.tensor([i for i in range(len(done_rows)) if i not in gone], dtype=torch.long,
+                             device=block.tokens.device)
+        self.select_rows(index)
+        block.select(index)
+        if pending is None:
+            return None
+        pending = tuple(t[index] for t in pending)
+        return pending if bool(pending[2].any()) else None
 
     def first_blocks(self, aligned: torch.Tensor) -> BlockState:
         """Each row's first block: its prompt tail, then masks."""
