@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import warnings
 from typing import Any
 
@@ -68,6 +69,19 @@ def _generate_call_arguments(model) -> dict[str, Any]:
     finally:
         del frame
     return {}
+
+
+def _caller_stacklevel() -> int:
+    """`stacklevel` that points a warning at the first frame outside hf_dllm_spec, transformers and torch."""
+    internal = tuple(f"{os.sep}{name}{os.sep}"
+                     for name in ("hf_dllm_spec", "transformers", "torch", "custom_generate"))
+    frame, level = inspect.currentframe(), 1
+    try:
+        while frame is not None and (level == 1 or any(part in frame.f_code.co_filename for part in internal)):
+            frame, level = frame.f_back, level + 1
+    finally:
+        del frame
+    return level - 1
 
 
 def _warpers_from_generation_config(generation_config: GenerationConfig) -> LogitsProcessorList:
@@ -140,10 +154,11 @@ def _check_inputs(input_ids: torch.Tensor, generation_config: GenerationConfig, 
     lengths = _prompt_lengths(input_ids, model_kwargs.get("attention_mask"))
     position_ids = model_kwargs.get("position_ids")
     if position_ids is not None:
-        width = input_ids.shape[1]
-        real = torch.arange(width, device=input_ids.device)[None] >= (width - torch.tensor(lengths, device=input_ids.device))[:, None]
-        expected = (real.long().cumsum(dim=1) - 1).clamp(min=0)
-        if position_ids.shape != input_ids.shape or not bool((position_ids.to(expected.device)[real] == expected[real]).all()):
+        width, device = input_ids.shape[1], input_ids.device
+        real = torch.arange(width, device=device)[None] >= (width - torch.tensor(lengths, device=device))[:, None]
+        expected = (real.long().cumsum(dim=1) - 1).clamp(min=0)                    # (N, P): 0, 1, ... per row
+        if position_ids.shape != input_ids.shape or not bool(
+                (position_ids.to(device)[real] == expected[real]).all()):
             raise invalid("position_ids", "<custom positions>", "follow the attention mask (0, 1, ... from each row's "
                           "first real token): the block grid is counted from position 0",
                           "drop `position_ids`; positions are derived from `attention_mask`")
@@ -170,7 +185,7 @@ def _resolve_block_size(patch, model, block_size: int | None, name: str = "block
     if trained is not None and resolved not in (1, trained):
         warnings.warn(
             f"`{name}` (={resolved}) differs from the checkpoint's trained block size (={trained}) for "
-            f"model_type `{model.config.model_type}`: running off-distribution.", stacklevel=5,
+            f"model_type `{model.config.model_type}`: running off-distribution.", stacklevel=_caller_stacklevel(),
         )
     return resolved
 

@@ -164,7 +164,8 @@ def first_masked_span(masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     width = masked.shape[1]
     idx = torch.arange(width, device=masked.device)[None]
     has_mask = masked.any(dim=1)
-    start = torch.where(has_mask, masked.float().argmax(dim=1).long(), torch.full_like(has_mask, width, dtype=torch.long))
+    none = torch.full(has_mask.shape, width, dtype=torch.long, device=masked.device)
+    start = torch.where(has_mask, masked.float().argmax(dim=1).long(), none)
     after = ~masked & (idx >= start[:, None])
     end = torch.where(after.any(dim=1), after.float().argmax(dim=1).long(), torch.full_like(start, width))
     return start, torch.where(has_mask, end, start)
