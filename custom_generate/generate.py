@@ -20,5 +20,7 @@ def generate(inputs=None, *, model, decoding_strategy="s2d2", **kwargs):
     Returns what `hf_dllm_spec.custom_generate` returns: the sequences, or a `GenerateDllmOutput` with
     `spec_stats` when `return_dict_in_generate=True`.
     """
+    from hf_dllm_spec.mixin import stop_strings_as_criteria
+
     return GenerationMixin.generate(model, inputs, custom_generate=hf_dllm_spec.custom_generate,
-                                    decoding_strategy=decoding_strategy, **kwargs)
+                                    decoding_strategy=decoding_strategy, **stop_strings_as_criteria(kwargs))

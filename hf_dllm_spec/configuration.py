@@ -36,7 +36,12 @@ def check_bool(name: str, value: Any) -> None:
 
 @dataclass
 class DecodingConfig:
-    """Base of the strategy configs: validation, presets, dict and generation-config round trip."""
+    """Base of the strategy configs: validation, presets, dict and generation-config round trip.
+
+    A config remembers which parameters it was built with; as `strategy_config` it overrides exactly those
+    (and any changed afterwards). `dataclasses.replace` and `from_dict` pass every field, so their results
+    override every field.
+    """
 
     decoding_strategy: ClassVar[str] = ""
     presets: ClassVar[dict[str, dict[str, Any]]] = {}

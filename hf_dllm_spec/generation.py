@@ -11,7 +11,9 @@ Three entry points, one code path:
 
 transformers does not pass `streamer` or `assistant_model` to a `custom_generate` callable (it puts the prompt
 on the streamer and drops both). :func:`dllm_generate` reads them from the `generate` call that invoked it, so
-a streamer receives the final tokens and `end()`, and `assistant_model` is an alias of `draft_model`.
+a streamer receives the final tokens and `end()`, and `assistant_model` is an alias of `draft_model`. Called
+directly, :func:`dllm_generate` hands itself to transformers' `generate`, so every entry point prepares
+processors, stopping criteria and generation options the same way.
 
 Strategy parameters are keyword arguments of :func:`dllm_generate` (its signature lists every parameter of
 every registered strategy, so transformers routes them to it and still rejects typos); they merge with a stored
@@ -20,7 +22,6 @@ every registered strategy, so transformers routes them to it and still rejects t
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 import warnings
@@ -28,7 +29,6 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, GenerationMixin, LogitsProcessorList
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import model_patches
 
@@ -82,19 +82,6 @@ def _caller_stacklevel() -> int:
     finally:
         del frame
     return level - 1
-
-
-def _warpers_from_generation_config(generation_config: GenerationConfig) -> LogitsProcessorList:
-    """Temperature / top-k / top-p warpers for direct calls that bypass `model.generate`."""
-    procs = LogitsProcessorList()
-    if generation_config.do_sample:
-        if generation_config.temperature is not None and generation_config.temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(generation_config.temperature))
-        if generation_config.top_k:
-            procs.append(TopKLogitsWarper(generation_config.top_k))
-        if generation_config.top_p is not None and generation_config.top_p < 1.0:
-            procs.append(TopPLogitsWarper(generation_config.top_p))
-    return procs
 
 
 def _prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
@@ -263,8 +250,9 @@ def dllm_generate(
         generation_config (`GenerationConfig`, *optional*): `max_new_tokens`, `do_sample`, `eos_token_id`,
             `pad_token_id`, `use_cache` (False recomputes every forward without a cache),
             `return_dict_in_generate`.
-        streamer (`BaseStreamer`, *optional*): for direct calls; through `generate` the streamer passed there is
-            used. Receives the prompt, final tokens as soon as they are final, then `end()` (batch size 1).
+        streamer (`BaseStreamer`, *optional*): receives the prompt, final tokens as soon as they are final, then
+            `end()` (batch size 1). Through `generate`, the streamer passed there (transformers drops it for
+            callables; it is read from the call).
         decoding_strategy (`str`): a registered strategy: "ar", "block_diffusion", "s2d2", ...
         generator (`torch.Generator`, *optional*): the only source of randomness; the same seed gives the same
             tokens. Without it torch's global RNG is used.
@@ -288,19 +276,25 @@ def dllm_generate(
         NotImplementedError: an unsupported model family or logits processor.
     """
     call = _generate_call_arguments(model)
-    streamer_of_call = streamer if streamer is not None else call.get("streamer")
+    if not call:
+        # A direct call: hand it to transformers' `generate` with this callable, so the logits processors,
+        # stopping criteria and generation options are prepared exactly as on the other entry points.
+        return GenerationMixin.generate(
+            model, input_ids, generation_config=generation_config, logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria, streamer=streamer, assistant_model=assistant_model,
+            custom_generate=dllm_generate, decoding_strategy=decoding_strategy, generator=generator,
+            mask_token_id=mask_token_id, strategy_config=strategy_config, preset=preset, draft_model=draft_model,
+            draft_mask_token_id=draft_mask_token_id, **kwargs)
+    streamer = streamer if streamer is not None else call.get("streamer")
     try:
-        if not call:                 # a direct call: generation options may come as keyword arguments
-            generation_config, kwargs = _direct_call_config(model, generation_config, kwargs)
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, kwargs,
-                       streamer=streamer_of_call, put_prompt=streamer is not None,
-                       decoding_strategy=decoding_strategy, generator=generator, mask_token_id=mask_token_id,
-                       strategy_config=strategy_config, preset=preset,
+                       streamer=streamer, decoding_strategy=decoding_strategy, generator=generator,
+                       mask_token_id=mask_token_id, strategy_config=strategy_config, preset=preset,
                        draft_model=_draft_model(draft_model, assistant_model, call),
                        draft_mask_token_id=draft_mask_token_id)
     finally:
-        if streamer_of_call is not None:  # always, also when a check or the decoding fails (no hung consumer)
-            streamer_of_call.end()
+        if streamer is not None:        # always, also when a check or the decoding fails (no hung consumer)
+            streamer.end()
 
 
 def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
@@ -312,16 +306,6 @@ def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
         raise invalid("assistant_model", type(assistant_model).__name__,
                       "not be given together with a different `draft_model`", "pass only `draft_model`")
     return assistant_model
-
-
-def _direct_call_config(model, generation_config, kwargs: dict[str, Any]):
-    """For a direct call: a copy of the generation config updated with the generation options in `kwargs`."""
-    base = generation_config if generation_config is not None else model.generation_config
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k not in _KNOWN_MODEL_KWARGS and hasattr(base, k)}
-    if options:
-        base = copy.deepcopy(base)
-        base.update(**options)
-    return base, kwargs
 
 
 class _CriteriaScan:
@@ -353,7 +337,7 @@ class _CriteriaScan:
 
 
 def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, kwargs, *, streamer,
-            put_prompt, decoding_strategy, generator, mask_token_id, strategy_config, preset, draft_model,
+            decoding_strategy, generator, mask_token_id, strategy_config, preset, draft_model,
             draft_mask_token_id):
     """The body of :func:`dllm_generate`: checks, session, strategy, output."""
     generation_config = generation_config if generation_config is not None else model.generation_config
@@ -423,8 +407,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
         prompts=prompts,
         target=ModelRunner(model, patch, stats, batch_size=batch_size, use_cache=use_cache, timer=timer,
                            cache=kwargs.get("past_key_values") if use_cache else None),
-        sampler=Sampler(logits_processor if logits_processor is not None
-                        else _warpers_from_generation_config(generation_config),
+        sampler=Sampler(logits_processor if logits_processor is not None else LogitsProcessorList(),
                         do_sample=bool(generation_config.do_sample), suppress_token_ids=suppress,
                         generator=generator),
         stats=stats, mask_token_id=resolved_mask if resolved_mask is not None else 0, stop_token_ids=stop_ids,
@@ -438,8 +421,6 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
         if streamer is not None else None,
     )
     strategy = strategy_cls(config, session)
-    if put_prompt:                       # through `generate`, transformers has already put the prompt
-        streamer.put(input_ids.cpu())
     t0 = now(device)
     generated = strategy.decode()
     wall = now(device) - t0

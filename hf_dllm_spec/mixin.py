@@ -7,7 +7,31 @@ inherit from :class:`DllmGenerationMixin` without an import cycle (`hf_dllm_spec
 
 from __future__ import annotations
 
-from transformers import GenerationMixin
+from typing import Any
+
+from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
+
+
+def stop_strings_as_criteria(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Turn `stop_strings=` (+ `tokenizer=`) into a `StopStringCriteria` in `stopping_criteria`.
+
+    transformers drops `tokenizer` before calling a `custom_generate` callable and then cannot build the
+    stop-string criterion itself; built here, it reaches the decoding loop like any other criterion.
+
+    Raises:
+        ValueError: if `stop_strings` is given without `tokenizer`.
+    """
+    stop_strings = kwargs.pop("stop_strings", None)
+    if stop_strings is None:
+        return kwargs
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(f"`stop_strings` (={stop_strings!r}) must come with `tokenizer`; pass "
+                         "tokenizer=<the model's tokenizer> to generate.")
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer, stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    return kwargs
 
 
 class DllmGenerationMixin(GenerationMixin):
@@ -35,7 +59,6 @@ class DllmGenerationMixin(GenerationMixin):
         from .registry import get_strategy
 
         get_strategy(decoding_strategy)  # unknown names fail here, before input preparation
-        kwargs.setdefault("custom_generate", dllm_generate)
-        if kwargs["custom_generate"] is None:
+        if kwargs.get("custom_generate") is None:
             kwargs["custom_generate"] = dllm_generate
-        return super().generate(*args, decoding_strategy=decoding_strategy, **kwargs)
+        return super().generate(*args, decoding_strategy=decoding_strategy, **stop_strings_as_criteria(kwargs))

@@ -138,3 +138,26 @@ def test_end_is_called_when_a_check_fails(bundled, entry):
     with pytest.raises(ValueError, match="confidence_threshold"):
         ENTRY_POINTS[entry](model, ids, decoding_strategy="s2d2", confidence_threshold=2.0, streamer=rec)
     assert rec.ended == 1
+
+
+@pytest.mark.parametrize("entry", ["model_class", "hub_folder"])
+def test_stop_strings_with_tokenizer(bundled, entry):
+    tokenizer, model, ids = bundled
+    out = ENTRY_POINTS[entry](model, ids, decoding_strategy="block_diffusion", block_size=4, max_new_tokens=40,
+                              eos_token_id=None, stop_strings=["apples"], tokenizer=tokenizer)
+    assert tokenizer.decode(out[0, ids.shape[1]:]).endswith("apples")
+    with pytest.raises(ValueError, match=r"`stop_strings` .* must come with `tokenizer`"):
+        ENTRY_POINTS[entry](model, ids, decoding_strategy="block_diffusion", stop_strings=["apples"])
+
+
+def test_direct_call_prepares_options_like_generate(bundled):
+    """A direct call goes through transformers' preparation: options are applied or refused, never dropped."""
+    _, model, ids = bundled
+    kwargs = dict(decoding_strategy="s2d2", max_new_tokens=16, do_sample=True, min_p=0.3)
+    direct = hf_dllm_spec.dllm_generate(model, ids, generator=torch.Generator().manual_seed(3), **kwargs)
+    via_generate = model.generate(ids, generator=torch.Generator().manual_seed(3), **kwargs)
+    assert torch.equal(direct, via_generate)
+    with pytest.raises(NotImplementedError, match="RepetitionPenaltyLogitsProcessor"):
+        hf_dllm_spec.dllm_generate(model, ids, decoding_strategy="s2d2", repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="max_new_token"):
+        hf_dllm_spec.dllm_generate(model, ids, decoding_strategy="s2d2", max_new_token=4)
