@@ -212,11 +212,6 @@ class BatchStats:
             if flag:
                 self.per_row[r].count_forward(kind)
 
-    def add(self, name: str, values) -> None:
-        """Add host-side per-row values (a list of `N` numbers) to the integer counter `name`."""
-        for r, value in zip(self.active, values):
-            setattr(self.per_row[r], name, getattr(self.per_row[r], name) + int(value))
-
     def accumulate(self, name: str, values: "torch.Tensor", rows: "torch.Tensor | None" = None) -> None:
         """Add device-side per-row values to counter `name`; no device work until :meth:`flush`.
 
