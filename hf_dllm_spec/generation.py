@@ -316,17 +316,15 @@ class _CriteriaScan:
     criterion first fires.
     """
 
-    def __init__(self, criteria, input_ids: torch.Tensor, max_new_tokens: int, stop_ids: list[int]) -> None:
+    def __init__(self, criteria, input_ids: torch.Tensor) -> None:
         self.criteria, self.input_ids = criteria, input_ids
-        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.checked = [0] * input_ids.shape[0]
         self.cut: list[int | None] = [None] * input_ids.shape[0]
 
-    def __call__(self, prompt_index: int, final_tokens: torch.Tensor) -> int | None:
-        """Length at which the row's output ends, or None while no criterion has fired."""
+    def __call__(self, prompt_index: int, tokens: torch.Tensor) -> int | None:
+        """Length at which the row's output `tokens` `(n,)` ends, or None while no criterion has fired."""
         if self.cut[prompt_index] is not None:
             return self.cut[prompt_index]
-        tokens = _trim(final_tokens, self.max_new_tokens, self.stop_ids)
         prompt = self.input_ids[prompt_index].to(tokens.device)
         for length in range(self.checked[prompt_index] + 1, tokens.shape[0] + 1):
             if bool(self.criteria(torch.cat([prompt, tokens[:length]])[None], None).any()):
@@ -400,7 +398,13 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     stats = BatchStats(batch_size)
     use_cache = generation_config.use_cache is not False          # None (unset) means the default: cached
     prompts = [input_ids[n, input_ids.shape[1] - lengths[n]:].to(device) for n in range(batch_size)]
-    scan = _CriteriaScan(stopping_criteria, input_ids, max_new_tokens, stop_ids) if stopping_criteria else None
+    scan = _CriteriaScan(stopping_criteria, input_ids) if stopping_criteria else None
+
+    def output_tokens(prompt_index: int, generated: torch.Tensor) -> torch.Tensor:
+        """What a row returns of its final tokens: the budget, the first stop id, the first criterion match."""
+        tokens = _trim(generated, max_new_tokens, stop_ids)
+        cut = scan(prompt_index, tokens) if scan is not None else None
+        return tokens if cut is None else tokens[:cut]
 
     suppress = [resolved_mask] if resolved_mask is not None else []
     session = DecodingSession(
@@ -412,22 +416,19 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                         generator=generator),
         stats=stats, mask_token_id=resolved_mask if resolved_mask is not None else 0, stop_token_ids=stop_ids,
         max_new_tokens=max_new_tokens, block_size=block_size,
-        stop_check=(lambda i, generated: scan(i, generated) is not None) if scan is not None else None,
+        stop_check=(lambda i, generated: scan(i, _trim(generated, max_new_tokens, stop_ids)) is not None)
+        if scan is not None else None,
         drafter=ModelRunner(draft_model, drafter_patch, stats, batch_size=batch_size, use_cache=use_cache,
                             timer=timer) if draft_model is not None else None,
         draft_mask_token_id=draft_mask, draft_block_size=draft_block_size,
-        stream=TokenStream(streamer, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids,
-                           stop_length=(lambda final: scan(0, final)) if scan is not None else None)
-        if streamer is not None else None,
+        stream=TokenStream(streamer, lambda final: output_tokens(0, final)) if streamer is not None else None,
     )
     strategy = strategy_cls(config, session)
     t0 = now(device)
     generated = strategy.decode()
     wall = now(device) - t0
     forward_time, prefill_time = timer.total("forward"), timer.total("prefill")
-    generated = [_trim(g, max_new_tokens, stop_ids) for g in generated]
-    if scan is not None:
-        generated = [g[: scan(n, g) or g.shape[0]] for n, g in enumerate(generated)]
+    generated = [output_tokens(n, g) for n, g in enumerate(generated)]
     stats.flush()
     for n, row in enumerate(stats.per_row):
         row.num_generated_tokens = generated[n].shape[0]
