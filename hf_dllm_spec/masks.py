@@ -86,16 +86,13 @@ def concat_segments(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     Returns:
         `torch.Tensor` of shape `(N, a + b, a + b)` (`(a + b, a + b)` when both are unbatched), bool.
     """
-    batched = first.dim() == 3 or second.dim() == 3
-    n = first.shape[0] if first.dim() == 3 else (second.shape[0] if second.dim() == 3 else 1)
-    first = first.expand(n, *first.shape[-2:])
-    second = second.expand(n, *second.shape[-2:])
+    batch = torch.broadcast_shapes(first.shape[:-2], second.shape[:-2])
     a, b = first.shape[-1], second.shape[-1]
-    mask = torch.zeros(n, a + b, a + b, dtype=torch.bool, device=first.device)
-    mask[:, :a, :a] = first
-    mask[:, a:, :a] = True
-    mask[:, a:, a:] = second
-    return mask if batched else mask[0]
+    mask = torch.zeros(*batch, a + b, a + b, dtype=torch.bool, device=first.device)
+    mask[..., :a, :a] = first
+    mask[..., a:, :a] = True
+    mask[..., a:, a:] = second
+    return mask
 
 
 def to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
