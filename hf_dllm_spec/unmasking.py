@@ -12,6 +12,8 @@ Pure functions over a batch of blocks, `(N, B)`; every row is decided on its own
   the scalar confidence and leaves the transfer set uninitialised; not copied.)
 
 k is the schedule of :func:`num_transfer_tokens` clamped to [1, masks left] (0 for a row without masks).
+:func:`first_masked_span` gives each row's first contiguous masked span (S2D2's C_t; its start is the first
+masked position used by the drafting mask and by streaming).
 """
 
 from __future__ import annotations
@@ -116,3 +118,19 @@ def select_transfer(
         f"`remasking_strategy` (={rule!r}) must be one of {', '.join(map(repr, REMASKING_STRATEGIES))}; "
         "pick one of them."
     )
+
+
+def first_masked_span(masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """C_t per row: `[start, end)` of the first contiguous run of True in `masked` `(N, B)`; `(B, B)` if none.
+
+    Returns:
+        `(start, end)`, each `torch.Tensor` of shape `(N,)`, int64.
+    """
+    width = masked.shape[1]
+    idx = torch.arange(width, device=masked.device)[None]
+    has_mask = masked.any(dim=1)
+    none = torch.full(has_mask.shape, width, dtype=torch.long, device=masked.device)
+    start = torch.where(has_mask, masked.float().argmax(dim=1).long(), none)
+    after = ~masked & (idx >= start[:, None])
+    end = torch.where(after.any(dim=1), after.float().argmax(dim=1).long(), torch.full_like(start, width))
+    return start, torch.where(has_mask, end, start)

@@ -22,7 +22,7 @@ from ..configuration import DecodingConfig, check_bool, check_int
 from ..editing import EditRule
 from ..masks import block_causal_mask, concat_segments, full_mask, partially_causal_draft_mask
 from ..sampling import entropy
-from ..unmasking import REMASKING_STRATEGIES, scheduled_tokens, select_transfer
+from ..unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
 from .base import DecodingStrategy
 
@@ -139,6 +139,11 @@ class BlockState:
     def fixed(self) -> torch.Tensor:
         """`(N, B)` bool, prompt-tail positions."""
         return self.offsets < self.num_fixed[:, None]
+
+    @property
+    def first_masked(self) -> torch.Tensor:
+        """`(N,)` int64, index of each row's first masked position (B when none)."""
+        return first_masked_span(self.masked)[0]
 
     @property
     def num_masks(self) -> torch.Tensor:
@@ -280,9 +285,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
 
     def final_prefix(self, block: BlockState, row: int) -> torch.Tensor:
         """Committed tokens of `row`'s block left of its first mask (final without token editing), `(n,)`."""
-        masked = block.masked[row]
-        end = int(masked.float().argmax()) if bool(masked.any()) else masked.shape[0]
-        return block.tokens[row, int(block.num_fixed[row]):max(end, int(block.num_fixed[row]))]
+        start, end = int(block.num_fixed[row]), int(block.first_masked[row])
+        return block.tokens[row, start:max(end, start)]
 
     # -- forwards ---------------------------------------------------------------------------------------------
     def store_mask(self, positions: torch.Tensor) -> torch.Tensor:
@@ -318,10 +322,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
     def draft_mask(self, block: BlockState) -> torch.Tensor:
         """Visibility inside the block while denoising: full `(B, B)`, or S2D2 Eq. 4 `(N, B, B)` with `draft_ver`."""
         if self.config.draft_ver:
-            masked = block.masked
-            first = torch.where(masked.any(dim=1), masked.float().argmax(dim=1).long(),
-                                torch.full_like(block.start, self.block_size))
-            return partially_causal_draft_mask(self.block_size, first)
+            return partially_causal_draft_mask(self.block_size, block.first_masked)
         if self._full_mask is None:
             self._full_mask = full_mask(self.block_size, block.tokens.device)
         return self._full_mask

@@ -42,6 +42,7 @@ from ..routing import (
     verify_score,
 )
 from ..sampling import entropy
+from ..unmasking import first_masked_span
 from ..validation import check_choice, check_range, invalid
 from ..verification import greedy_match, rejection_sample
 from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
@@ -153,22 +154,6 @@ class S2D2Config(BlockDiffusionConfig):
         if self.s2d2_acceptance is not None:
             check_choice("s2d2_acceptance", self.s2d2_acceptance, ("greedy_match", "stochastic"),
                          "pass 'greedy_match', 'stochastic', or None for the default of the sampling mode")
-
-
-def first_masked_span(masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """C_t per row: `[start, end)` of the first contiguous run of True in `masked` `(N, B)`; `(B, B)` if none.
-
-    Returns:
-        `(start, end)`, each `torch.Tensor` of shape `(N,)`, int64.
-    """
-    width = masked.shape[1]
-    idx = torch.arange(width, device=masked.device)[None]
-    has_mask = masked.any(dim=1)
-    none = torch.full(has_mask.shape, width, dtype=torch.long, device=masked.device)
-    start = torch.where(has_mask, masked.float().argmax(dim=1).long(), none)
-    after = ~masked & (idx >= start[:, None])
-    end = torch.where(after.any(dim=1), after.float().argmax(dim=1).long(), torch.full_like(start, width))
-    return start, torch.where(has_mask, end, start)
 
 
 def build_policy(config: "S2D2Config") -> RoutingPolicy:
