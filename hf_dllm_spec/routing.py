@@ -5,8 +5,8 @@ proxies alpha_i in [0, 1]; Eq. 5 turns them into the expected accepted prefix le
 K_hat = sum_k prod_{i<=k} alpha_i; Eq. 6 into a score s = K_hat - c (static) or s = K_hat - c * N_hi (dynamic).
 Policies decide from these whether the verifier forward is worth its cost.
 
-Comparisons follow the paper (`>=` for the margin estimator and for turning hysteresis on; the reference code
-uses `>`); they differ only at equality (strategies.md §8 row 4).
+Comparisons follow the paper (`>=` for the margin estimator, §4.3, and for turning hysteresis on, Algorithm 4;
+the S2D2 reference implementation uses `>`); they differ only at equality.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def verify_score(k_hat, *, score_type: str, penalty_coef: float, num_confident):
         k_hat (`float` or `torch.Tensor` of shape `(N,)`): expected accepted prefix length, in tokens.
         score_type (`str`): ``difference_static`` or ``difference_dynamic``.
         penalty_coef (`float`): c.
-        num_confident (`int` or `torch.Tensor` of shape `(N,)`): N_hi, masked positions of the block whose draft confidence exceeds the
-            confidence threshold (tokens the fallback would commit anyway).
+        num_confident (`int` or `torch.Tensor` of shape `(N,)`): N_hi, masked positions of the block whose draft
+            confidence exceeds the confidence threshold (tokens the fallback would commit anyway).
     """
     if score_type == "difference_static":
         return k_hat - penalty_coef
@@ -128,9 +128,14 @@ class RoutingContext:
         span_start (`int`): index of C_t's first position in the block.
         block_size (`int`): B, in tokens.
         num_masked (`int`): |M_t|, masked positions in the block.
-        num_decodable (`int`): positions of the block that are not prompt (B minus the prompt tail).
+        num_decodable (`int`): positions of the block that are not prompt (B minus the prompt tail). Not used
+            by the UCB progress bin, which counts the prompt tail as decoded (as the S2D2 reference
+            implementation's UCB bucketing does).
         score (`float`): s of Eq. 6 (computed only when the policy needs it, else nan).
         mean_normalized_entropy (`float`): mean H_i / log V over the UCB entropy source (else nan).
+        ucb_bucket (`tuple[int, int, int]`, *optional*): the UCB context bucket, when the caller computed it
+            batched with :func:`ucb_context_buckets`; `UCBPolicy.bucket` computes it from the fields above
+            otherwise (same function, same result).
     """
 
     span_length: int
@@ -140,6 +145,98 @@ class RoutingContext:
     span_start: int = 0
     score: float = float("nan")
     mean_normalized_entropy: float = float("nan")
+    ucb_bucket: tuple[int, int, int] | None = None
+
+
+# -- UCB context buckets (S2D2 App. A.6, Eq. 16) ----------------------------------------------------------------------
+# The S2D2 reference implementation's UCB bucketing formulas, in float64 and in its operation order (divide, times
+# the bin count, floor), so a bin equals the double-precision value, e.g. Python's `int((L - 1) / (B - 1) * bins)`,
+# even where rounding makes it differ from exact arithmetic (B = 12, L = 4, 55 bins: 14, not 15); then clamped.
+
+
+def _floor_bin(value: torch.Tensor, num_bins: int) -> torch.Tensor:
+    return torch.floor(value * num_bins).clamp(0, num_bins - 1).long()
+
+
+def ucb_span_bin(span_length: torch.Tensor, block_size: int, num_bins: int) -> torch.Tensor:
+    """Span-length bin, linear over [1, B]: floor((L - 1) / (B - 1) * bins), clamped to [0, bins - 1].
+
+    The S2D2 reference implementation's UCB bucketing (App. A.6). L = 1 is bin 0, L = B the last bin. B = 1,
+    where the formula is 0 / 0, is bin 0, as in the reference (no division happens). An empty span (L = 0)
+    clamps to bin 0.
+
+    Args:
+        span_length (`torch.Tensor` of shape `(N,)`, int): L = |C_t|, in tokens.
+        block_size (`int`): B, in tokens (the sub-block for a sub-block decoder).
+        num_bins (`int`): `ucb_span_length_bins`, >= 1.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, int64 in [0, num_bins - 1].
+    """
+    span_length = torch.as_tensor(span_length)
+    if block_size <= 1:
+        return torch.zeros_like(span_length, dtype=torch.long)
+    return _floor_bin((span_length.double() - 1.0) / (block_size - 1), num_bins)
+
+
+def ucb_progress_bin(num_masked: torch.Tensor, block_size: int, num_bins: int) -> torch.Tensor:
+    """Block-progress bin: floor(decoded / B * bins), clamped to [0, bins - 1], with decoded = B - |M_t|.
+
+    As in the S2D2 reference implementation's UCB bucketing (App. A.6): decoded counts every non-mask position
+    of the block, **including** a prompt tail that
+    shares the block (so a block that starts with a prompt tail starts with progress > 0). B = 1 needs no
+    special case (the denominator is B).
+
+    Args:
+        num_masked (`torch.Tensor` of shape `(N,)`, int): |M_t|, masked positions of the block.
+        block_size (`int`): B, in tokens.
+        num_bins (`int`): `ucb_block_progress_bins`, >= 1.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, int64 in [0, num_bins - 1].
+    """
+    num_masked = torch.as_tensor(num_masked)
+    decoded = block_size - num_masked.double()
+    return _floor_bin(decoded / block_size, num_bins)
+
+
+def ucb_entropy_bin(mean_normalized_entropy: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """Entropy bin: floor(e * bins), clamped to [0, bins - 1], e = mean H_i / log V over the entropy source.
+
+    S2D2 App. A.6 (source: the span C_t or all masks, `ucb_entropy_source`). Computed in float64 so the
+    batched and the per-context paths agree at bin edges. A nan entropy falls in bin 0.
+
+    Args:
+        mean_normalized_entropy (`torch.Tensor` of shape `(N,)`, float): e in [0, 1].
+        num_bins (`int`): `ucb_entropy_bins`, >= 1.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, int64 in [0, num_bins - 1].
+    """
+    value = torch.as_tensor(mean_normalized_entropy).double()
+    return _floor_bin(torch.nan_to_num(value, nan=0.0), num_bins)
+
+
+def ucb_context_buckets(span_length: torch.Tensor, num_masked: torch.Tensor, mean_normalized_entropy: torch.Tensor,
+                        block_size: int, bins: tuple[int, int, int]) -> torch.Tensor:
+    """UCB context bucket b_t of S2D2 Eq. 16 per row: (span bin, progress bin, entropy bin), App. A.6.
+
+    Args:
+        span_length (`torch.Tensor` of shape `(N,)`, int): |C_t|.
+        num_masked (`torch.Tensor` of shape `(N,)`, int): |M_t|.
+        mean_normalized_entropy (`torch.Tensor` of shape `(N,)`, float): mean H_i / log V.
+        block_size (`int`): B.
+        bins (`tuple[int, int, int]`): (`ucb_span_length_bins`, `ucb_block_progress_bins`, `ucb_entropy_bins`).
+
+    Returns:
+        `torch.Tensor` of shape `(N, 3)`, int64, on the inputs' device (no host sync).
+    """
+    span_bins, progress_bins, entropy_bins = bins
+    return torch.stack([
+        ucb_span_bin(span_length, block_size, span_bins),
+        ucb_progress_bin(num_masked, block_size, progress_bins),
+        ucb_entropy_bin(mean_normalized_entropy, entropy_bins),
+    ], dim=-1)
 
 
 class RoutingPolicy:
@@ -208,7 +305,9 @@ class UCBPolicy(RoutingPolicy):
     """Contextual bandit with upper confidence bounds (S2D2 App. A.6, Eq. 16-18).
 
     Context bucket b = (span-length bin over [1, B], block-progress bin over [0, 1], entropy bin over [0, 1]),
-    each split into equal-width bins. Action a in {0: no verification, 1: verify} maximises
+    with the S2D2 reference implementation's bucketing (:func:`ucb_context_buckets`): floor((L - 1) / (B - 1) *
+    bins), floor((B - |M_t|) / B * bins) counting a prompt tail in the block as decoded, floor(e * bins), each
+    clamped to the last bin. Action a in {0: no verification, 1: verify} maximises
     mu_hat[a, b] + beta * sqrt(log t / n[a, b]) (Eq. 16), t the number of decisions so far including this one;
     an unvisited (a, b) scores +inf and ties choose verify. Reward (Eq. 18): tokens committed this step divided
     by 2 if verification ran, else by 1. State lives for one `generate` call.
@@ -226,17 +325,15 @@ class UCBPolicy(RoutingPolicy):
         self.num_decisions = 0
         self._pending: tuple | None = None
 
-    @staticmethod
-    def _bin(fraction: float, num_bins: int) -> int:
-        return min(num_bins - 1, max(0, int(fraction * num_bins)))
-
     def bucket(self, ctx: RoutingContext) -> tuple[int, int, int]:
-        """Context bucket of Eq. 16 for this step."""
-        span_bins, progress_bins, entropy_bins = self.bins
-        span = self._bin((ctx.span_length - 1) / ctx.block_size, span_bins)
-        progress = self._bin(1.0 - ctx.num_masked / max(ctx.num_decodable, 1), progress_bins)
-        ent = self._bin(ctx.mean_normalized_entropy, entropy_bins)
-        return span, progress, ent
+        """Context bucket of Eq. 16 for this step: `ctx.ucb_bucket` if the caller computed it (batched), else
+        :func:`ucb_context_buckets` on the context's numbers."""
+        if ctx.ucb_bucket is not None:
+            return tuple(ctx.ucb_bucket)
+        row = ucb_context_buckets(torch.tensor([ctx.span_length]), torch.tensor([ctx.num_masked]),
+                                  torch.tensor([ctx.mean_normalized_entropy], dtype=torch.float64),
+                                  ctx.block_size, self.bins)
+        return tuple(row[0].tolist())
 
     def decide(self, ctx: RoutingContext) -> bool:
         self.num_decisions += 1

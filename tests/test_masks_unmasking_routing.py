@@ -23,6 +23,10 @@ from hf_dllm_spec.routing import (
     UCBPolicy,
     acceptance_estimates,
     expected_accepted_length,
+    ucb_context_buckets,
+    ucb_entropy_bin,
+    ucb_progress_bin,
+    ucb_span_bin,
     verify_score,
 )
 from hf_dllm_spec.strategies import first_masked_span
@@ -333,3 +337,135 @@ def test_ucb_explores_then_exploits_by_hand():
     pol.observe(0, True)                               # verify mean 2/3
     pol.beta = 1.0
     assert pol.decide(ctx) is False
+
+
+# -- UCB context buckets (strategies.md §5.6) --------------------------------------------------------------------
+def _bins(fn, values, *args):
+    return fn(torch.tensor(values), *args).tolist()
+
+
+@pytest.mark.parametrize("block_size, num_bins, lengths, expected", [
+    # floor((L - 1) / (B - 1) * bins), clamped to bins - 1; L = 1 -> 0, L = B -> last bin.
+    (4, 2, [1, 2, 3, 4], [0, 0, 1, 1]),
+    (4, 3, [1, 2, 3, 4], [0, 1, 2, 2]),              # the old (L - 1) / B put L = 2 in bin 0
+    (32, 2, [1, 16, 17, 32], [0, 0, 1, 1]),
+    (32, 3, [1, 11, 12, 21, 22, 32], [0, 0, 1, 1, 2, 2]),   # 21/31*3 = 2.03 (old 21/32*3 = 1.97 -> 1)
+    (1, 2, [1], [0]),                                # B = 1: bin 0, no division by zero
+    (1, 3, [1, 0], [0, 0]),
+    (4, 2, [0], [0]),                                # empty span clamps to bin 0
+])
+def test_ucb_span_bin_by_hand(block_size, num_bins, lengths, expected):
+    out = ucb_span_bin(torch.tensor(lengths), block_size, num_bins)
+    assert out.dtype == torch.long and out.shape == (len(lengths),)
+    assert out.tolist() == expected
+
+
+@pytest.mark.parametrize("block_size, num_bins, num_masked, expected", [
+    # floor((B - |M_t|) / B * bins), clamped; decoded counts a prompt tail sharing the block.
+    (4, 2, [4, 3, 2, 1, 0], [0, 0, 1, 1, 1]),
+    (4, 3, [4, 3, 2, 1, 0], [0, 0, 1, 2, 2]),
+    (32, 2, [32, 17, 16, 15, 0], [0, 0, 1, 1, 1]),
+    (32, 3, [22, 21, 11, 10], [0, 1, 1, 2]),          # decoded 10, 11, 21, 22: x 3/32 = 0.94, 1.03, 1.97, 2.06
+    (1, 2, [1, 0], [0, 1]),                           # B = 1 needs no special case
+])
+def test_ucb_progress_bin_by_hand(block_size, num_bins, num_masked, expected):
+    assert _bins(ucb_progress_bin, num_masked, block_size, num_bins) == expected
+
+
+def test_ucb_progress_counts_prompt_tail():
+    # B = 4 with a 3-token prompt tail and its one mask still open: decoded = 3 -> 3/4 (the old formula, which
+    # divided by the 1 decodable position, gave progress 0 here).
+    assert _bins(ucb_progress_bin, [1], 4, 2) == [1]
+    assert _bins(ucb_progress_bin, [1], 4, 3) == [2]
+    # B = 32, 10-token prompt tail: 22 masks at the block's start, then 20 and 15 (old: bins 0, 0, 0 for 3 bins).
+    assert _bins(ucb_progress_bin, [22, 20, 15], 32, 3) == [0, 1, 1]
+    assert _bins(ucb_progress_bin, [22, 20, 15], 32, 2) == [0, 0, 1]
+
+
+def test_ucb_entropy_bin_by_hand():
+    assert _bins(ucb_entropy_bin, [0.0, 0.49, 0.5, 0.99, 1.0], 2) == [0, 0, 1, 1, 1]
+    assert _bins(ucb_entropy_bin, [0.0, 0.33, 0.34, 0.66, 0.67, 1.0], 3) == [0, 0, 1, 1, 2, 2]
+    assert _bins(ucb_entropy_bin, [float("nan"), -1e-7], 2) == [0, 0]
+    assert _bins(ucb_entropy_bin, [0.7], 1) == [0]
+
+
+def test_ucb_bins_match_reference_float_formula_exhaustively():
+    # The reference computes int((L - 1) / (B - 1) * bins) and int(decoded / B * bins) in Python floats; the float64
+    # tensors reproduce it bit for bit, including edges where float rounding differs from exact arithmetic
+    # (e.g. B = 12, L = 4, 55 bins: 3/11*55 = 14.999... -> 14, exact would be 15).
+    for block_size in (2, 3, 4, 7, 8, 12, 16, 22, 23, 32):
+        for num_bins in (1, 2, 3, 4, 22, 55):
+            lengths = torch.arange(1, block_size + 1)
+            expected = [min(num_bins - 1, int((L - 1) / (block_size - 1) * num_bins)) for L in range(1, block_size + 1)]
+            assert ucb_span_bin(lengths, block_size, num_bins).tolist() == expected, (block_size, num_bins)
+            masked = torch.arange(block_size + 1)
+            expected = [min(num_bins - 1, int((block_size - m) / block_size * num_bins)) for m in range(block_size + 1)]
+            assert ucb_progress_bin(masked, block_size, num_bins).tolist() == expected, (block_size, num_bins)
+    assert ucb_span_bin(torch.tensor([4]), 12, 55).tolist() == [14]
+
+
+def test_ucb_context_buckets_shape_and_policy_bucket():
+    out = ucb_context_buckets(torch.tensor([1, 4, 2]), torch.tensor([1, 4, 2]), torch.tensor([1.0, 0.0, 0.4]),
+                              4, (3, 3, 2))
+    assert out.shape == (3, 3) and out.dtype == torch.long
+    assert out.tolist() == [[0, 2, 1], [2, 0, 0], [1, 1, 0]]
+    pol = UCBPolicy(1.0, 3, 3, 2)
+    ctx = RoutingContext(span_length=2, block_size=4, num_masked=2, num_decodable=3, mean_normalized_entropy=0.4)
+    assert pol.bucket(ctx) == (1, 1, 0)                  # computed from the context's numbers
+    ctx.ucb_bucket = (2, 0, 1)
+    assert pol.bucket(ctx) == (2, 0, 1)                  # precomputed (batched) bucket wins
+
+
+def test_ucb_decisions_use_reference_buckets():
+    """Bins (2, 2, 2), B = 4. ctx_tail (3-token prompt tail, 1 mask) and ctx_half (no tail, 2 masks) share the
+    bucket (0, 1, 0); ctx_quarter (no tail, 3 masks) is (0, 0, 0). The old progress formula swapped them."""
+    def ctx(masked, decodable):
+        return RoutingContext(span_length=1, block_size=4, num_masked=masked, num_decodable=decodable,
+                              mean_normalized_entropy=0.1)
+
+    ctx_tail, ctx_half, ctx_quarter = ctx(1, 1), ctx(2, 4), ctx(3, 4)
+    pol = UCBPolicy(beta=0.0, span_bins=2, progress_bins=2, entropy_bins=2)
+    assert [pol.bucket(c) for c in (ctx_tail, ctx_half, ctx_quarter)] == [(0, 1, 0), (0, 1, 0), (0, 0, 0)]
+    assert pol.decide(ctx_tail) is True
+    pol.observe(0, True)                                 # verify: reward 0
+    assert pol.decide(ctx_tail) is False
+    pol.observe(1, False)                                # no verify: reward 1
+    assert pol.decide(ctx_half) is False                 # same bucket: exploits "no verify"
+    pol.observe(1, False)
+    assert pol.decide(ctx_quarter) is True               # a bucket never visited: +inf, tie -> verify
+
+
+def test_s2d2_routing_context_buckets_from_block_state():
+    """The strategy's routing contexts carry the §5.6 buckets of a crafted block (prompt tail sharing it)."""
+    from types import SimpleNamespace
+
+    from hf_dllm_spec import S2D2Config
+    from hf_dllm_spec.strategies.block_diffusion import BlockState
+    from hf_dllm_spec.strategies.s2d2 import S2D2Strategy
+
+    M, V = 99, 8
+    session = SimpleNamespace(batch_size=3, block_size=4, sampler=SimpleNamespace(do_sample=False))
+    config = S2D2Config(do_verify_policy="contextual_bandit_ucb", ucb_span_length_bins=3,
+                        ucb_block_progress_bins=3, ucb_entropy_bins=2)
+    strategy = S2D2Strategy(config, session)
+    undecided = _b([[F, F, F, T],                        # 3-token prompt tail, one mask: L = 1, decoded 3
+                    [T, T, T, T],                        # fresh block: L = 4, decoded 0
+                    [F, T, T, F]])                       # 1-token tail, a decided token at 3: L = 2, decoded 2
+    block = BlockState(tokens=torch.where(undecided, M, 7), undecided=undecided, start=torch.tensor([8, 12, 4]),
+                       num_fixed=torch.tensor([3, 0, 1]), step=torch.zeros(3, dtype=torch.long),
+                       post_steps=torch.zeros(3, dtype=torch.long), mask_token_id=M)
+    probs = torch.zeros(3, 4, V)
+    probs[0] = 1.0 / V                                   # normalised entropy 1 -> bin 1
+    probs[1, :, 0] = 1.0                                 # 0 -> bin 0
+    probs[2, :, :2] = 0.5                                # log 2 / log 8 = 1/3 -> bin 0
+    confidence = probs.max(dim=-1).values
+    start, end = first_masked_span(block.masked)
+    contexts = strategy.routing_contexts(block, probs, confidence, start, end)
+    assert [(c.span_start, c.span_length, c.num_masked) for c in contexts] == [(3, 1, 1), (0, 4, 4), (1, 2, 2)]
+    expected = [(0, 2, 1), (2, 0, 0), (1, 1, 0)]         # floor((L-1)/3*3), floor(decoded/4*3), floor(e*2)
+    assert [c.ucb_bucket for c in contexts] == expected
+    assert [strategy.policies[i].bucket(c) for i, c in enumerate(contexts)] == expected
+    # The per-context path (no precomputed bucket) agrees with the batched one.
+    for c, e in zip(contexts, expected):
+        c.ucb_bucket = None
+        assert UCBPolicy(1.0, 3, 3, 2).bucket(c) == e

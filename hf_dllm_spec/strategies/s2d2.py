@@ -2,7 +2,7 @@
 
 Han et al., "Fast Decoding for Diffusion LLMs via Training-Free Self-Speculation", arXiv 2603.25702:
 Algorithm 3 (the block sampler), Algorithm 4 (routing), Eq. 3 (2L verifier mask), Eq. 5-6 (routing score),
-App. A.5-A.8. Reference-code details and the recommended choices: shared/reference/strategies.md §5.
+App. A.5-A.8; where the paper leaves details open, the S2D2 reference implementation (`phymhan/S2D2`).
 
 The same model drafts (block diffusion) and verifies (block size 1). Per denoising step and per row: draft
 every masked position; take the row's first contiguous masked span C_t; the row's routing policy decides
@@ -39,6 +39,7 @@ from ..routing import (
     UCBPolicy,
     acceptance_estimates,
     expected_accepted_length,
+    ucb_context_buckets,
     verify_score,
 )
 from ..sampling import entropy
@@ -82,7 +83,8 @@ class S2D2Config(BlockDiffusionConfig):
 
     decoding_strategy: ClassVar[str] = "s2d2"
     presets: ClassVar[dict[str, dict[str, Any]]] = {
-        # S2D2 §5.1 Table 1 and strategies.md §5.8; all with low_confidence_dynamic 0.85 as the fallback.
+        # S2D2 §5.1 Table 1 and the S2D2 reference implementation's README commands; all with
+        # low_confidence_dynamic 0.85 as the fallback.
         "sdar-1.7b-config-a": {"block_size": 4, "do_verify_policy": "mask_span_length", "min_ssd_span_length": 2,
                                "token_acceptance_estimator": "soft_entropy_negexp"},
         "sdar-1.7b-config-b": {"block_size": 32, "do_verify_policy": "mask_span_length", "min_ssd_span_length": 1,
@@ -233,9 +235,24 @@ class S2D2Strategy(BlockDiffusionStrategy):
             rows = span if cfg.ucb_entropy_source == "span" else masked
             ent = (entropy(draft_probs) * rows).sum(dim=1) / rows.sum(dim=1).clamp(min=1)
             columns["mean_normalized_entropy"] = ent / math.log(draft_probs.shape[-1])
-        host = {k: v.tolist() for k, v in columns.items()}                              # one sync per step
-        return [RoutingContext(block_size=self.block_size, **{k: host[k][i] for k in host})
-                for i in range(block.tokens.shape[0])]
+        if isinstance(policy, UCBPolicy):
+            # S2D2 App. A.6 buckets, on the device. num_masked leaves out the prompt tail, so the progress
+            # bin's decoded = B - num_masked counts it, as the reference does.
+            columns["ucb_bucket"] = ucb_context_buckets(columns["span_length"], columns["num_masked"],
+                                                        columns["mean_normalized_entropy"], self.block_size,
+                                                        policy.bins)                        # (N, 3)
+        # One device-to-host copy per step: the columns packed as float64 (exact for counts and for float32 values).
+        layout, width = [], 0
+        for name, value in columns.items():
+            n = 1 if value.dim() == 1 else value.shape[1]
+            layout.append((name, slice(width, width + n), value.dim() == 1,
+                           float if value.is_floating_point() else int))
+            width += n
+        packed = torch.cat([v.reshape(v.shape[0], -1).double() for v in columns.values()], dim=1).tolist()
+        return [RoutingContext(block_size=self.block_size, **{
+                    name: cast(row[cols][0]) if scalar else tuple(map(cast, row[cols]))
+                    for name, cols, scalar, cast in layout})
+                for row in packed]
 
     def verify_spans(self, block: BlockState, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
                      start: torch.Tensor, end: torch.Tensor, decisions: list[bool], first_start: int) -> torch.Tensor:
