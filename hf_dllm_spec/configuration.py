@@ -2,14 +2,15 @@
 
 Each strategy's own config dataclass lives beside the strategy (`strategies/block_diffusion.py`,
 `strategies/s2d2.py`); `hf_dllm_spec.registry` maps `decoding_strategy` to both. Parameter names and defaults
-follow shared/reference/strategies.md (the S2D2 names are those of the reference code, so its command lines
-port one to one). A config validates when built and again inside `generate` after the call's overrides are
-merged (:func:`merge_parameters`).
+follow the papers and their reference code (the S2D2 names are those of the S2D2 reference implementation, so
+its command lines port one to one). A config validates when built and again inside `generate` after the call's
+overrides are merged (:func:`merge_parameters`).
 
 Round trip: :meth:`DecodingConfig.save_to_generation_config` writes a ``dllm_decoding`` dict (strategy name
 plus every parameter) into a `GenerationConfig`; `generate(decoding_strategy=X)` reads it back as the
-defaults for strategy X. A ``dllm_decoding`` entry never selects a strategy on its own: without
-`decoding_strategy` the stock `generate` runs unchanged.
+defaults for strategy X. On the library's diffusion model classes, `generate()` without `decoding_strategy`
+runs the stored strategy with these parameters (`DllmGenerationMixin`); the `custom_generate` callable on other
+models always needs `decoding_strategy`.
 """
 
 from __future__ import annotations

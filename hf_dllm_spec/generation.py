@@ -32,7 +32,9 @@ from transformers import DynamicCache, GenerationConfig, GenerationMixin, Logits
 
 import model_patches
 
-from .configuration import DecodingConfig
+from .checks import (check_call, check_generation_config, check_generator, check_model_kwargs, check_tokens,
+                     prompt_lengths)
+from .configuration import DecodingConfig, check_int
 from .outputs import BatchStats, GenerateDllmOutput
 from .registry import get_strategy, resolve_config, strategy_parameter_names
 from .runner import ModelRunner
@@ -43,10 +45,6 @@ from .timing import ForwardTimer, now
 from .validation import invalid
 
 _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
-
-#: Model kwargs transformers prepares that the decoding loop reads or may ignore (it builds its own masks).
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
-                       "cache_position"}
 
 _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 
@@ -84,79 +82,14 @@ def _caller_stacklevel() -> int:
     return level - 1
 
 
-def _prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
-    """Real tokens per row of a left-padded batch.
-
-    Raises:
-        ValueError: for a shape mismatch, right padding or holes, or a row without tokens.
-    """
-    n, width = input_ids.shape
-    if attention_mask is None:
-        return [width] * n
-    if attention_mask.shape != input_ids.shape:
-        raise invalid("attention_mask", tuple(attention_mask.shape), f"have the shape of `input_ids` {(n, width)}",
-                      "pass the mask the tokenizer returned with the ids")
-    mask = attention_mask.bool()
-    lengths = mask.sum(dim=1)
-    left_padded = torch.arange(width, device=mask.device)[None] >= (width - lengths)[:, None]
-    if not bool((mask == left_padded).all()):
-        raise invalid("attention_mask", "<right padding or holes>",
-                      "pad on the left, as transformers pads decoder-only models",
-                      "set `tokenizer.padding_side = 'left'` before tokenizing the batch")
-    if bool((lengths == 0).any()):
-        raise invalid("attention_mask", "<a row without tokens>", "leave at least one real token per row",
-                      "drop empty prompts from the batch")
-    return lengths.tolist()
-
-
-def _check_inputs(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any],
-                  streamer) -> list[int]:
-    """Reject what the decoding loop does not support, before any forward; return the prompt lengths."""
-    unknown = sorted(set(model_kwargs) - _KNOWN_MODEL_KWARGS)
-    if unknown:
-        raise invalid("model_kwargs", unknown, "be empty for hf_dllm_spec strategies",
-                      "drop these arguments (the decoding loop builds its own inputs)")
-    if input_ids.dim() != 2:
-        raise invalid("input_ids", tuple(input_ids.shape), "have shape (batch_size, prompt_len)",
-                      "pass a 2D tensor (add a batch dimension with `ids[None]`)")
-    if (generation_config.num_beams or 1) != 1:
-        raise invalid("num_beams", generation_config.num_beams, "be 1 for hf_dllm_spec strategies",
-                      "use num_beams=1")
-    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
-        if getattr(generation_config, flag, False):
-            raise invalid(flag, True, "be False for hf_dllm_spec strategies (per-token scores are not defined "
-                          "for out-of-order commits)", f"drop `{flag}`; `return_dict_in_generate=True` "
-                          "returns the statistics")
-    if input_ids.shape[1] == 0:
-        raise invalid("input_ids", tuple(input_ids.shape), "hold at least one prompt token per row",
-                      "pass a non-empty prompt (e.g. the tokenizer's BOS token)")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and type(cache) is not DynamicCache:
-        raise invalid("past_key_values", type(cache).__name__, "be an empty DynamicCache (or unset): the decoding "
-                      "loop stores, reads and crops blocks", "drop `cache_implementation` / `past_key_values`")
-    if streamer is not None and input_ids.shape[0] > 1:
-        raise invalid("streamer", type(streamer).__name__, "be used with batch size 1 (transformers' streamers "
-                      f"follow one sequence; got {input_ids.shape[0]} rows)",
-                      "decode one prompt at a time when streaming, or drop `streamer`")
-    lengths = _prompt_lengths(input_ids, model_kwargs.get("attention_mask"))
-    position_ids = model_kwargs.get("position_ids")
-    if position_ids is not None:
-        width, device = input_ids.shape[1], input_ids.device
-        real = torch.arange(width, device=device)[None] >= (width - torch.tensor(lengths, device=device))[:, None]
-        expected = (real.long().cumsum(dim=1) - 1).clamp(min=0)                    # (N, P): 0, 1, ... per row
-        if position_ids.shape != input_ids.shape or not bool(
-                (position_ids.to(device)[real] == expected[real]).all()):
-            raise invalid("position_ids", "<custom positions>", "follow the attention mask (0, 1, ... from each row's "
-                          "first real token): the block grid is counted from position 0",
-                          "drop `position_ids`; positions are derived from `attention_mask`")
-    return lengths
-
-
 def _resolve_budget(input_ids: torch.Tensor, generation_config: GenerationConfig) -> int:
     if generation_config.max_new_tokens is not None:
         budget, name = generation_config.max_new_tokens, "max_new_tokens"
+        check_int(name, budget, 1, "pass e.g. max_new_tokens=64")
     else:  # transformers' default max_length is 20 when nothing is set
-        budget, name = (generation_config.max_length or 20) - input_ids.shape[1], "max_length"
+        length = generation_config.max_length or 20
+        check_int("max_length", length, 1, "pass max_new_tokens instead, e.g. max_new_tokens=64")
+        budget, name = length - input_ids.shape[1], "max_length"
     if budget < 1:
         raise invalid(name, budget if name == "max_new_tokens" else (generation_config.max_length or 20),
                       "leave room for at least one new token", "pass max_new_tokens >= 1")
@@ -277,6 +210,7 @@ def dllm_generate(
     """
     call = _generate_call_arguments(model)
     if not call:
+        check_call(model, (input_ids,), kwargs)
         # A direct call: hand it to transformers' `generate` with this callable, so the logits processors,
         # stopping criteria and generation options are prepared exactly as on the other entry points.
         return GenerationMixin.generate(
@@ -347,8 +281,15 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     config = resolve_config(decoding_strategy, generation_config=generation_config,
                             strategy_config=strategy_config, preset=preset, overrides=overrides)
     strategy_cls = get_strategy(config.decoding_strategy)
-    lengths = _check_inputs(input_ids, generation_config, kwargs, streamer)
+    check_generation_config(generation_config)
+    lengths = prompt_lengths(input_ids, kwargs.get("attention_mask"))
+    check_model_kwargs(input_ids, kwargs, lengths)
+    check_generator(generator, model.device)
     batch_size = input_ids.shape[0]
+    if streamer is not None and batch_size > 1:
+        raise invalid("streamer", type(streamer).__name__, "be used with batch size 1 (transformers' streamers "
+                      f"follow one sequence; got {batch_size} rows)",
+                      "decode one prompt at a time when streaming, or drop `streamer`")
 
     patch = model_patches.get_patch(model)
     alignment = patch.alignment_of(model)
@@ -358,9 +299,18 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
         raise invalid("mask_token_id", None, f"be known for decoding_strategy={config.decoding_strategy!r}: "
                       f"model_type `{model.config.model_type}` has no `mask_token_id` in its config or generation "
                       "config", "pass mask_token_id=<id> to generate, or set config.mask_token_id")
-    block_size = _resolve_block_size(patch, model, getattr(config, "block_size", None))
-    max_new_tokens = _resolve_budget(input_ids, generation_config)
     max_positions = patch.max_positions(model)
+    block_size = _resolve_block_size(patch, model, getattr(config, "block_size", None))
+    if max_positions is not None and block_size > max_positions:
+        raise invalid("block_size", block_size, f"fit in the model's {max_positions} positions",
+                      f"pass a block size <= {max_positions} (the checkpoint's trained size is "
+                      f"{patch.trained_block_size(model)})")
+    steps = getattr(config, "steps_per_block", None)
+    if steps is not None and steps > block_size:
+        implicit = " (the checkpoint's trained block size)" if getattr(config, "block_size", None) is None else ""
+        raise invalid("steps_per_block", steps, f"be at most the block size {block_size}{implicit}",
+                      "use steps_per_block <= block_size (one token per step at least)")
+    max_new_tokens = _resolve_budget(input_ids, generation_config)
     needed = max(-(-(n + max_new_tokens) // block_size) * block_size for n in lengths)   # end of the last block
     if max_positions is not None and needed > max_positions:
         raise invalid("input_ids", f"<prompt of {max(lengths)} tokens>",
@@ -373,6 +323,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     if batch_size > 1 and pad_id is None:
         raise invalid("pad_token_id", None, "be set to right-pad rows that finish early in a batch",
                       "pass pad_token_id=<id> (transformers uses the eos id) or set generation_config.pad_token_id")
+    check_tokens(input_ids, lengths, model.get_input_embeddings().num_embeddings, mask_token_id=resolved_mask,
+                 stop_ids=stop_ids, pad_token_id=pad_id, mask_required=needs_mask)
 
     drafter_patch = draft_mask = draft_block_size = None
     if draft_model is not None and not strategy_cls.uses_drafter:

@@ -2,8 +2,8 @@
 
 Temperature, top-k, top-p and token suppression are transformers' own `LogitsProcessor` objects, applied
 per position: a block's logits `(L, V)` are treated as a batch of `L` independent rows. The same processed
-distribution is used for drafting and for verification (strategies.md §1: both sides must carry the same
-transforms for rejection sampling to be lossless).
+distribution is used for drafting and for verification (speculative sampling, Leviathan et al. 2023 / Chen et
+al. 2023: both sides must carry the same transforms for rejection sampling to be lossless).
 
 Only position-independent processors are accepted. Context-dependent ones (repetition penalty, n-gram
 blocking, minimum length, forced tokens, grammars) need a left context per position, which is ill-defined
@@ -20,12 +20,15 @@ from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     MinPLogitsWarper,
+    SequenceBiasLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+
+from .validation import invalid
 
 #: Processors whose output at a position depends on that position's logits alone.
 POSITION_INDEPENDENT_PROCESSORS: tuple[type, ...] = (
@@ -40,20 +43,59 @@ POSITION_INDEPENDENT_PROCESSORS: tuple[type, ...] = (
 )
 
 
+#: The `generate` option that makes transformers add each context-dependent processor (for the error message).
+_PROCESSOR_OPTIONS = {
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
+    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
+    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
+    "EncoderNoRepeatNGramLogitsProcessor": "encoder_no_repeat_ngram_size",
+    "NoBadWordsLogitsProcessor": "bad_words_ids",
+    "SequenceBiasLogitsProcessor": "sequence_bias",
+    "MinLengthLogitsProcessor": "min_length",
+    "MinNewTokensLengthLogitsProcessor": "min_new_tokens",
+    "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
+    "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id",
+    "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
+    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+    "InfNanRemoveLogitsProcessor": "remove_invalid_values",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "WatermarkLogitsProcessor": "watermarking_config",
+}
+
+
+def _position_independent(proc) -> bool:
+    """Exact class match (a user subclass may read `input_ids`, which the sampler cannot supply per position);
+    a sequence bias on single tokens only is a fixed per-token bias."""
+    if type(proc) in POSITION_INDEPENDENT_PROCESSORS:
+        return True
+    if type(proc) is SequenceBiasLogitsProcessor:
+        return all(len(sequence) == 1 for sequence in proc.sequence_bias)
+    return False
+
+
 def check_logits_processors(processors: LogitsProcessorList | None) -> None:
-    """Raise `NotImplementedError` if a processor needs a left context per position.
+    """Raise `NotImplementedError` unless every processor depends on each position's logits alone.
+
+    Accepted by exact class: the processors of :data:`POSITION_INDEPENDENT_PROCESSORS` and a
+    `SequenceBiasLogitsProcessor` whose sequences are single tokens (what transformers' token healing builds).
 
     Raises:
-        NotImplementedError: naming the processor class and listing the supported ones.
+        NotImplementedError: naming the `generate` option that added the processor (e.g. `repetition_penalty`),
+            or `logits_processor` for a processor passed by the user, and listing the supported ones.
     """
     for proc in processors or []:
-        if not isinstance(proc, POSITION_INDEPENDENT_PROCESSORS):
-            supported = ", ".join(c.__name__ for c in POSITION_INDEPENDENT_PROCESSORS)
-            raise NotImplementedError(
-                f"`{type(proc).__name__}` conditions on the left context of each position, which is ill-defined "
-                f"when a diffusion decoder commits tokens out of order; remove the generation option that adds it "
-                f"(e.g. `repetition_penalty`, `no_repeat_ngram_size`, `min_new_tokens`). Supported: {supported}."
-            )
+        if _position_independent(proc):
+            continue
+        name = type(proc).__name__
+        option = _PROCESSOR_OPTIONS.get(name, "logits_processor") if type(proc).__module__.startswith(
+            "transformers.") else "logits_processor"
+        supported = ", ".join(c.__name__ for c in POSITION_INDEPENDENT_PROCESSORS)
+        raise invalid(option, f"<{name}>", "add only processors that depend on each position's logits alone "
+                      "(the context of a position is ill-defined when a diffusion decoder commits tokens out of "
+                      f"order; subclasses are refused because they may read `input_ids`). Supported: {supported}",
+                      f"drop `{option}`", error=NotImplementedError)
 
 
 @dataclass
@@ -109,7 +151,8 @@ class Sampler:
 
         Returns:
             `(token_ids, confidence)`: int64 and float32 of shape `(...)`, the probability of the chosen token
-            under `probs` (families.md §0 rule 3). Greedy takes the argmax; sampling draws one token per position
+            under `probs`, as in SDAR's `block_diffusion_generate` (greedy: the float32 softmax probability of the
+            argmax). Greedy takes the argmax; sampling draws one token per position
             from the generator in row-major order (one `torch.multinomial` call).
         """
         if self.do_sample:

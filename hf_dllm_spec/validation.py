@@ -7,6 +7,7 @@ Every user-facing check in the library goes through :func:`invalid`, so messages
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -36,15 +37,18 @@ def check_range(
     high_open: bool = False,
     fix: str,
 ) -> None:
-    """Raise `ValueError` unless ``value`` lies in the interval given by ``low``/``high``.
+    """Raise `ValueError` unless ``value`` is a finite number in the interval given by ``low``/``high``.
 
-    The bounds are closed unless ``low_open``/``high_open``; ``None`` means unbounded on that side.
+    The bounds are closed unless ``low_open``/``high_open``; ``None`` means unbounded on that side. NaN and
+    infinities are always refused (NaN passes every comparison, so a range test alone would accept it).
 
     Raises:
         ValueError: with the interval written in the message, e.g. "must lie in (0, 1]".
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise invalid(name, value, "be a number", fix)
+    if not math.isfinite(value):
+        raise invalid(name, value, "be a finite number", fix)
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and (value >= high if high_open else value > high)
     if too_low or too_high:

@@ -29,6 +29,9 @@ class FamilyPatch:
             `config.dllm_alignment` (see :meth:`alignment_of`).
         supports_kv_cache (`bool`): whether read-only / store forwards through `DynamicCache` are valid.
         is_diffusion_lm (`bool`): trained as a (block) diffusion LM with a mask token.
+        native_strategy (`str` or `None`): the `decoding_strategy` the family's own code decodes with, run by
+            `generate()` on the library's model classes when no strategy is named and none is stored;
+            `None` for autoregressive families (stock `generate`).
     """
 
     family: ClassVar[str] = ""
@@ -36,6 +39,7 @@ class FamilyPatch:
     alignment: ClassVar[str] = "position"
     supports_kv_cache: ClassVar[bool] = True
     is_diffusion_lm: ClassVar[bool] = True
+    native_strategy: ClassVar[str | None] = "block_diffusion"
 
     #: `(config class, causal-LM class)` pairs to register with the Auto classes (families with their own classes).
     auto_classes: ClassVar[tuple[tuple[type, type], ...]] = ()
@@ -66,7 +70,8 @@ class FamilyPatch:
     def mask_token_id(self, model: PreTrainedModel, override: int | None = None) -> int | None:
         """Mask token id: `override`, else `config.mask_token_id`, else `generation_config.mask_token_id`.
 
-        Never a hard-coded constant (ecosystem.md §8.6). Returns `None` when none is found; the caller raises.
+        Never a hard-coded constant (mask ids differ between families, e.g. SDAR 151669, Fast-dLLM v2 151665).
+        Returns `None` when none is found; the caller raises.
         """
         if override is not None:
             return int(override)
@@ -77,10 +82,19 @@ class FamilyPatch:
         return None
 
     def stop_token_ids(self, model: PreTrainedModel, generation_config: Any) -> list[int]:
-        """Stop ids: the generation config's `eos_token_id` (an int or a list), else `config.eos_token_id`."""
-        eos = getattr(generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(model.config, "eos_token_id", None)
+        """Stop ids: `generation_config.eos_token_id` (an int or a list).
+
+        As in transformers' `generate`, the call's generation config decides: `eos_token_id=None` passed to
+        `generate` disables stopping. Only without a generation config (`None`) are the model's own generation
+        config and then `config.eos_token_id` read.
+        """
+        if generation_config is None:
+            generation_config = getattr(model, "generation_config", None)
+            eos = getattr(generation_config, "eos_token_id", None)
+            if eos is None:
+                eos = getattr(model.config, "eos_token_id", None)
+        else:
+            eos = generation_config.eos_token_id
         if eos is None:
             return []
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]

@@ -17,3 +17,5 @@ class QwenPatch(FamilyPatch):
     family = "Qwen (transformers modeling)"
     model_types = ("qwen3", "qwen2")
     alignment = "right_shift"
+    is_diffusion_lm = False
+    native_strategy = None

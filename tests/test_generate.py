@@ -58,8 +58,12 @@ def test_hub_layout_loads_without_remote_code(hub_checkpoint, sdar_model):
     assert out.sequences.shape[1] <= 5 + 8 and out.spec_stats.nfe > 0
 
 
-def test_stock_generate_unchanged_without_decoding_strategy(sdar_model, qwen_model, prompt):
-    ours = sdar_model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None)
+def test_stock_generate_still_reachable_on_the_model_class(sdar_model, qwen_model, prompt):
+    """Without `decoding_strategy` the SDAR class decodes as a dLLM (test_transformers_behaviour.py); transformers'
+    own left-to-right loop stays one explicit call away and is unchanged."""
+    from transformers import GenerationMixin
+
+    ours = GenerationMixin.generate(sdar_model, prompt, max_new_tokens=6, do_sample=False, eos_token_id=None)
     stock = qwen_model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None)
     assert torch.equal(ours, stock)
 

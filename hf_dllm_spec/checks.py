@@ -1,0 +1,214 @@
+"""Input checks of `generate` with a hf_dllm_spec strategy: everything is refused before the first forward.
+
+Two stages. :func:`check_call` runs on the raw arguments before transformers prepares anything (transformers
+itself fails on some of them with unrelated errors: a Python list of ids, a string budget); the rest run inside
+the `custom_generate` callable on the prepared `GenerationConfig` and model kwargs. Every error uses the
+library's format (`hf_dllm_spec.validation.invalid`): the argument, its value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from .validation import invalid
+
+#: Float options of `GenerationConfig` the sampler reads; NaN or infinity is refused.
+FLOAT_GENERATION_OPTIONS = ("temperature", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                            "repetition_penalty")
+
+#: Generation options that need one output per prompt and greedy or sampled decoding of one hypothesis.
+_SINGLE_HYPOTHESIS = ("num_beams", "num_return_sequences", "num_beam_groups")
+
+#: Model kwargs transformers prepares that the decoding loop reads or may ignore (it builds its own masks).
+KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+                      "cache_position"}
+
+
+def _input_ids_of(args: tuple, kwargs: dict[str, Any]) -> Any:
+    if args:
+        return args[0]
+    for key in ("inputs", "input_ids"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    return None
+
+
+def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Checks on the raw `generate(*args, **kwargs)` call, before transformers prepares the inputs.
+
+    Args:
+        model (`PreTrainedModel`): the target.
+        args (`tuple`): positional arguments of `generate` (the prompt first).
+        kwargs (`dict`): keyword arguments of `generate`.
+
+    Raises:
+        ValueError: the model on the meta device; `input_ids` not a 2D integer tensor `(N, P)`;
+            `max_new_tokens` / `max_length` not an integer >= 1.
+    """
+    if model.device.type == "meta":
+        raise invalid("model", f"<{type(model).__name__} on the meta device>",
+                      "hold real weights to decode", "load it with `from_pretrained` (or `to_empty` and load a "
+                      "state dict) before calling generate")
+    ids = _input_ids_of(args, kwargs)
+    if ids is not None:
+        if not isinstance(ids, torch.Tensor):
+            raise invalid("input_ids", f"<{type(ids).__name__}>", "be a torch.LongTensor of shape (batch_size, "
+                          "prompt_len)", "pass `torch.tensor([ids])` or the tokenizer's `return_tensors='pt'` output")
+        if ids.dim() != 2:
+            raise invalid("input_ids", f"<tensor of shape {tuple(ids.shape)}>", "have shape (batch_size, prompt_len)",
+                          "add a batch dimension with `ids[None]`" if ids.dim() == 1 else "pass a 2D tensor")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise invalid("input_ids", f"<tensor of dtype {ids.dtype}>", "hold integer token ids",
+                          "pass the tokenizer's ids (torch.long)")
+    for name in ("max_new_tokens", "max_length"):
+        value = kwargs.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise invalid(name, value, "be an integer >= 1", f"pass e.g. {name}=64")
+
+
+def prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Real tokens per row of a left-padded batch.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(N, P)`).
+        attention_mask (`torch.Tensor` of shape `(N, P)` or `None`): 1 for real tokens.
+
+    Returns:
+        `list[int]`: the number of real tokens of each row.
+
+    Raises:
+        ValueError: for an empty prompt, a shape mismatch, right padding or holes, or a row without tokens.
+    """
+    n, width = input_ids.shape
+    if width == 0:
+        raise invalid("input_ids", f"<tensor of shape {(n, width)}>", "hold at least one prompt token per row",
+                      "pass a non-empty prompt (e.g. the tokenizer's BOS token)")
+    if attention_mask is None:
+        return [width] * n
+    if attention_mask.shape != input_ids.shape:
+        raise invalid("attention_mask", tuple(attention_mask.shape), f"have the shape of `input_ids` {(n, width)}",
+                      "pass the mask the tokenizer returned with the ids")
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    left_padded = torch.arange(width, device=mask.device)[None] >= (width - lengths)[:, None]
+    if not bool((mask == left_padded).all()):
+        raise invalid("attention_mask", "<right padding or holes>",
+                      "pad on the left, as transformers pads decoder-only models",
+                      "set `tokenizer.padding_side = 'left'` before tokenizing the batch")
+    if bool((lengths == 0).any()):
+        raise invalid("attention_mask", "<a row without tokens>", "leave at least one real token per row",
+                      "drop empty prompts from the batch")
+    return lengths.tolist()
+
+
+def check_generation_config(generation_config: GenerationConfig) -> None:
+    """Generation options the strategies do not support, and non-finite float options.
+
+    Raises:
+        ValueError: `num_beams`/`num_return_sequences` > 1, `output_scores`-like flags, NaN or infinite
+            `temperature`, `top_p`, `min_p`, ... .
+    """
+    for name in _SINGLE_HYPOTHESIS:
+        value = getattr(generation_config, name, None)
+        if value is not None and value != 1:
+            raise invalid(name, value, "be 1 for hf_dllm_spec strategies (one hypothesis per prompt)",
+                          f"drop `{name}`; to draw several samples, repeat the prompt in the batch with "
+                          "`do_sample=True`" if name == "num_return_sequences" else f"drop `{name}`")
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            raise invalid(flag, True, "be False for hf_dllm_spec strategies (per-token scores are not defined "
+                          "for out-of-order commits)", f"drop `{flag}`; `return_dict_in_generate=True` "
+                          "returns the statistics")
+    for name in FLOAT_GENERATION_OPTIONS:
+        value = getattr(generation_config, name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise invalid(name, value, "be a finite number", f"pass a finite `{name}` or drop it")
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise invalid("cache_implementation", generation_config.cache_implementation,
+                      "be unset or 'dynamic' for hf_dllm_spec strategies (the decoding loop stores, reads and crops "
+                      "blocks in a DynamicCache)", "drop `cache_implementation`")
+
+
+def check_model_kwargs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], lengths: list[int]) -> None:
+    """Model kwargs transformers prepared: only a mask, consistent positions and an empty dynamic cache.
+
+    Raises:
+        ValueError: unknown model kwargs, `position_ids` that do not follow the attention mask, a cache that is
+            not a `DynamicCache`.
+    """
+    unknown = sorted(set(model_kwargs) - KNOWN_MODEL_KWARGS)
+    if unknown:
+        raise invalid("model_kwargs", unknown, "be empty for hf_dllm_spec strategies",
+                      "drop these arguments (the decoding loop builds its own inputs)")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and type(cache) is not DynamicCache:
+        raise invalid("past_key_values", type(cache).__name__, "be an empty DynamicCache (or unset): the decoding "
+                      "loop stores, reads and crops blocks", "drop `cache_implementation` / `past_key_values`")
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is not None:
+        width, device = input_ids.shape[1], input_ids.device
+        real = torch.arange(width, device=device)[None] >= (width - torch.tensor(lengths, device=device))[:, None]
+        expected = (real.long().cumsum(dim=1) - 1).clamp(min=0)                    # (N, P): 0, 1, ... per row
+        if position_ids.shape != input_ids.shape or not bool(
+                (position_ids.to(device)[real] == expected[real]).all()):
+            raise invalid("position_ids", "<custom positions>", "follow the attention mask (0, 1, ... from each row's "
+                          "first real token): the block grid is counted from position 0",
+                          "drop `position_ids`; positions are derived from `attention_mask`")
+
+
+def check_tokens(input_ids: torch.Tensor, lengths: list[int], vocab_size: int, *, mask_token_id: int | None,
+                 stop_ids: list[int], pad_token_id: int | None, mask_required: bool) -> None:
+    """Token ids against the vocabulary, and the mask token against the prompt and the stop ids.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(N, P)`), lengths (`list[int]`): the left-padded prompts.
+        vocab_size (`int`): rows of the model's input embedding.
+        mask_token_id, stop_ids, pad_token_id: the resolved special ids.
+        mask_required (`bool`): the strategy denoises with the mask token.
+
+    Raises:
+        ValueError: an id outside `[0, vocab_size)` in the prompt or among the special ids; the mask token in a
+            prompt or among the stop ids.
+    """
+    width = input_ids.shape[1]
+    real = torch.arange(width, device=input_ids.device)[None] >= (
+        width - torch.tensor(lengths, device=input_ids.device))[:, None]
+    tokens = input_ids[real]
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise invalid("input_ids", f"<ids from {low} to {high}>", f"lie in [0, {vocab_size}) (the model's vocabulary)",
+                      "tokenize with the model's own tokenizer")
+    for name, ids in (("mask_token_id", [mask_token_id] if mask_token_id is not None else []),
+                      ("eos_token_id", stop_ids), ("pad_token_id", [pad_token_id] if pad_token_id is not None else [])):
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise invalid(name, bad[0] if len(ids) == 1 else ids, f"lie in [0, {vocab_size}) (the model's vocabulary)",
+                          "pass the id the model's tokenizer uses")
+    if mask_required and mask_token_id is not None:
+        if mask_token_id in stop_ids:
+            raise invalid("mask_token_id", mask_token_id, f"differ from the stop ids {stop_ids}",
+                          "pass the model's mask token, not its end-of-sequence token")
+        if bool((tokens == mask_token_id).any()):
+            raise invalid("input_ids", f"<prompt holding the mask token {mask_token_id}>",
+                          "not contain the mask token (infilling a prompt is not supported: the prompt is returned "
+                          "as given)", "remove the mask tokens from the prompt")
+
+
+def check_generator(generator: Any, device: torch.device) -> None:
+    """Raise unless `generator` is `None` or a `torch.Generator` on the model's device type.
+
+    Raises:
+        ValueError: naming `generator`.
+    """
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise invalid("generator", generator, "be a torch.Generator (or None)",
+                      "pass generator=torch.Generator(device=model.device).manual_seed(seed)")
+    if torch.device(generator.device).type != torch.device(device).type:
+        raise invalid("generator", f"<torch.Generator on {generator.device}>", f"live on the model's device ({device})",
+                      "pass generator=torch.Generator(device=model.device).manual_seed(seed)")

@@ -1,0 +1,143 @@
+"""Where users rely on transformers' `generate` behaviour: stop ids, stopping criteria, stop strings, token
+healing, and native diffusion decoding when no strategy is named."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from conftest import MASK_ID, TINY
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+import hf_dllm_spec
+from hf_dllm_spec import BlockDiffusionConfig, S2D2Config
+from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+BUNDLED = pathlib.Path(__file__).resolve().parents[1] / "models" / "sdar-tiny-arith"
+PROMPT = torch.tensor([[5, 17, 42, 8, 23, 61, 4]])
+
+
+class StopAtLength(StoppingCriteria):
+    """Fires once the sequence holds `length` tokens (a criterion that may fire anywhere inside a block)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length)
+
+
+@pytest.fixture(scope="module")
+def eos_model():
+    """The tiny SDAR model with a stop id in its generation config."""
+    torch.manual_seed(0)
+    model = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+    return model
+
+
+def test_eos_none_disables_stopping_as_in_stock_generate(eos_model):
+    free = eos_model.generate(PROMPT, decoding_strategy="block_diffusion", max_new_tokens=16, eos_token_id=None)
+    new = free[0, PROMPT.shape[1]:]
+    stop = int(new[2])                                    # a token the model does produce early
+    eos_model.generation_config.eos_token_id = stop
+    try:
+        stopped = eos_model.generate(PROMPT, decoding_strategy="block_diffusion", max_new_tokens=16)
+        assert stopped[0, -1] == stop and stopped.shape[1] <= PROMPT.shape[1] + 3
+        unstopped = eos_model.generate(PROMPT, decoding_strategy="block_diffusion", max_new_tokens=16,
+                                       eos_token_id=None)
+        assert torch.equal(unstopped, free)
+        # stock transformers does the same on an AR model: eos_token_id=None runs the whole budget
+        qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
+        qwen.generation_config.eos_token_id = stop
+        stock = qwen.generate(PROMPT, max_new_tokens=16, do_sample=False, eos_token_id=None)
+        assert stock.shape[1] == PROMPT.shape[1] + 16
+    finally:
+        eos_model.generation_config.eos_token_id = None
+
+
+@pytest.mark.parametrize("strategy", ["block_diffusion", "s2d2"])
+def test_stopping_criteria_cut_at_the_exact_token(sdar_model, strategy):
+    free = sdar_model.generate(PROMPT, decoding_strategy=strategy, max_new_tokens=16, eos_token_id=None)
+    # the 6th new token sits at position 12, the first of the block 12..15: the rest of that block is dropped
+    out = sdar_model.generate(PROMPT, decoding_strategy=strategy, max_new_tokens=16, eos_token_id=None,
+                              stopping_criteria=StoppingCriteriaList([StopAtLength(PROMPT.shape[1] + 6)]))
+    assert torch.equal(out, free[:, : PROMPT.shape[1] + 6])
+
+
+def test_no_strategy_runs_native_diffusion_decoding(sdar_model):
+    native = sdar_model.generate(PROMPT, max_new_tokens=12, eos_token_id=None)
+    explicit = sdar_model.generate(PROMPT, decoding_strategy="block_diffusion", max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(native, explicit)
+    assert sdar_model.default_decoding_strategy() == "block_diffusion"
+
+
+def test_no_strategy_uses_the_stored_strategy_and_parameters(sdar_model):
+    stored = S2D2Config(confidence_threshold=0.6, min_ssd_span_length=1)
+    gc = stored.save_to_generation_config(GenerationConfig(eos_token_id=None, max_new_tokens=12))
+    out = sdar_model.generate(PROMPT, generation_config=gc, return_dict_in_generate=True)
+    explicit = sdar_model.generate(PROMPT, decoding_strategy="s2d2", confidence_threshold=0.6, min_ssd_span_length=1,
+                                   max_new_tokens=12, eos_token_id=None, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, explicit.sequences)
+    assert out.spec_stats.num_verify_forwards == explicit.spec_stats.num_verify_forwards > 0
+    # stored on the model's own generation config, it is the model's default
+    saved = sdar_model.generation_config
+    try:
+        sdar_model.generation_config = BlockDiffusionConfig(confidence_threshold=1.0).save_to_generation_config(
+            GenerationConfig(eos_token_id=None))
+        static = sdar_model.generate(PROMPT, max_new_tokens=12)
+        assert torch.equal(static, sdar_model.generate(PROMPT, decoding_strategy="block_diffusion",
+                                                       confidence_threshold=1.0, max_new_tokens=12))
+    finally:
+        sdar_model.generation_config = saved
+
+
+def test_plain_ar_models_keep_stock_generate():
+    """A transformers Qwen model is untouched; `custom_generate` without a strategy is transformers' own call."""
+    qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
+    stock = qwen.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    assert stock.shape[1] == PROMPT.shape[1] + 6
+    via_ar = qwen.generate(PROMPT, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="ar",
+                           max_new_tokens=6)
+    assert torch.equal(stock, via_ar)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED)
+    model = AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+@pytest.mark.slow
+def test_stop_strings_cut_at_the_exact_token_on_the_bundled_model(bundled):
+    model, tokenizer = bundled
+    ids = tokenizer("Tom has 5 apples and buys 7 more. How many apples does he have now?\n",
+                    return_tensors="pt").input_ids
+    free = model.generate(ids, decoding_strategy="block_diffusion", max_new_tokens=40)
+    text = tokenizer.decode(free[0, ids.shape[1]:])
+    assert " answer" in text
+    out = model.generate(ids, decoding_strategy="block_diffusion", max_new_tokens=40, stop_strings=[" answer"],
+                         tokenizer=tokenizer)
+    new = out[0, ids.shape[1]:]
+    assert tokenizer.decode(new).endswith(" answer") and torch.equal(new, free[0, ids.shape[1]:][: new.shape[0]])
+
+
+@pytest.mark.slow
+def test_token_healing_with_tokenizer(bundled):
+    """`token_healing=True` with `tokenizer=` runs transformers' healing (dropped on the custom_generate path):
+    the prompt's tail token is regenerated among its extensions, then decoding continues from the healed prompt."""
+    model, tokenizer = bundled
+    tokenizer = type(tokenizer).from_pretrained(BUNDLED)
+    tokenizer.bos_token = "<|endoftext|>"                # transformers' heal_tokens needs a BOS id
+    ids = tokenizer("def add(a, b):\n    ret", return_tensors="pt").input_ids
+    tail = tokenizer.convert_ids_to_tokens(int(ids[0, -1]))
+    out = model.generate(ids, max_new_tokens=6, token_healing=True, tokenizer=tokenizer)
+    healed = model.heal_tokens(ids, tokenizer)
+    assert tokenizer.convert_ids_to_tokens(int(healed[0, -1])).startswith(tail)
+    assert torch.equal(out[0, : healed.shape[1]], healed[0])
+    assert torch.equal(out, model.generate(healed, max_new_tokens=6))
+    with pytest.raises(ValueError, match="`tokenizer`"):
+        model.generate(ids, max_new_tokens=6, token_healing=True)
