@@ -3,7 +3,8 @@
 The block-diffusion loop calls an :class:`EditRule` after each denoising step with the step's proposal. A
 position is editable when it was already committed when the step began and is not a prompt token; the rule
 returns which editable positions take the proposed token. A block ends when no mask is left and the last step
-edited nothing, or after `max_post_steps` steps that began with a full block (strategies.md §3). Without a rule
+edited nothing, or after `max_post_steps` steps that began with a full block (LLaDA2.1's Hub `generate`; the
+LLaDA2.1 tech report §2 Eq. 1-3). Without a rule
 (the default) none of this runs.
 """
 

@@ -4,7 +4,8 @@ Every builder returns a bool tensor, True = may attend, rows = queries, columns 
 is the same for every row of a batch return `(q, q)`; builders that depend on per-row positions return
 `(N, q, q)`. The runner broadcasts `(q, q)` over the batch, adds the cache columns (per-row validity of the
 stored tokens) and converts to the additive float mask transformers needs (:func:`to_additive`; a 4D bool mask
-is silently wrong with the eager attention, platform.md).
+is silently wrong with the eager attention in transformers 5.x; a float additive mask is right with both sdpa
+and eager).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def full_mask(length: int, device: torch.device | str | None = None) -> torch.Te
 def block_causal_mask(positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Block-causal pattern over tokens at the given absolute positions.
 
-    Blocks are counted from absolute position 0 (families.md §0 rule 1): row i sees column j iff
+    Blocks are counted from absolute position 0, prompt included, as in SDAR, Fast-dLLM v2 and LLaDA2 (a prompt
+    tail shares the first generation block): row i sees column j iff
     ``positions[j] // block_size <= positions[i] // block_size``. Block size 1 gives the token-causal pattern.
 
     Args:

@@ -1,4 +1,4 @@
-"""Decoding statistics and the `generate` output (definitions: shared/reference/metrics.md)."""
+"""Decoding statistics and the `generate` output (every counter is defined in :class:`SpecDecodingStats`)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ class SpecDecodingStats:
 
     @property
     def tpf(self) -> float:
-        """Tokens per forward: generated tokens / forwards after prefill (metrics.md §1.2)."""
+        """Tokens per forward (TPF, as in the LLaDA2.1 report): generated tokens / forwards after prefill."""
         return self.num_generated_tokens / self.decode_forwards if self.decode_forwards else 0.0
 
     @property

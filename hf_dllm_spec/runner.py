@@ -2,8 +2,8 @@
 
 `ModelRunner.forward` takes the query tokens of `N` rows, their positions and a bool pattern among them. The
 first `store_len` query tokens persist (their rows must not see the rest of the query, so their K/V are final);
-the rest is read-only: the forward runs with the cache, then the cache is cropped back (platform.md: "read the
-cache without extending it").
+the rest is read-only: the forward runs with the cache, then the cache is cropped back (transformers 5.x
+`DynamicCache.crop(-k)` drops the last k tokens).
 
 Rows store different amounts (different prompt lengths, blocks finishing at different steps, different
 accepted lengths), yet the cache has one length `T` for the whole batch. Each row therefore carries a validity

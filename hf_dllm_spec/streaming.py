@@ -1,4 +1,4 @@
-"""Feeding a transformers streamer with final tokens only (ecosystem.md §4).
+"""Feeding a transformers streamer (`BaseStreamer.put` / `end`) with final tokens only.
 
 A diffusion decoder commits tokens out of order; a streamer must only see tokens that will not change and
 that the returned sequence will contain. :class:`TokenStream` receives, after each decoding step, the row's

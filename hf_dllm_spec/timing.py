@@ -1,4 +1,4 @@
-"""Timing without device syncs on the hot path (metrics.md §3).
+"""Timing without device syncs on the hot path (CUDA events, not host time alone, on the GPU).
 
 `now` synchronises (for the call as a whole). `ForwardTimer` times individual forwards: on CPU with
 `time.perf_counter()`, on CUDA with events recorded on the stream and read once, at :meth:`ForwardTimer.total`,

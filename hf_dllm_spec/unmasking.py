@@ -1,4 +1,4 @@
-"""Which masked positions a denoising step commits (S2D2 Algorithm 2; strategies.md §2.3).
+"""Which masked positions a denoising step commits (S2D2 Algorithm 2; SDAR's `block_diffusion_generate`).
 
 Pure functions over a batch of blocks, `(N, B)`; every row is decided on its own. Rules
 (`remasking_strategy`):

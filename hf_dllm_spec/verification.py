@@ -88,7 +88,7 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
 
     Returns:
         `torch.Tensor` of shape `(..., V)` summing to 1 over the last axis. Source: S2D2 Algorithm 3 line 19,
-        DEER Eq. 6, strategies.md §1.
+        DEER Eq. 6, Leviathan et al. 2023 / Chen et al. 2023.
     """
     residual = (target_probs - draft_probs).clamp_min(0.0)
     mass = residual.sum(dim=-1, keepdim=True)
@@ -171,7 +171,7 @@ def rejection_sample(
 
     Returns:
         `VerificationResult`. Lossless (committed tokens follow the target) when the drafts were sampled from
-        `draft_probs`, gamma = 1 and `allow_resample` (strategies.md §1).
+        `draft_probs`, gamma = 1 and `allow_resample` (Leviathan et al. 2023; DEER App. E Lemma E.1).
 
     Raises:
         ValueError: if the shapes disagree.
@@ -224,7 +224,7 @@ def greedy_match(
     At the first mismatch the target argmax is committed (recovered) and the scan stops; if every draft
     matches and `bonus_probs` is given, its argmax is the bonus token. With an exact target this reproduces
     greedy target decoding token for token. Not in the S2D2 paper (whose reference draws uniforms even at
-    temperature 0): a documented deviation, strategies.md §5.4.
+    temperature 0 and resamples from the residual): a documented deviation.
 
     Args:
         draft_token_ids (`torch.Tensor` of shape `(N, L)`, int64).

@@ -167,7 +167,7 @@ class BlockState:
 class BlockDiffusionStrategy(DecodingStrategy):
     """Block diffusion with `low_confidence_dynamic` / `_static`, `sequential` or `entropy_bounded` unmasking.
 
-    Source: S2D2 (arXiv 2603.25702) Algorithms 1-2; SDAR `block_diffusion_generate` (strategies.md §2).
+    Source: S2D2 (arXiv 2603.25702) Algorithms 1-2; SDAR's `block_diffusion_generate` (JetAstra/SDAR).
     Subclasses change one denoising step (:meth:`denoise_step`); an :class:`~hf_dllm_spec.editing.EditRule` in
     `edit_rule` re-decides committed tokens of the current block after every step.
     """
