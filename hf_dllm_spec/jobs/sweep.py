@@ -1,0 +1,146 @@
+"""Benchmark: block size x unmasking rule x S2D2 routing preset, against AR, in one process.
+
+    hf-dllm-spec bench                              # bundled model, 50 arithmetic + 10 HumanEval prompts
+    hf-dllm-spec bench --num-arith 100 --block-sizes 4,16 --out benchmarks/results
+
+(`./run.sh bench ...` sets up the virtual environment and runs the same.)
+
+For every prompt set (held-out arithmetic: exact match; HumanEval: syntax-valid completions) it runs AR
+(block size 1), then for each block size static decoding, dynamic thresholds and the S2D2 routing presets,
+all with greedy decoding (temperature 0) and EOS on. It writes `<out>/sweep.md` (one table per prompt set,
+with NFE and wall-time ratios against AR measured in the same process), `<out>/sweep.json` (merged statistics)
+and `<out>/frontier.png` (accuracy vs wall time, the layout of S2D2's Figure 3). This is a measurement,
+not a test: numbers depend on the machine; record the machine and command next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import sys
+import time
+
+import torch
+
+from ..evaluation import RESULTS_DIR, StrategySpec, arithmetic_prompts, humaneval_prompts, load, run as run_spec, table
+from . import add_model_argument, check_model
+
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
+def s2d2_presets(block_size: int) -> dict[str, dict]:
+    """Routing presets swept for S2D2 (S2D2 §5.1 and App. A.7 policies), fallback = dynamic 0.9."""
+    ar_caching = {"cache_ver": True, "draft_ver": True}
+    return {
+        "always-verify+ARcache": {"min_ssd_span_length": 1, **ar_caching},
+        f"min-span {max(1, block_size // 2)}": {"min_ssd_span_length": max(1, block_size // 2)},
+        "score c=1 static+ARcache": {"do_verify_policy": "score_threshold", "do_verify_score_threshold": 0.0,
+                                     "do_verify_score_type": "difference_static", "score_penalty_coef": 1.0,
+                                     "token_acceptance_estimator": "soft_entropy_negexp", **ar_caching},
+        "hysteresis 1/-5": {"do_verify_policy": "score_hysteresis", "hysteresis_threshold_on": 1.0,
+                            "hysteresis_threshold_off": -5.0, "score_penalty_coef": 1.0,
+                            "token_acceptance_estimator": "soft_entropy_negexp"},
+    }
+
+
+def sweep_specs(block_sizes: list[int], thresholds: list[float]) -> list[StrategySpec]:
+    out = [StrategySpec("AR", "ar")]
+    for b in block_sizes:
+        out.append(StrategySpec(f"static B={b}", "block_diffusion",
+                                {"block_size": b, "remasking_strategy": "low_confidence_static"}))
+        for tau in thresholds:
+            out.append(StrategySpec(f"dynamic {tau} B={b}", "block_diffusion",
+                                    {"block_size": b, "confidence_threshold": tau}))
+        for name, params in s2d2_presets(b).items():
+            out.append(StrategySpec(f"S2D2 {name} B={b}", "s2d2",
+                                    {"block_size": b, "confidence_threshold": 0.9, **params}))
+    return out
+
+
+def frontier_plot(all_results: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(all_results), figsize=(6.5 * len(all_results), 4.8), squeeze=False)
+    families = {"AR": ("black", "*"), "static": ("tab:gray", "s"), "dynamic": ("tab:blue", "o"),
+                "S2D2": ("tab:red", "^")}
+    for ax, (name, results) in zip(axes[0], all_results.items()):
+        for r in results:
+            fam = r["label"].split()[0]
+            color, marker = families.get(fam, ("tab:green", "x"))
+            ax.scatter(r["wall_time_s"], r["accuracy"], color=color, marker=marker, s=40,
+                       label=fam if fam not in ax.get_legend_handles_labels()[1] else None)
+            if fam in ("AR", "S2D2"):
+                ax.annotate(r["label"].replace("S2D2 ", ""), (r["wall_time_s"], r["accuracy"]), fontsize=6,
+                            xytext=(3, 2), textcoords="offset points")
+        ax.set_xlabel("wall time of the prompt set (s, lower is faster)")
+        ax.set_ylabel(results[0]["metric"] + " (%)")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Accuracy vs time (bundled SDAR-style model, greedy, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    add_model_argument(ap)
+    ap.add_argument("--num-arith", type=int, default=50)
+    ap.add_argument("--num-humaneval", type=int, default=10)
+    ap.add_argument("--block-sizes", default="4,8,16,32")
+    ap.add_argument("--thresholds", default="0.9,0.7")
+    ap.add_argument("--out", default=str(RESULTS_DIR), help="results folder; default: benchmarks/results")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bars (they only show on a terminal, on stderr)")
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
+    """The sweep; `argv` (the job's own arguments) is recorded in sweep.md as the command."""
+    tokenizer, model = load(args.model)
+    specs = sweep_specs([int(b) for b in args.block_sizes.split(",")], [float(t) for t in args.thresholds.split(",")])
+    sets = {
+        "held-out arithmetic": (arithmetic_prompts(args.model, args.num_arith), 48, "exact match"),
+        "HumanEval prompts": (humaneval_prompts(args.num_humaneval), 64, "syntax OK"),
+    }
+    # Warm-up (allocator, lazy inits) so the first timed row is not penalised.
+    run_spec(model, tokenizer, sets["held-out arithmetic"][0][:2], specs[0], max_new_tokens=8, seed=0, progress=False)
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = (f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+               f"fp32, batch 1, greedy")
+    md = [f"# Benchmark sweep\n\nCommand: `./run.sh bench {' '.join(argv or [])}`".rstrip() + "  ",
+          f"Machine: {machine}  ", f"Date: {time.strftime('%Y-%m-%d')}\n"]
+    raw: dict = {}
+    for name, (prompts, max_new, metric) in sets.items():
+        results = []
+        for spec in specs:
+            r = run_spec(model, tokenizer, prompts, spec, max_new_tokens=max_new, seed=args.seed,
+                         progress=args.progress)
+            results.append(r)
+            print(f"{name:20s} {spec.label:40s} nfe={r.stats.nfe:6d} wall={r.stats.wall_time_s:7.2f}s "
+                  f"{metric}={r.accuracy:5.1f}%", flush=True)
+        md += [f"## {name} ({len(prompts)} prompts, max_new_tokens={max_new}, metric: {metric})\n",
+               table(results, results[0], metric), ""]
+        raw[name] = [{"label": r.spec.label, "decoding_strategy": r.spec.decoding_strategy, "params": r.spec.params,
+                      "accuracy": r.accuracy, "metric": metric, **r.stats.to_dict()} for r in results]
+    (out_dir / "sweep.md").write_text("\n".join(md) + "\n")
+    (out_dir / "sweep.json").write_text(json.dumps(raw, indent=1))
+    frontier_plot(raw, out_dir / "frontier.png")
+    print(f"wrote {out_dir / 'sweep.md'}, {out_dir / 'sweep.json'}, {out_dir / 'frontier.png'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="hf-dllm-spec bench", description=DESCRIPTION)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    check_model(ap, args.model)
+    run(args, sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    main()
