@@ -35,6 +35,7 @@ _EXPORTS = {
     "EditRule": "editing",
     "GenerateDllmOutput": "outputs",
     "SpecDecodingStats": "outputs",
+    "export_checkpoint": "export",
 }
 
 __all__ = sorted([*_EXPORTS, "custom_generate", "register_auto_classes"])

@@ -10,6 +10,8 @@ needs no registration). Facts: shared/reference/families.md §2.
 - Position-aligned: logits at i predict the token at i.
 - Mask token from `config.mask_token_id` (151669 on the Hub checkpoints); stop ids from the generation
   config's eos list ([151645, 151643]); trained block size `config.block_size` (4 on the default checkpoints).
+- `auto_map`: a Hub repo's own (pointing at its remote code files) is dropped; the one written by
+  `hf_dllm_spec.export_checkpoint` (naming its shim modules) is kept, and saving writes the shims again.
 - The Hub config asks for `attn_implementation: "flex_attention"` (with flash-attn kernels in the remote
   code). The explicit float 4D masks of the decoding loop need SDPA or eager; the config value is kept as
   `hub_attn_implementation` and SDPA is used unless `from_pretrained(attn_implementation=...)` says otherwise.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from hf_dllm_spec.export import names_shims, write_shims
 from hf_dllm_spec.mixin import DllmGenerationMixin
 
 from .base import FamilyPatch
@@ -42,8 +45,19 @@ class SDARConfig(Qwen3Config):
         self.fuse_cross_entropy = fuse_cross_entropy
         if kwargs.get("attn_implementation") == "flex_attention":
             self.hub_attn_implementation = kwargs.pop("attn_implementation")
-        kwargs.pop("auto_map", None)
+        if not names_shims(kwargs.get("auto_map")):  # a Hub repo's own remote code is not carried on save
+            kwargs.pop("auto_map", None)
         super().__init__(**kwargs)
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """`PreTrainedConfig.save_pretrained`, plus the remote-code shims when `auto_map` names them.
+
+        A config loaded from a checkpoint written by `hf_dllm_spec.export_checkpoint` keeps that `auto_map`;
+        the shims are written beside it so the saved directory still loads with `trust_remote_code=True` alone.
+        """
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        if names_shims(getattr(self, "auto_map", None)):
+            write_shims(save_directory, type(self))
 
 
 class SDARForCausalLM(DllmGenerationMixin, Qwen3ForCausalLM):

@@ -1,0 +1,47 @@
+"""Hub `custom_generate` entry point: hf_dllm_spec strategies for any supported model.
+
+    model.generate(ids, custom_generate="<this repo or directory>", trust_remote_code=True,
+                   decoding_strategy="s2d2", max_new_tokens=64)
+
+transformers loads this file and calls `generate(model=..., inputs=..., <generate arguments>)`; it hands the
+call back to the stock `generate` with hf_dllm_spec's callable, so input preparation, logits processors,
+stopping criteria, `streamer` and `assistant_model` stay transformers' own. Requires the `hf-dllm-spec`
+package (requirements.txt).
+
+The single source of this file is `hf_dllm_spec/hub/custom_generate/` in the hf-dllm-spec package;
+`hf_dllm_spec.export_checkpoint` copies it into every exported checkpoint.
+"""
+
+from transformers import GenerationMixin
+
+try:  # transformers' import check skips try blocks, so a missing package fails with the message below
+    import hf_dllm_spec
+    from hf_dllm_spec.checks import check_call
+    from hf_dllm_spec.mixin import DllmGenerationMixin, heal_tokens_first, stop_strings_as_criteria
+except ImportError as error:
+    raise ImportError(
+        f"This custom_generate folder runs the `hf-dllm-spec` package, which could not be imported ({error}); "
+        "pip install hf-dllm-spec"
+    ) from error
+
+
+def generate(inputs=None, *, model, decoding_strategy=None, **kwargs):
+    """Decode `inputs` `(N, prompt_len)` (left-padded, with `attention_mask`) with `decoding_strategy`.
+
+    A model class with hf_dllm_spec's `generate` (e.g. SDAR) runs it unchanged, so a checkpoint whose own
+    `custom_generate/` transformers binds at `from_pretrained(..., trust_remote_code=True)` decodes as the
+    class does (its own default without `decoding_strategy`). Any other model decodes with
+    `decoding_strategy` (default "s2d2").
+
+    Returns what `hf_dllm_spec.custom_generate` returns: the sequences, or a `GenerateDllmOutput` with
+    `spec_stats` when `return_dict_in_generate=True`.
+    """
+    if isinstance(model, DllmGenerationMixin):  # the class's own generate, not this function bound to the model
+        args = () if inputs is None else (inputs,)
+        return type(model).generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)
+    decoding_strategy = "s2d2" if decoding_strategy is None else decoding_strategy
+    args = () if inputs is None else (inputs,)
+    check_call(model, args, kwargs)
+    args, kwargs = heal_tokens_first(model, args, kwargs)
+    return GenerationMixin.generate(model, *args, custom_generate=hf_dllm_spec.custom_generate,
+                                    decoding_strategy=decoding_strategy, **stop_strings_as_criteria(kwargs))

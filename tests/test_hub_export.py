@@ -1,0 +1,228 @@
+"""Exported checkpoints load with `trust_remote_code=True` alone, in processes that never imported hf_dllm_spec.
+
+Fresh interpreters (`subprocess`) with their own `HF_MODULES_CACHE`, offline: the bundled model and a tiny random
+SDAR model exported to a temporary directory; a process in which the package cannot be imported; the exported
+`custom_generate/` folder; stock lm-evaluation-harness (`hf` model) on the bundled model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_dllm_spec
+from hf_dllm_spec.export import CUSTOM_GENERATE_FILES, SHIM_MODULES
+
+from conftest import MASK_ID
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / "models" / "sdar-tiny-arith"
+PROMPT_IDS = [5, 17, 42, 8, 23, 61, 4]
+
+FRESH = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+
+bundled, tiny, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+assert not {"hf_dllm_spec", "model_patches"} & set(sys.modules), "imported before loading"
+model = AutoModelForCausalLM.from_pretrained(bundled, trust_remote_code=True, dtype=torch.float32).eval()
+ids = torch.tensor([prompt])
+out = model.generate(ids, decoding_strategy="s2d2", max_new_tokens=8)
+default = model.generate(ids, max_new_tokens=8)  # transformers bound the checkpoint's custom_generate/ here
+small = AutoModelForCausalLM.from_pretrained(tiny, trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = small(ids).logits
+import model_patches.sdar
+print(json.dumps({
+    "class": [type(model).__module__, type(model).__name__],
+    "is_library_class": isinstance(model, model_patches.sdar.SDARForCausalLM),
+    "config_class": type(model.config).__module__,
+    "tokens": out.tolist(),
+    "default_tokens": default.tolist(),
+    "tiny_class": type(small).__name__,
+    "tiny_logits": logits.tolist(),
+}))
+"""
+
+BLOCKED = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class NotInstalled(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("hf_dllm_spec", "model_patches"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NotInstalled())
+from transformers import AutoModelForCausalLM
+try:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+except ImportError as error:
+    print("IMPORT_ERROR:", error)
+"""
+
+
+def run_python(script: str, *args: str, tmp: pathlib.Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run `script` in a fresh interpreter, offline, with its own remote-code module cache, outside the repo."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_MODULES_CACHE": str(tmp / "modules"), "PYTHONPATH": ""}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_export(sdar_model, tmp_path_factory) -> pathlib.Path:
+    return hf_dllm_spec.export_checkpoint(sdar_model, tmp_path_factory.mktemp("tiny") / "sdar-tiny-random")
+
+
+@pytest.fixture(scope="module")
+def fresh(tiny_export, tmp_path_factory) -> dict:
+    """One fresh interpreter loads the bundled model and the tiny export with trust_remote_code=True alone."""
+    proc = run_python(FRESH, str(MODEL_DIR), str(tiny_export), json.dumps(PROMPT_IDS),
+                      tmp=tmp_path_factory.mktemp("fresh"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bundled_model_loads_by_remote_code_alone(fresh):
+    module, name = fresh["class"]
+    assert module.startswith("transformers_modules.") and module.endswith(".modeling_hf_dllm_spec")
+    assert name == "SDARForCausalLM" and fresh["is_library_class"]
+    assert fresh["config_class"].endswith(".configuration_hf_dllm_spec")
+
+
+def test_bundled_model_generates_as_in_process(fresh):
+    """Same tokens as the library's own class in this process, with and without `decoding_strategy`."""
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT_IDS])
+    assert fresh["tokens"] == model.generate(ids, decoding_strategy="s2d2", max_new_tokens=8).tolist()
+    assert fresh["default_tokens"] == model.generate(ids, max_new_tokens=8).tolist()
+
+
+def test_exported_random_model_has_the_same_logits(fresh, sdar_model):
+    assert fresh["tiny_class"] == "SDARForCausalLM"
+    with torch.no_grad():
+        expected = sdar_model(torch.tensor([PROMPT_IDS])).logits
+    assert (torch.tensor(fresh["tiny_logits"]) - expected).abs().max().item() < 1e-5
+
+
+def test_missing_package_raises_import_error_with_the_install_command(tiny_export, tmp_path):
+    proc = run_python(BLOCKED, str(tiny_export), tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "IMPORT_ERROR:" in proc.stdout and "pip install hf-dllm-spec" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_exported_custom_generate_folder(tiny_export, sdar_model, qwen_model, prompt):
+    kwargs = dict(max_new_tokens=8, eos_token_id=None, block_size=4)
+    expected = sdar_model.generate(prompt, decoding_strategy="s2d2", **kwargs)
+    via_sdar = sdar_model.generate(prompt, custom_generate=str(tiny_export), trust_remote_code=True,
+                                   decoding_strategy="s2d2", **kwargs)
+    via_qwen = qwen_model.generate(prompt, custom_generate=str(tiny_export), trust_remote_code=True,
+                                   decoding_strategy="s2d2", mask_token_id=MASK_ID, **kwargs)
+    assert torch.equal(via_sdar, expected) and torch.equal(via_qwen, expected)
+
+
+def test_export_layout_and_card(tiny_export):
+    config = json.loads((tiny_export / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_hf_dllm_spec.SDARConfig",
+                                  "AutoModelForCausalLM": "modeling_hf_dllm_spec.SDARForCausalLM"}
+    for module in SHIM_MODULES.values():
+        assert "pip install hf-dllm-spec" in (tiny_export / f"{module}.py").read_text()
+    package = pathlib.Path(hf_dllm_spec.__file__).parent / "hub" / "custom_generate"
+    for name in CUSTOM_GENERATE_FILES:
+        assert (tiny_export / "custom_generate" / name).read_bytes() == (package / name).read_bytes()
+    card = (tiny_export / "README.md").read_text()
+    front = card.split("---")[1]
+    for line in ("library_name: transformers", "pipeline_tag: text-generation", "- hf-dllm-spec",
+                 "- custom_generate"):
+        assert line in front
+    assert "trust_remote_code=True" in card
+
+
+def test_bundled_model_is_shipped_as_exported(tmp_path):
+    """Re-exporting the bundled model changes nothing: auto_map, shims, custom_generate and card are current."""
+    out = hf_dllm_spec.export_checkpoint(MODEL_DIR, tmp_path / "again")
+    written = ["config.json", "README.md", *(f"{m}.py" for m in SHIM_MODULES.values()),
+               *(f"custom_generate/{n}" for n in CUSTOM_GENERATE_FILES)]
+    for name in written:
+        assert (out / name).read_bytes() == (MODEL_DIR / name).read_bytes(), name
+    for name in CUSTOM_GENERATE_FILES:  # the repository's own Hub folder is the package's (a symlink)
+        assert (ROOT / "custom_generate" / name).read_bytes() == (out / "custom_generate" / name).read_bytes()
+
+
+def test_saving_a_loaded_export_keeps_it_loadable(tiny_export, tmp_path):
+    from model_patches.sdar import SDARConfig
+
+    config = SDARConfig.from_pretrained(tiny_export)
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoConfig"].startswith(
+        "configuration_hf_dllm_spec.")
+    assert all((tmp_path / f"{m}.py").is_file() for m in SHIM_MODULES.values())
+
+
+def test_export_refuses_families_without_own_classes(qwen_model, tmp_path):
+    with pytest.raises(ValueError, match=r"`model_type` \(='qwen3'\) must be a family with its own model classes"):
+        hf_dllm_spec.export_checkpoint(qwen_model, tmp_path / "qwen")
+    with pytest.raises(ValueError, match=r"`source` \(=.*\) must be a loaded model or a checkpoint directory"):
+        hf_dllm_spec.export_checkpoint(tmp_path / "missing", tmp_path / "out")
+
+
+TASK = """\
+task: sdar_tiny_arith
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n", "<|endoftext|>"]
+  do_sample: false
+filter_list:
+  - name: final_answer
+    filter:
+      - function: regex
+        regex_pattern: "The answer is (-?[0-9]+)"
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+@pytest.mark.slow
+def test_lm_eval_hf_model_with_trust_remote_code(tmp_path):
+    """Stock lm-eval `hf` model, trust_remote_code=True, S2D2 through --gen_kwargs, on held-out problems."""
+    pytest.importorskip("lm_eval")
+    problems = (MODEL_DIR / "heldout_arithmetic.jsonl").read_text().splitlines()[:5]
+    (tmp_path / "data.jsonl").write_text("\n".join(problems) + "\n")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "sdar_tiny_arith.yaml").write_text(TASK.format(data=tmp_path / "data.jsonl"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+           "PYTHONPATH": ""}
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf",
+           "--model_args", f"pretrained={MODEL_DIR},trust_remote_code=True,dtype=float32",
+           "--include_path", str(tmp_path / "tasks"), "--tasks", "sdar_tiny_arith",
+           "--gen_kwargs", "decoding_strategy=s2d2,max_gen_toks=48",
+           "--device", "cpu", "--batch_size", "1", "--output_path", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())
+    score = results["results"]["sdar_tiny_arith"]["exact_match,final_answer"]
+    assert 0.0 <= score <= 1.0
+    assert score >= 0.6  # the model solves most held-out problems greedily (README: S2D2 accuracy)
