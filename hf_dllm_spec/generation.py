@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig, GenerationMixin, LogitsProcessorList
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList
 
 import model_patches
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
+from typing import Callable
 
 from ..evaluation import DEFAULT_MODEL
 
@@ -24,3 +26,13 @@ def check_model(parser: argparse.ArgumentParser, model: str) -> None:
     if model == str(DEFAULT_MODEL) and not pathlib.Path(model).is_dir():
         parser.error(f"the bundled model is not at {model} (it ships with the source checkout, installed with "
                      "`pip install -e`); pass --model PATH")
+
+
+def job_main(prog: str, description: str, add_arguments: Callable, run: Callable, argv: list[str] | None) -> None:
+    """Parse a job's arguments, check the model path and run it; `argv` (the job's own arguments, default
+    `sys.argv[1:]`) is recorded by the jobs that write results."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    check_model(parser, args.model)
+    run(args, sys.argv[1:] if argv is None else argv)

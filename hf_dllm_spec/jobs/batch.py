@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..evaluation import RESULTS_DIR, StrategySpec, arithmetic_prompts, humaneval_prompts, load
-from . import add_model_argument, check_model
+from . import add_model_argument, job_main
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -116,11 +116,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="hf-dllm-spec bench-batch", description=DESCRIPTION)
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    check_model(ap, args.model)
-    run(args, sys.argv[1:] if argv is None else argv)
+    job_main("hf-dllm-spec bench-batch", DESCRIPTION, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

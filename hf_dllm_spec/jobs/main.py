@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import ast
-import sys
 
 from ..evaluation import Prompt, StrategySpec, arithmetic_prompts, humaneval_prompts, load, run as run_spec, table
-from . import add_model_argument, check_model
+from . import add_model_argument, job_main
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -102,11 +101,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="hf-dllm-spec main", description=DESCRIPTION)
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    check_model(ap, args.model)
-    run(args, sys.argv[1:] if argv is None else argv)
+    job_main("hf-dllm-spec main", DESCRIPTION, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

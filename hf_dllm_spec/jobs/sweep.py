@@ -19,13 +19,12 @@ import argparse
 import json
 import pathlib
 import platform
-import sys
 import time
 
 import torch
 
 from ..evaluation import RESULTS_DIR, StrategySpec, arithmetic_prompts, humaneval_prompts, load, run as run_spec, table
-from . import add_model_argument, check_model
+from . import add_model_argument, job_main
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -135,11 +134,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="hf-dllm-spec bench", description=DESCRIPTION)
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    check_model(ap, args.model)
-    run(args, sys.argv[1:] if argv is None else argv)
+    job_main("hf-dllm-spec bench", DESCRIPTION, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
