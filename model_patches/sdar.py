@@ -3,9 +3,9 @@
 A Hub SDAR directory (`config.json` with `model_type: "sdar"`, `block_size`, `mask_token_id`, Qwen3
 parameter names, safetensors) loads with `AutoModelForCausalLM.from_pretrained(path)` once this module is
 registered (`hf_dllm_spec.register_auto_classes()` does it; `SDARForCausalLM.from_pretrained(path)`
-needs no registration). Facts: shared/reference/families.md §2.
+needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SDAR-*`).
 
-- Architecture: Qwen3 (q_norm/k_norm before RoPE, GQA, no qkv bias); the Hub parameter names of §2.2 are
+- Architecture: Qwen3 (q_norm/k_norm before RoPE, GQA, no qkv bias); the Hub parameter names are
   exactly transformers' Qwen3 names, so weights load without renaming.
 - Position-aligned: logits at i predict the token at i.
 - Mask token from `config.mask_token_id` (151669 on the Hub checkpoints); stop ids from the generation

@@ -12,7 +12,7 @@ saved checkpoint and reuses its tokenizer; each stage appends itself to `trainin
 Steps: (1) a byte-level BPE tokenizer (8,192 tokens, digits split one by one) trained with `tokenizers` on
 the CPython standard library and arithmetic problems; (2) token streams: stdlib sources (all tokens
 maskable) and templated arithmetic problems (question tokens never masked, as SDAR never masks the prompt);
-(3) SDAR training (families.md §2.4): input `[noisy copy | clean copy]` with shared position ids and the
+(3) SDAR training (SDAR, arXiv 2510.06303, block-diffusion objective): input `[noisy copy | clean copy]` with shared position ids and the
 block-diffusion mask (noisy block sees itself and strictly earlier clean blocks; clean is block-causal);
 one t ~ U(1e-3, 1) per sequence; cross-entropy on the masked positions of the noisy half weighted by 1/t and
 normalised by the number of maskable tokens. The block size is drawn per step (4 most of the time, the
@@ -75,7 +75,7 @@ def build_streams(tokenizer, code_texts: list[str], problems: list[dict]) -> dic
 
 
 def bd_training_mask(seq_len: int, block_size: int) -> torch.Tensor:
-    """SDAR training mask over `[noisy | clean]`, `(2L, 2L)` bool (families.md §2.4)."""
+    """SDAR training mask over `[noisy | clean]`, `(2L, 2L)` bool (the SDAR training mask)."""
     blk = torch.arange(seq_len) // block_size
     same = blk[:, None] == blk[None, :]
     earlier = blk[None, :] < blk[:, None]
