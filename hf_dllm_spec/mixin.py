@@ -65,6 +65,31 @@ def heal_tokens_first(model, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple
     return (healed, *args), kwargs
 
 
+def generate_with_strategy(model, args: tuple, kwargs: dict[str, Any], decoding_strategy: str):
+    """transformers' `generate` of `model` with hf_dllm_spec's callable (unless `kwargs` names another
+    `custom_generate`): the one path of the model classes and of the Hub `custom_generate/` folder.
+
+    Checks the raw call first (:func:`hf_dllm_spec.checks.check_call`), heals the prompt when asked
+    (:func:`heal_tokens_first`) and turns `stop_strings` into a criterion (:func:`stop_strings_as_criteria`),
+    the two things transformers cannot do for a `custom_generate` callable.
+
+    Raises:
+        ValueError: for an unknown strategy, `input_ids` that are not a 2D integer tensor, a budget that is not
+            an integer, a model on the meta device (all before transformers prepares the inputs).
+    """
+    from .checks import check_call
+    from .generation import dllm_generate
+    from .registry import get_strategy
+
+    get_strategy(decoding_strategy)  # unknown names fail here, before input preparation
+    check_call(model, args, kwargs)
+    if kwargs.get("custom_generate") is None:
+        kwargs["custom_generate"] = dllm_generate
+    args, kwargs = heal_tokens_first(model, args, kwargs)
+    return GenerationMixin.generate(model, *args, decoding_strategy=decoding_strategy,
+                                    **stop_strings_as_criteria(kwargs))
+
+
 class DllmGenerationMixin(GenerationMixin):
     """`generate` of the library's diffusion model classes: hf_dllm_spec strategies, native decoding by default.
 
@@ -94,24 +119,17 @@ class DllmGenerationMixin(GenerationMixin):
             decoding_strategy = self.default_decoding_strategy(kwargs.get("generation_config"))
         if decoding_strategy is None:
             return super().generate(*args, **kwargs)
-        from .checks import check_call
-        from .generation import dllm_generate
-        from .registry import get_strategy
-
-        get_strategy(decoding_strategy)  # unknown names fail here, before input preparation
-        check_call(self, args, kwargs)
-        if kwargs.get("custom_generate") is None:
-            kwargs["custom_generate"] = dllm_generate
-        args, kwargs = heal_tokens_first(self, args, kwargs)
-        return super().generate(*args, decoding_strategy=decoding_strategy, **stop_strings_as_criteria(kwargs))
+        return generate_with_strategy(self, args, kwargs, decoding_strategy)
 
     def default_decoding_strategy(self, generation_config=None) -> str | None:
         """The strategy `generate()` runs when none is named: the one stored in the generation config (the
         call's, else the model's), else the family's native decoding; `None` for stock `generate`."""
         import model_patches
 
+        from .configuration import GENERATION_CONFIG_KEY
+
         for gc in (generation_config, self.generation_config):
-            stored = getattr(gc, "dllm_decoding", None) if gc is not None else None
+            stored = getattr(gc, GENERATION_CONFIG_KEY, None) if gc is not None else None
             if stored and stored.get("decoding_strategy"):
                 return stored["decoding_strategy"]
         patch = model_patches.get_patch(self)

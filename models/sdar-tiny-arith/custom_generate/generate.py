@@ -12,12 +12,8 @@ The single source of this file is `hf_dllm_spec/hub/custom_generate/` in the hf-
 `hf_dllm_spec.export_checkpoint` copies it into every exported checkpoint.
 """
 
-from transformers import GenerationMixin
-
 try:  # transformers' import check skips try blocks, so a missing package fails with the message below
-    import hf_dllm_spec
-    from hf_dllm_spec.checks import check_call
-    from hf_dllm_spec.mixin import DllmGenerationMixin, heal_tokens_first, stop_strings_as_criteria
+    from hf_dllm_spec.mixin import DllmGenerationMixin, generate_with_strategy
 except ImportError as error:
     raise ImportError(
         f"This custom_generate folder runs the `hf-dllm-spec` package, which could not be imported ({error}); "
@@ -36,12 +32,7 @@ def generate(inputs=None, *, model, decoding_strategy=None, **kwargs):
     Returns what `hf_dllm_spec.custom_generate` returns: the sequences, or a `GenerateDllmOutput` with
     `spec_stats` when `return_dict_in_generate=True`.
     """
-    if isinstance(model, DllmGenerationMixin):  # the class's own generate, not this function bound to the model
-        args = () if inputs is None else (inputs,)
-        return type(model).generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)
-    decoding_strategy = "s2d2" if decoding_strategy is None else decoding_strategy
     args = () if inputs is None else (inputs,)
-    check_call(model, args, kwargs)
-    args, kwargs = heal_tokens_first(model, args, kwargs)
-    return GenerationMixin.generate(model, *args, custom_generate=hf_dllm_spec.custom_generate,
-                                    decoding_strategy=decoding_strategy, **stop_strings_as_criteria(kwargs))
+    if isinstance(model, DllmGenerationMixin):  # the class's own generate, not this function bound to the model
+        return type(model).generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)
+    return generate_with_strategy(model, args, kwargs, "s2d2" if decoding_strategy is None else decoding_strategy)
