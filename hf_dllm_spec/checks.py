@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig
 
+from .configuration import check_int
+from .masks import left_padded_valid
 from .validation import invalid
 
 #: Float options of `GenerationConfig` the sampler reads; NaN or infinity is refused.
@@ -65,9 +67,8 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
             raise invalid("input_ids", f"<tensor of dtype {ids.dtype}>", "hold integer token ids",
                           "pass the tokenizer's ids (torch.long)")
     for name in ("max_new_tokens", "max_length"):
-        value = kwargs.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise invalid(name, value, "be an integer >= 1", f"pass e.g. {name}=64")
+        if kwargs.get(name) is not None:
+            check_int(name, kwargs[name], 1, f"pass e.g. {name}=64")
 
 
 def prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
@@ -94,8 +95,7 @@ def prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
                       "pass the mask the tokenizer returned with the ids")
     mask = attention_mask.bool()
     lengths = mask.sum(dim=1)
-    left_padded = torch.arange(width, device=mask.device)[None] >= (width - lengths)[:, None]
-    if not bool((mask == left_padded).all()):
+    if not bool((mask == left_padded_valid(lengths, width, mask.device)).all()):
         raise invalid("attention_mask", "<right padding or holes>",
                       "pad on the left, as transformers pads decoder-only models",
                       "set `tokenizer.padding_side = 'left'` before tokenizing the batch")
@@ -150,11 +150,10 @@ def check_model_kwargs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], le
                       "loop stores, reads and crops blocks", "drop `cache_implementation` / `past_key_values`")
     position_ids = model_kwargs.get("position_ids")
     if position_ids is not None:
-        width, device = input_ids.shape[1], input_ids.device
-        real = torch.arange(width, device=device)[None] >= (width - torch.tensor(lengths, device=device))[:, None]
+        real = left_padded_valid(lengths, input_ids.shape[1], input_ids.device)
         expected = (real.long().cumsum(dim=1) - 1).clamp(min=0)                    # (N, P): 0, 1, ... per row
         if position_ids.shape != input_ids.shape or not bool(
-                (position_ids.to(device)[real] == expected[real]).all()):
+                (position_ids.to(input_ids.device)[real] == expected[real]).all()):
             raise invalid("position_ids", "<custom positions>", "follow the attention mask (0, 1, ... from each row's "
                           "first real token): the block grid is counted from position 0",
                           "drop `position_ids`; positions are derived from `attention_mask`")
@@ -174,10 +173,7 @@ def check_tokens(input_ids: torch.Tensor, lengths: list[int], vocab_size: int, *
         ValueError: an id outside `[0, vocab_size)` in the prompt or among the special ids; the mask token in a
             prompt or among the stop ids.
     """
-    width = input_ids.shape[1]
-    real = torch.arange(width, device=input_ids.device)[None] >= (
-        width - torch.tensor(lengths, device=input_ids.device))[:, None]
-    tokens = input_ids[real]
+    tokens = input_ids[left_padded_valid(lengths, input_ids.shape[1], input_ids.device)]
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab_size:
         raise invalid("input_ids", f"<ids from {low} to {high}>", f"lie in [0, {vocab_size}) (the model's vocabulary)",

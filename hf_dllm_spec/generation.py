@@ -84,16 +84,13 @@ def _caller_stacklevel() -> int:
 
 def _resolve_budget(input_ids: torch.Tensor, generation_config: GenerationConfig) -> int:
     if generation_config.max_new_tokens is not None:
-        budget, name = generation_config.max_new_tokens, "max_new_tokens"
-        check_int(name, budget, 1, "pass e.g. max_new_tokens=64")
-    else:  # transformers' default max_length is 20 when nothing is set
-        length = generation_config.max_length or 20
-        check_int("max_length", length, 1, "pass max_new_tokens instead, e.g. max_new_tokens=64")
-        budget, name = length - input_ids.shape[1], "max_length"
-    if budget < 1:
-        raise invalid(name, budget if name == "max_new_tokens" else (generation_config.max_length or 20),
-                      "leave room for at least one new token", "pass max_new_tokens >= 1")
-    return budget
+        check_int("max_new_tokens", generation_config.max_new_tokens, 1, "pass e.g. max_new_tokens=64")
+        return generation_config.max_new_tokens
+    length = generation_config.max_length or 20      # transformers' default max_length is 20 when nothing is set
+    check_int("max_length", length, 1, "pass max_new_tokens instead, e.g. max_new_tokens=64")
+    if length - input_ids.shape[1] < 1:
+        raise invalid("max_length", length, "leave room for at least one new token", "pass max_new_tokens >= 1")
+    return length - input_ids.shape[1]
 
 
 def _resolve_block_size(patch, model, block_size: int | None, name: str = "block_size") -> int:

@@ -18,6 +18,13 @@ def causal_mask(length: int, device: torch.device | str | None = None) -> torch.
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()
 
 
+def left_padded_valid(lengths: torch.Tensor | list[int], width: int,
+                      device: torch.device | str | None = None) -> torch.Tensor:
+    """Real (non-padding) columns of left-padded rows, `(N, width)` bool: True in the last `lengths[n]` columns."""
+    lengths = torch.as_tensor(lengths, device=device)
+    return torch.arange(width, device=lengths.device)[None] >= (width - lengths)[:, None]
+
+
 def full_mask(length: int, device: torch.device | str | None = None) -> torch.Tensor:
     """All-visible pattern, `(length, length)` bool: one block under block diffusion."""
     return torch.ones(length, length, dtype=torch.bool, device=device)

@@ -20,7 +20,7 @@ import torch
 
 from ..configuration import DecodingConfig, check_bool, check_int
 from ..editing import EditRule
-from ..masks import block_causal_mask, concat_segments, full_mask, partially_causal_draft_mask
+from ..masks import block_causal_mask, concat_segments, full_mask, left_padded_valid, partially_causal_draft_mask
 from ..sampling import entropy
 from ..unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
@@ -302,7 +302,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         n = s.batch_size
         ids = torch.zeros(n, longest, dtype=torch.long, device=aligned.device)
         positions = torch.zeros_like(ids)
-        valid = torch.arange(longest, device=aligned.device)[None] >= (longest - aligned)[:, None]
+        valid = left_padded_valid(aligned, longest)
         for i, prompt in enumerate(s.prompts):
             a = int(aligned[i])
             if a:
