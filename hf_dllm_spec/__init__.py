@@ -21,6 +21,7 @@ _EXPORTS = {
     "ARConfig": "strategies.block_diffusion",
     "BlockDiffusionConfig": "strategies.block_diffusion",
     "S2D2Config": "strategies.s2d2",
+    "FastDLLMV2Config": "strategies.fast_dllm_v2",
     "DecodingConfig": "configuration",
     "DrafterConfig": "configuration",
     "DecodingStrategy": "strategies.base",
@@ -42,7 +43,7 @@ __all__ = sorted([*_EXPORTS, "custom_generate", "register_auto_classes"])
 
 
 def register_auto_classes() -> None:
-    """Register the families with their own model classes (SDAR) with `AutoConfig` / `AutoModelForCausalLM`.
+    """Register the families with their own model classes (SDAR, Fast-dLLM v2) with `AutoConfig` / `AutoModelForCausalLM`.
 
     The one place hf_dllm_spec touches the Auto classes; idempotent. See `model_patches.register_auto_classes`.
     """

@@ -68,8 +68,21 @@ def load(model_dir: pathlib.Path | str, dtype: torch.dtype = torch.float32):
     register_auto_classes()          # SDAR checkpoints load through the Auto classes, no remote code
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    declared = _declared_tokenizer_class(model_dir)
+    if declared == "TokenizersBackend" and type(tokenizer).__name__ != declared:
+        # transformers maps every `qwen2` checkpoint to Qwen2Tokenizer, which swaps in Qwen2's pre-tokenizer;
+        # the bundled Qwen2-architecture models use the project's own tokenizer.json as saved.
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     return tokenizer, model
+
+
+def _declared_tokenizer_class(model_dir) -> str | None:
+    """`tokenizer_class` of a local checkpoint's `tokenizer_config.json`, or None."""
+    path = pathlib.Path(model_dir) / "tokenizer_config.json"
+    return json.loads(path.read_text()).get("tokenizer_class") if path.is_file() else None
 
 
 def cut_humaneval(completion: str) -> str:
@@ -117,7 +130,12 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
         batch_size: int = 1, progress: bool = True) -> RunResult:
     """Generate every prompt with one strategy, `batch_size` prompts per call (left-padded); merge the
     statistics; score arithmetic and HumanEval. `progress` shows a bar on stderr when it is a terminal."""
+    from .generation import dllm_generate
+    from .mixin import DllmGenerationMixin
+
     result = RunResult(spec, [], SpecDecodingStats())
+    # transformers' own classes (an AR Qwen2 model) reach the strategies through `custom_generate`
+    entry = {} if isinstance(model, DllmGenerationMixin) else {"custom_generate": dllm_generate}
     tokenizer.padding_side = "left"
     bar = tqdm(total=len(prompts), desc=spec.label, unit="prompt", leave=False, disable=None if progress else True)
     for start in range(0, len(prompts), batch_size):
@@ -126,7 +144,7 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
         out = model.generate(enc.input_ids, attention_mask=enc.attention_mask,
                              decoding_strategy=spec.decoding_strategy, max_new_tokens=max_new_tokens,
                              return_dict_in_generate=True, generator=torch.Generator().manual_seed(seed + start),
-                             **spec.params)
+                             **entry, **spec.params)
         result.stats.merge(out.spec_stats)
         for row, prompt in enumerate(chunk):
             new = out.sequences[row, enc.input_ids.shape[1]:]

@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 from .configuration import DecodingConfig, merge_parameters
 from .strategies.base import DecodingStrategy
 from .strategies.block_diffusion import ARStrategy, BlockDiffusionStrategy
+from .strategies.fast_dllm_v2 import FastDLLMV2Strategy
 from .strategies.s2d2 import S2D2Strategy
 from .validation import check_choice
 
@@ -27,6 +28,7 @@ class DecodingStrategyName(str, Enum):
     AR = "ar"
     BLOCK_DIFFUSION = "block_diffusion"
     S2D2 = "s2d2"
+    FAST_DLLM_V2 = "fast_dllm_v2"
 
 
 def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy]:
@@ -41,7 +43,7 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     return strategy
 
 
-for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy):
+for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy, FastDLLMV2Strategy):
     register_strategy(_strategy)
 
 

@@ -1,17 +1,18 @@
 """Model-family adapters: one module per family, reached through :func:`get_patch`.
 
 Importing this package registers nothing. :func:`register_auto_classes` (also `hf_dllm_spec.register_auto_classes`)
-is the one place that registers the families with their own model classes (SDAR) with `AutoConfig` /
+is the one place that registers the families with their own model classes (SDAR, Fast-dLLM v2) with `AutoConfig` /
 `AutoModelForCausalLM` under their Hub `model_type`, so Hub checkpoints load without `trust_remote_code`.
 """
 
 from __future__ import annotations
 
 from .base import ALIGNMENTS, FamilyPatch
+from .fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM, Fast_dLLM_QwenModel, FastDLLMV2Patch
 from .qwen import QwenPatch
 from .sdar import SDARConfig, SDARForCausalLM, SDARPatch
 
-PATCHES: tuple[FamilyPatch, ...] = (SDARPatch(), QwenPatch())
+PATCHES: tuple[FamilyPatch, ...] = (SDARPatch(), FastDLLMV2Patch(), QwenPatch())
 
 
 def register_auto_classes() -> None:
@@ -20,12 +21,14 @@ def register_auto_classes() -> None:
     Idempotent. Afterwards `AutoModelForCausalLM.from_pretrained(<SDAR checkpoint>)` builds `SDARForCausalLM`
     (transformers' Qwen3 modeling plus `generate(decoding_strategy=...)`) without remote code.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     for patch in PATCHES:
         for config_class, model_class in patch.auto_classes:
             AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
             AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+        for config_class, model_class in patch.base_model_classes:
+            AutoModel.register(config_class, model_class, exist_ok=True)
 
 
 def get_patch(model) -> FamilyPatch:
@@ -45,5 +48,5 @@ def get_patch(model) -> FamilyPatch:
     )
 
 
-__all__ = ["ALIGNMENTS", "FamilyPatch", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
+__all__ = ["ALIGNMENTS", "FamilyPatch", "FastDLLMV2Patch", "Fast_dLLM_QwenConfig", "Fast_dLLM_QwenForCausalLM", "Fast_dLLM_QwenModel", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
            "get_patch", "register_auto_classes"]

@@ -43,6 +43,8 @@ class FamilyPatch:
 
     #: `(config class, causal-LM class)` pairs to register with the Auto classes (families with their own classes).
     auto_classes: ClassVar[tuple[tuple[type, type], ...]] = ()
+    #: `(config class, base model class)` pairs to register with `AutoModel` (where the Hub `auto_map` names one).
+    base_model_classes: ClassVar[tuple[tuple[type, type], ...]] = ()
 
     def alignment_of(self, model: PreTrainedModel) -> str:
         """The model's prediction alignment: `config.dllm_alignment` if set, else the family default.

@@ -444,7 +444,8 @@ def test_s2d2_routing_context_buckets_from_block_state():
     from hf_dllm_spec.strategies.s2d2 import S2D2Strategy
 
     M, V = 99, 8
-    session = SimpleNamespace(batch_size=3, block_size=4, sampler=SimpleNamespace(do_sample=False))
+    session = SimpleNamespace(batch_size=3, block_size=4, sampler=SimpleNamespace(do_sample=False),
+                              target=SimpleNamespace(alignment="position"))
     config = S2D2Config(do_verify_policy="contextual_bandit_ucb", ucb_span_length_bins=3,
                         ucb_block_progress_bins=3, ucb_entropy_bins=2)
     strategy = S2D2Strategy(config, session)

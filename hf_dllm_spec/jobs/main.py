@@ -41,7 +41,14 @@ def parse_set(items: list[str]) -> dict:
     return out
 
 
-def specs(block_size: int, threshold: float, strategies: list[str], extra: dict) -> list[StrategySpec]:
+#: Sub-blocks of the Fast-dLLM v2 family (its decoder and S2D2 on it), with separate block writes.
+SUB_BLOCKS = {"sub_block_size": 8, "fuse_cache_write": False}
+
+
+def specs(block_size: int, threshold: float, strategies: list[str], extra: dict,
+          family: dict | None = None) -> list[StrategySpec]:
+    """The rows of the job; `family` holds parameters every block-diffusion row of this model family takes."""
+    family = family or {}
     known = {
         "ar": StrategySpec("AR (block size 1)", "ar"),
         "static": StrategySpec(f"static, B={block_size}", "block_diffusion",
@@ -49,7 +56,10 @@ def specs(block_size: int, threshold: float, strategies: list[str], extra: dict)
         "dynamic": StrategySpec(f"dynamic tau={threshold}, B={block_size}", "block_diffusion",
                                 {"block_size": block_size, "confidence_threshold": threshold}),
         "s2d2": StrategySpec(f"S2D2, B={block_size}", "s2d2",
-                             {"block_size": block_size, "confidence_threshold": threshold, **S2D2_DEFAULTS, **extra}),
+                             {"block_size": block_size, "confidence_threshold": threshold, **S2D2_DEFAULTS, **family,
+                              **extra}),
+        "fast_dllm_v2": StrategySpec(f"Fast-dLLM v2 tau={threshold}, B={block_size}, SB=8", "fast_dllm_v2",
+                                     {"block_size": block_size, "confidence_threshold": threshold}),
     }
     unknown = [s for s in strategies if s not in known]
     if unknown:
@@ -62,7 +72,9 @@ def specs(block_size: int, threshold: float, strategies: list[str], extra: dict)
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_model_argument(ap)
     ap.add_argument("--prompt", action="append", default=[], help="your own prompt (repeatable); skips the sets")
-    ap.add_argument("--strategies", default="ar,dynamic,s2d2", help="comma list of ar, static, dynamic, s2d2")
+    ap.add_argument("--strategies", default=None,
+                    help="comma list of ar, static, dynamic, s2d2, fast_dllm_v2; default: ar,dynamic,s2d2 "
+                         "(ar,fast_dllm_v2,s2d2 on a Fast-dLLM v2 model)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--threshold", type=float, default=0.9, help="confidence threshold of dynamic decoding")
     ap.add_argument("--num-arith", type=int, default=30)
@@ -76,8 +88,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
+    import model_patches
+
     tokenizer, model = load(args.model)
-    strategy_specs = specs(args.block_size, args.threshold, args.strategies.split(","), parse_set(args.set))
+    patch = model_patches.get_patch(model)
+    fast_dllm = patch.native_strategy == "fast_dllm_v2"
+    strategies = args.strategies or ("ar,fast_dllm_v2,s2d2" if fast_dllm else "ar,dynamic,s2d2")
+    strategy_specs = specs(args.block_size, args.threshold, strategies.split(","), parse_set(args.set),
+                           SUB_BLOCKS if fast_dllm else None)
     if args.prompt:
         sets = {"your prompts": ([Prompt(p) for p in args.prompt], args.max_new_tokens or 64, "-")}
     else:
@@ -87,7 +105,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
             "HumanEval prompts": (humaneval_prompts(args.num_humaneval), args.max_new_tokens or 64, "syntax OK"),
         }
     print(f"model: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-          f"trained block size {model.config.block_size}, mask id {model.config.mask_token_id})")
+          f"{patch.family}, trained block size {patch.trained_block_size(model)}, "
+          f"mask id {patch.mask_token_id(model)})")
     for name, (prompts, max_new, metric) in sets.items():
         results = [run_spec(model, tokenizer, prompts, spec, max_new_tokens=max_new, seed=args.seed,
                             batch_size=args.batch_size, progress=args.progress) for spec in strategy_specs]

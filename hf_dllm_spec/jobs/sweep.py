@@ -58,7 +58,24 @@ def sweep_specs(block_sizes: list[int], thresholds: list[float]) -> list[Strateg
     return out
 
 
-def frontier_plot(all_results: dict, path: pathlib.Path) -> None:
+def fast_dllm_v2_specs(thresholds: list[float]) -> list[StrategySpec]:
+    """Fast-dLLM v2 rows (S2D2 §5.1 Table 2): AR, the family decoder (sub-blocks 4 / 8 / 32 at each threshold,
+    and the AR-style B=4, SB=1 baseline), and the S2D2 presets of the family, always-verify with AR caching."""
+    out = [StrategySpec("AR", "ar", {"fuse_cache_write": False})]
+    for tau in thresholds:
+        for sb in (4, 8, 32):
+            out.append(StrategySpec(f"Fast-dLLM v2 {tau} SB={sb}", "fast_dllm_v2",
+                                    {"block_size": 32, "sub_block_size": sb, "confidence_threshold": tau}))
+    out.append(StrategySpec("Fast-dLLM v2 AR-style B=4 SB=1", "fast_dllm_v2", {"preset": "fast-dllm-v2-ar-style"}))
+    for preset in ("config-a", "config-b", "config-b-sb8", "config-c"):
+        out.append(StrategySpec(f"S2D2 {preset}", "s2d2", {"preset": f"fast-dllm-v2-{preset}"}))
+    out.append(StrategySpec("S2D2 always-verify+ARcache SB=8", "s2d2",
+                            {"block_size": 32, "sub_block_size": 8, "min_ssd_span_length": 1, "cache_ver": True,
+                             "fuse_cache_write": False, "confidence_threshold": 0.9}))
+    return out
+
+
+def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bundled model") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,7 +83,7 @@ def frontier_plot(all_results: dict, path: pathlib.Path) -> None:
 
     fig, axes = plt.subplots(1, len(all_results), figsize=(6.5 * len(all_results), 4.8), squeeze=False)
     families = {"AR": ("black", "*"), "static": ("tab:gray", "s"), "dynamic": ("tab:blue", "o"),
-                "S2D2": ("tab:red", "^")}
+                "S2D2": ("tab:red", "^"), "Fast-dLLM": ("tab:blue", "o")}
     for ax, (name, results) in zip(axes[0], all_results.items()):
         for r in results:
             fam = r["label"].split()[0]
@@ -81,7 +98,7 @@ def frontier_plot(all_results: dict, path: pathlib.Path) -> None:
         ax.set_title(name)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Accuracy vs time (bundled SDAR-style model, greedy, CPU)")
+    fig.suptitle(f"Accuracy vs time ({model_name}, greedy, CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -100,8 +117,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     """The sweep; `argv` (the job's own arguments) is recorded in sweep.md as the command."""
+    import model_patches
+
     tokenizer, model = load(args.model)
-    specs = sweep_specs([int(b) for b in args.block_sizes.split(",")], [float(t) for t in args.thresholds.split(",")])
+    thresholds = [float(t) for t in args.thresholds.split(",")]
+    if model_patches.get_patch(model).native_strategy == "fast_dllm_v2":
+        specs = fast_dllm_v2_specs(thresholds)        # blocks of bd_size; --block-sizes does not apply
+    else:
+        specs = sweep_specs([int(b) for b in args.block_sizes.split(",")], thresholds)
     sets = {
         "held-out arithmetic": (arithmetic_prompts(args.model, args.num_arith), 48, "exact match"),
         "HumanEval prompts": (humaneval_prompts(args.num_humaneval), 64, "syntax OK"),
@@ -129,7 +152,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
                       "accuracy": r.accuracy, "metric": metric, **r.stats.to_dict()} for r in results]
     (out_dir / "sweep.md").write_text("\n".join(md) + "\n")
     (out_dir / "sweep.json").write_text(json.dumps(raw, indent=1))
-    frontier_plot(raw, out_dir / "frontier.png")
+    frontier_plot(raw, out_dir / "frontier.png", pathlib.Path(args.model).name)
     print(f"wrote {out_dir / 'sweep.md'}, {out_dir / 'sweep.json'}, {out_dir / 'frontier.png'}")
 
 

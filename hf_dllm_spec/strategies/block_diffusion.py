@@ -41,13 +41,17 @@ class BlockDiffusionConfig(DecodingConfig):
         confidence_threshold (`float`, defaults to 0.85): tau of the dynamic rule, probability in (0, 1];
             1.0 gives static decoding.
         eb_threshold (`float`, defaults to 0.35): entropy budget in nats of `entropy_bounded`.
+        sub_block_size (`int`, *optional*): decode each block in sub-blocks of this many tokens, strictly left to
+            right: a step commits only inside the sub-block of the first masked position (Fast-dLLM v2's
+            `small_block_size`). `None` = the whole block. Must divide the block size.
         cache_ver (`bool`, defaults to False): AR-like caching: prefill and block writes use a token-causal
             mask, so the cache equals what block size 1 would store (S2D2 §4.2).
         draft_ver (`bool`, defaults to False): partially causal drafting mask (S2D2 Eq. 4).
         fuse_cache_write (`bool`, defaults to True): write a finished block's K/V in the same forward as the
             next block's first denoising step (exact; saves one forward per block, so AR costs one forward per
             token). False reproduces the reference accounting: one separate write forward per finished block,
-            the last one included.
+            the last one included. On a right-shifted model a separate write also yields the next block's first
+            token: its logits are the last stored token's (Fast-dLLM v2's rule, see `commit_from_carry`).
     """
 
     decoding_strategy: ClassVar[str] = "block_diffusion"
@@ -57,6 +61,7 @@ class BlockDiffusionConfig(DecodingConfig):
     remasking_strategy: str = "low_confidence_dynamic"
     confidence_threshold: float = 0.85
     eb_threshold: float = 0.35
+    sub_block_size: int | None = None
     cache_ver: bool = False
     draft_ver: bool = False
     fuse_cache_write: bool = True
@@ -70,6 +75,12 @@ class BlockDiffusionConfig(DecodingConfig):
                 raise invalid("steps_per_block", self.steps_per_block,
                               f"be at most `block_size` (={self.block_size})",
                               "use steps_per_block <= block_size (one token per step at least)")
+        if self.sub_block_size is not None:
+            check_int("sub_block_size", self.sub_block_size, 1, "pass a positive number of tokens dividing the "
+                      "block size, e.g. 8 for blocks of 32")
+            if self.block_size is not None and self.block_size % self.sub_block_size:
+                raise invalid("sub_block_size", self.sub_block_size, f"divide `block_size` (={self.block_size})",
+                              "pass a divisor of the block size, or None for whole blocks")
         check_choice("remasking_strategy", self.remasking_strategy, REMASKING_STRATEGIES)
         check_range("confidence_threshold", self.confidence_threshold, low=0.0, high=1.0, low_open=True,
                     fix="pass a probability such as 0.85 (1.0 gives static decoding)")
@@ -182,6 +193,12 @@ class BlockDiffusionStrategy(DecodingStrategy):
         super().__init__(config, session)
         self.block_size = session.block_size
         self.steps_per_block = config.steps_per_block or self.block_size
+        self.sub_block_size = config.sub_block_size or self.block_size
+        if self.block_size % self.sub_block_size:
+            raise invalid("sub_block_size", self.sub_block_size, f"divide the block size (={self.block_size})",
+                          "pass a divisor of the block size, or None for whole blocks")
+        # Right-shifted model, separate cache writes: a new block's first token is committed from the carry.
+        self.first_from_carry = session.target.alignment == "right_shift" and not config.fuse_cache_write
         self._full_mask: torch.Tensor | None = None            # (B, B), built once
 
     # -- Algorithm 1: the outer loop, every row at its own pace ------------------------------------------------
@@ -191,16 +208,20 @@ class BlockDiffusionStrategy(DecodingStrategy):
         aligned = (lengths // B) * B
         self.prefill(aligned)
         block = self.first_blocks(aligned)
+        self.commit_from_carry(block)
         generated = [s.prompts[0].new_empty(0) for _ in range(s.batch_size)]
         pending: tuple | None = None      # finished blocks to store in the next forward (see draft_forward)
         while block.tokens.shape[0]:
-            # 1. one denoising forward for every row, storing last step's finished blocks on the way
-            masked_before = block.masked.clone() if self.edit_rule is not None else None
-            logits = self.draft_forward(block, pending)
-            # 2. commit (and edit) tokens; which rows finished their block
-            self.denoise_step(block, logits)
-            done = self.finish_step(block, masked_before, logits)
-            block.step += 1
+            if self.first_from_carry and not bool(block.masked.any()):
+                done = torch.ones_like(block.start, dtype=torch.bool)   # block size 1: the carry decided it
+            else:
+                # 1. one denoising forward for every row, storing last step's finished blocks on the way
+                masked_before = block.masked.clone() if self.edit_rule is not None else None
+                logits = self.draft_forward(block, pending)
+                # 2. commit (and edit) tokens; which rows finished their block
+                self.denoise_step(block, logits)
+                done = self.finish_step(block, masked_before, logits)
+                block.step += 1
             done_rows = done.tolist()
             if s.stream is not None and self.edit_rule is None:
                 s.stream.push(torch.cat([generated[s.stats.active[0]], self.final_prefix(block, 0)]))
@@ -247,7 +268,28 @@ class BlockDiffusionStrategy(DecodingStrategy):
         if self.config.fuse_cache_write and bool(continuing.any()):
             pending = (block.tokens.clone(), block.positions, continuing)
         block.restart(continuing)
+        self.commit_from_carry(block)
         return pending
+
+    def commit_from_carry(self, block: BlockState) -> None:
+        """Right-shifted model, separate writes: commit each row's masked block position 0 from the carry.
+
+        The prediction for a block's first position is the logits of the last stored token (Fast-dLLM v2: "the
+        first token of each block from the last logit of the previous block's cache write"); nothing inside the
+        block can change it, so it is drawn (sampler transform, generator) before the block's first denoising
+        forward. The Fast-dLLM v2 reference takes the argmax even when sampling; here the same transform as every
+        other token is used (identical at temperature 0). No-op for position-aligned models and fused writes.
+        """
+        carry = self.session.target.carry
+        if not self.first_from_carry or carry is None:
+            return
+        rows = block.undecided[:, 0]
+        if not bool(rows.any()):
+            return
+        tokens, _ = self.session.sampler.choose(self.session.sampler.probs(carry[:, None, :]))
+        block.tokens[:, 0] = torch.where(rows, tokens[:, 0], block.tokens[:, 0])
+        block.undecided[:, 0] &= ~rows
+        self.session.stats.accumulate("num_fallback_tokens", rows.long())
 
     def drop_rows(self, block: BlockState, done_rows: list[bool], finished: list[int],
                   pending: tuple | None) -> tuple | None:
@@ -352,6 +394,17 @@ class BlockDiffusionStrategy(DecodingStrategy):
                                 logits_to_keep=B)
 
     # -- Algorithm 2: one denoising step -----------------------------------------------------------------------
+    def current_sub_block(self, block: BlockState) -> torch.Tensor:
+        """`(N, B)` bool: the positions of each row's current sub-block (the one holding its first mask)."""
+        sub = block.offsets // self.sub_block_size                                 # (1, B)
+        return sub == (block.first_masked // self.sub_block_size)[:, None]
+
+    def decodable(self, block: BlockState) -> torch.Tensor:
+        """`(N, B)` bool: masked positions a step may commit (the current sub-block's; all with whole blocks)."""
+        if self.sub_block_size == self.block_size:
+            return block.masked
+        return block.masked & self.current_sub_block(block)
+
     def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
         """Draw tokens for every position and commit masked ones by the confidence rule."""
         probs, tokens, confidence = self.propose(logits)
@@ -371,7 +424,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
                        confidence: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Commit the positions `remasking_strategy` selects in `rows` (all if None); return `(N,)` counts."""
         cfg = self.config
-        masked = block.masked if rows is None else block.masked & rows[:, None]
+        masked = self.decodable(block)
+        masked = masked if rows is None else masked & rows[:, None]
         transfer = select_transfer(
             cfg.remasking_strategy, masked=masked, confidence=confidence,
             num_tokens=scheduled_tokens(block.num_masks, self.steps_per_block, block.step),

@@ -49,6 +49,11 @@ from ..verification import greedy_match, rejection_sample
 from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
 
 _SDAR_AR_CACHING = {"cache_ver": True, "draft_ver": True, "token_acceptance_estimator": "soft_entropy_negexp"}
+_FAST_DLLM_V2 = {"block_size": 32, "confidence_threshold": 0.9, "fuse_cache_write": False,
+                 "token_acceptance_estimator": "soft_entropy_negexp"}
+_FAST_DLLM_V2_HYSTERESIS = {"do_verify_policy": "score_hysteresis", "hysteresis_threshold_on": 1.0,
+                            "hysteresis_threshold_off": -5.0, "do_verify_score_type": "difference_dynamic",
+                            "score_penalty_coef": 1.0}
 
 
 @dataclass
@@ -99,6 +104,14 @@ class S2D2Config(BlockDiffusionConfig):
         "sdar-8b-config-b": {"block_size": 16, "do_verify_policy": "score_threshold", "do_verify_score_threshold": 0.0,
                              "do_verify_score_type": "difference_static", "score_penalty_coef": 0.0,
                              **_SDAR_AR_CACHING},
+        # S2D2 §5.1 Table 2 (Fast-dLLM v2 7B): blocks of 32, threshold 0.9 fallback, no AR caching, separate
+        # cache writes as the family decoder; the paper's text gives sub-blocks of 16 for config-B and 8 for its
+        # baseline, so both are offered.
+        "fast-dllm-v2-config-a": {**_FAST_DLLM_V2, "sub_block_size": 4, **_FAST_DLLM_V2_HYSTERESIS},
+        "fast-dllm-v2-config-b": {**_FAST_DLLM_V2, "sub_block_size": 16, **_FAST_DLLM_V2_HYSTERESIS},
+        "fast-dllm-v2-config-b-sb8": {**_FAST_DLLM_V2, "sub_block_size": 8, **_FAST_DLLM_V2_HYSTERESIS},
+        "fast-dllm-v2-config-c": {**_FAST_DLLM_V2, "sub_block_size": 32, "do_verify_policy": "mask_span_length",
+                                  "min_ssd_span_length": 8},
     }
 
     do_verify_policy: str = "mask_span_length"
@@ -199,6 +212,8 @@ class S2D2Strategy(BlockDiffusionStrategy):
         """Algorithm 3, one step for every row: draft, route, then verify the span or fall back to the rule."""
         draft_probs, draft_tokens, confidence = self.propose(logits)         # (N, B, V), (N, B), (N, B)
         start, end = first_masked_span(block.masked)
+        if self.sub_block_size < self.block_size:                           # C_t ends with its sub-block
+            end = torch.minimum(end, (start // self.sub_block_size + 1) * self.sub_block_size)
         contexts = self.routing_contexts(block, draft_probs, confidence, start, end)
         decisions = [policy.decide(ctx) for policy, ctx in zip(self.policies, contexts)]
         verify = torch.tensor(decisions, device=block.tokens.device)
@@ -214,12 +229,18 @@ class S2D2Strategy(BlockDiffusionStrategy):
 
     def routing_contexts(self, block: BlockState, draft_probs: torch.Tensor, confidence: torch.Tensor,
                          start: torch.Tensor, end: torch.Tensor) -> list[RoutingContext]:
-        """Numbers Algorithm 4 needs, per row; the score (Eq. 5-6) and entropies only when the policy uses them."""
-        cfg, masked, policy = self.config, block.masked, self.policies[0]
+        """Numbers Algorithm 4 needs, per row; the score (Eq. 5-6) and entropies only when the policy uses them.
+
+        With sub-blocks, everything is counted in the current sub-block (S2D2 §5 on Fast-dLLM v2: N_hi, |M_t|,
+        the UCB span and progress bins relative to the sub-block size).
+        """
+        cfg, masked, policy, unit = self.config, self.decodable(block), self.policies[0], self.sub_block_size
         span = (block.offsets >= start[:, None]) & (block.offsets < end[:, None])      # (N, B)
+        decodable = block.num_masks if unit == self.block_size else \
+            (self.current_sub_block(block) & ~block.fixed).sum(dim=1)
         columns: dict[str, Any] = {
             "span_start": start, "span_length": end - start, "num_masked": masked.sum(dim=1),
-            "num_decodable": block.num_masks,
+            "num_decodable": decodable,
         }
         if policy.needs_score:
             alpha = acceptance_estimates(
@@ -239,7 +260,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
             # S2D2 App. A.6 buckets, on the device. num_masked leaves out the prompt tail, so the progress
             # bin's decoded = B - num_masked counts it, as the reference does.
             columns["ucb_bucket"] = ucb_context_buckets(columns["span_length"], columns["num_masked"],
-                                                        columns["mean_normalized_entropy"], self.block_size,
+                                                        columns["mean_normalized_entropy"], unit,
                                                         policy.bins)                        # (N, 3)
         # One device-to-host copy per step: the columns packed as float64 (exact for counts and for float32 values).
         layout, width = [], 0
@@ -249,7 +270,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
                            float if value.is_floating_point() else int))
             width += n
         packed = torch.cat([v.reshape(v.shape[0], -1).double() for v in columns.values()], dim=1).tolist()
-        return [RoutingContext(block_size=self.block_size, **{
+        return [RoutingContext(block_size=unit, **{
                     name: cast(row[cols][0]) if scalar else tuple(map(cast, row[cols]))
                     for name, cols, scalar, cast in layout})
                 for row in packed]

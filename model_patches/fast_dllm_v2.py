@@ -1,0 +1,208 @@
+"""Fast-dLLM v2 (NVlabs/Fast-dLLM `v2/`, Hub `Efficient-Large-Model/Fast_dLLM_v2_*`) on transformers' Qwen2.
+
+Fast-dLLM v2 fine-tunes Qwen2.5 into a block-diffusion model (Wu et al., "Fast-dLLM v2: Efficient Block-Diffusion
+LLM", arXiv 2509.26328). Its Hub remote code pins transformers 4.53.1; here the Hub directory
+(`config.json` with `model_type: "Fast_dLLM_Qwen"`, `bd_size`, Qwen2.5 parameter names, safetensors) loads with
+`AutoModelForCausalLM.from_pretrained(path)` once registered (`hf_dllm_spec.register_auto_classes()`), or with
+`Fast_dLLM_QwenForCausalLM.from_pretrained(path)`, and without `trust_remote_code`.
+
+- Architecture: Qwen2 (q/k/v projections with bias, no q/k norm, GQA): transformers' own Qwen2 modeling; the
+  Hub parameter names are exactly its names. The 7B checkpoint has its own `lm_head.weight`; the tied 1.5B
+  checkpoint has none (`tie_word_embeddings: true`), and the head is tied to `model.embed_tokens.weight`.
+- Right-shifted: the logits at i - 1 predict the token at i (trained with the causal-LM loss on the noisy copy).
+- Mask token: the Hub config has no mask field and the tokenizer's `mask_token` is unset; the token is the
+  additional special token `|<MASK>|` (151665 on the Hub tokenizers). It is resolved, in this order, from
+  `generate(mask_token_id=...)` (or the drop-in `mask_id=`), `config.mask_token_id`, `generation_config.mask_token_id`,
+  and the `|<MASK>|` entry of the tokenizer files saved beside the weights (read by `from_pretrained`, which
+  then sets `config.mask_token_id`). Never a constant.
+- Stop ids: the generation config's eos list ([151645, 151643] on the Hub).
+- Trained block size: `bd_size` (32); decoding splits blocks into sub-blocks (`sub_block_size`, 8).
+- `conplemenrary_mask` (sic), a training flag of the Hub config, is kept and written back as spelled.
+- `generate()` without `decoding_strategy` runs the family's decoder (`decoding_strategy="fast_dllm_v2"`), and
+  accepts the Hub `generate` keywords (:data:`HUB_GENERATE_KEYWORDS`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
+
+from hf_dllm_spec.export import names_shims, write_shims
+from hf_dllm_spec.mixin import DllmGenerationMixin
+
+from .base import FamilyPatch
+
+#: The mask token's string in the Fast-dLLM v2 tokenizers (an additional special token).
+MASK_TOKEN = "|<MASK>|"
+#: Files of a checkpoint directory that may name `|<MASK>|` with its id, in the order they are read.
+_TOKENIZER_FILES = ("tokenizer.json", "added_tokens.json", "tokenizer_config.json")
+
+
+class Fast_dLLM_QwenConfig(Qwen2Config):  # noqa: N801 (the Hub class name)
+    """Qwen2 config plus Fast-dLLM v2's fields.
+
+    Args:
+        bd_size (`int`, defaults to 32): training block size, in tokens.
+        mask_token_id (`int`, *optional*): the mask token; absent from the Hub configs (resolved from the
+            tokenizer, see the module docstring).
+        conplemenrary_mask (`bool`, *optional*): training-only flag of the Hub config (spelled as there), kept
+            for round trips.
+    """
+
+    model_type = "Fast_dLLM_Qwen"
+
+    def __init__(self, bd_size: int = 32, mask_token_id: int | None = None, **kwargs):
+        self.bd_size = bd_size
+        self.mask_token_id = mask_token_id
+        if not names_shims(kwargs.get("auto_map")):  # a Hub repo's own remote code is not carried on save
+            kwargs.pop("auto_map", None)
+        super().__init__(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """`PreTrainedConfig.to_dict`; an unset `mask_token_id` is left out, as in the Hub configs."""
+        out = super().to_dict()
+        if out.get("mask_token_id") is None:
+            out.pop("mask_token_id", None)
+        return out
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """`PreTrainedConfig.save_pretrained`, plus the remote-code shims when `auto_map` names them."""
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        if names_shims(getattr(self, "auto_map", None)):
+            write_shims(save_directory, type(self))
+
+
+def mask_token_from_files(name_or_path: str | os.PathLike, **hub_kwargs) -> int | None:
+    """The id of `|<MASK>|` in the tokenizer files of a checkpoint (local directory or Hub id), or `None`.
+
+    Reads `tokenizer.json` (`added_tokens`), `added_tokens.json` and `tokenizer_config.json`
+    (`added_tokens_decoder`) as JSON; loads no tokenizer. Hub files come through transformers' `cached_file`
+    (`hub_kwargs`: `revision`, `cache_dir`, `local_files_only`, ...); a missing file is skipped.
+    """
+    from transformers.utils import cached_file
+
+    for name in _TOKENIZER_FILES:
+        path = cached_file(str(name_or_path), name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+        if path is None:
+            continue
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if name == "tokenizer.json":
+            entries = {t.get("content"): t.get("id") for t in data.get("added_tokens", [])}
+        elif name == "added_tokens.json":
+            entries = data
+        else:
+            entries = {v.get("content"): int(k) for k, v in data.get("added_tokens_decoder", {}).items()}
+        if entries.get(MASK_TOKEN) is not None:
+            return int(entries[MASK_TOKEN])
+    return None
+
+
+#: The Hub `generate`'s default `top_p` when it samples (`temperature > 0`).
+HUB_TOP_P = 0.95
+#: Hub `generate` keyword -> hf_dllm_spec parameter (`None`: handled by :func:`map_hub_generate_kwargs`).
+HUB_GENERATE_KEYWORDS: dict[str, str | None] = {
+    "threshold": "confidence_threshold",
+    "small_block_size": "sub_block_size",
+    "block_size": "block_size",
+    "mask_id": "mask_token_id",
+    "stop_token": "eos_token_id",
+    "temperature": None,
+    "top_p": None,
+    "use_block_cache": None,
+}
+
+
+def map_hub_generate_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Translate the Hub `Fast_dLLM_QwenForCausalLM.generate` keywords into this library's parameters.
+
+    `threshold` -> `confidence_threshold`, `small_block_size` -> `sub_block_size`, `mask_id` -> `mask_token_id`,
+    `stop_token` -> `eos_token_id` (stop ids); `temperature=0` (the Hub default) means greedy: `do_sample=False`
+    and `top_p` dropped; `temperature > 0` without `do_sample` means `do_sample=True` with that temperature and
+    `top_p` (the Hub default 0.95 when not given);
+    `use_block_cache=False` is the only value (the Hub's sub-block cache is approximate and not built).
+    Keywords that are already this library's names pass through unchanged.
+
+    Raises:
+        NotImplementedError: for `use_block_cache=True`.
+        ValueError: for a negative `temperature`, or a Hub keyword given together with the name it maps to
+            (e.g. `threshold` and `confidence_threshold`).
+    """
+    out = dict(kwargs)
+    if out.pop("use_block_cache", False):
+        raise NotImplementedError(
+            "`use_block_cache` (=True) is not supported: the Hub's sub-block cache is approximate (each sub-block's "
+            "first position reads its own logit; S2D2 §5.1 disables it too). Drop `use_block_cache`; decoding "
+            "with the exact block cache is the default."
+        )
+    for hub, ours in HUB_GENERATE_KEYWORDS.items():
+        if ours is not None and hub in out and hub != ours:
+            if ours in out:
+                raise ValueError(f"`{hub}` (={out[hub]!r}) and `{ours}` (={out[ours]!r}) name the same parameter; "
+                                 f"pass only one of them (`{hub}` is the Hub keyword, `{ours}` this library's).")
+            out[ours] = out.pop(hub)
+    if "temperature" in out and "do_sample" not in out:
+        temperature = out["temperature"]
+        if isinstance(temperature, (int, float)) and temperature < 0:
+            raise ValueError(f"`temperature` (={temperature!r}) must be >= 0; pass 0 for greedy decoding or a "
+                             "positive temperature to sample.")
+        if isinstance(temperature, (int, float)) and temperature == 0:
+            out.pop("temperature")
+            out.pop("top_p", None)
+            out["do_sample"] = False
+        else:
+            out["do_sample"] = True
+            out.setdefault("top_p", HUB_TOP_P)
+    return out
+
+
+class Fast_dLLM_QwenModel(Qwen2Model):  # noqa: N801 (the Hub class name)
+    """The Fast-dLLM v2 decoder stack (the Hub `auto_map`'s `AutoModel`): transformers' Qwen2 model."""
+
+    config_class = Fast_dLLM_QwenConfig
+
+
+class Fast_dLLM_QwenForCausalLM(DllmGenerationMixin, Qwen2ForCausalLM):  # noqa: N801 (the Hub class name)
+    """Fast-dLLM v2 causal LM: transformers' Qwen2 modeling with `generate(decoding_strategy=...)`.
+
+    `generate(ids, max_new_tokens=...)` runs the family's sub-block threshold decoder; the Hub keywords
+    (`threshold`, `small_block_size`, `block_size`, `mask_id`, `stop_token`, `top_p`, `temperature`,
+    `use_block_cache`) are accepted and mapped (:func:`map_hub_generate_kwargs`).
+
+    >>> model = AutoModelForCausalLM.from_pretrained("Efficient-Large-Model/Fast_dLLM_v2_7B")   # doctest: +SKIP
+    >>> out = model.generate(ids, max_new_tokens=256, threshold=0.9, small_block_size=8)      # doctest: +SKIP
+    """
+
+    config_class = Fast_dLLM_QwenConfig
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, then `config.mask_token_id` from the tokenizer files if unset."""
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if getattr(model.config, "mask_token_id", None) is None:
+            hub_kwargs = {k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token", "subfolder")
+                          if k in kwargs}
+            model.config.mask_token_id = mask_token_from_files(pretrained_model_name_or_path, **hub_kwargs)
+        return model
+
+    def generate(self, *args, **kwargs):
+        """`DllmGenerationMixin.generate` with the Hub keywords mapped (see :func:`map_hub_generate_kwargs`)."""
+        return super().generate(*args, **map_hub_generate_kwargs(kwargs))
+
+
+class FastDLLMV2Patch(FamilyPatch):
+    family = "Fast-dLLM v2"
+    model_types = ("Fast_dLLM_Qwen",)
+    alignment = "right_shift"
+    native_strategy = "fast_dllm_v2"
+    auto_classes = ((Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM),)
+    base_model_classes = ((Fast_dLLM_QwenConfig, Fast_dLLM_QwenModel),)
+
+    def trained_block_size(self, model) -> int | None:
+        """`config.bd_size` (32 on the Hub checkpoints)."""
+        value = getattr(model.config, "bd_size", None)
+        return int(value) if value is not None else None

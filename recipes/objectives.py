@@ -1,0 +1,224 @@
+"""Training objectives of the one training recipe (`recipes.train`), one class per objective.
+
+An objective builds (or converts) the model, computes the loss of one batch and saves the result in its
+family's Hub layout. All share the data (`recipes.data`, `recipes.arithmetic`), the tokenizer, the optimiser,
+the schedule, the resumable loop and the training log of `recipes.train`.
+
+- ``ar``: next-token cross-entropy (a Qwen2 causal LM: the AR baseline, DEER's target).
+- ``block_diffusion``: SDAR's objective (SDAR, arXiv 2510.06303): `[noisy | clean]` with shared positions and
+  the block-diffusion mask, one t per sequence, loss 1/t on masked positions (position-aligned).
+- ``fast_dllm_v2``: Fast-dLLM v2's conversion of an AR model (arXiv 2509.26328 §3): the same layout, one t per
+  block of `bd_size`, every sample duplicated with the complementary mask, and the causal-LM loss (logits at
+  i - 1 predict token i) on masked positions of the noisy copy: the model stays right-shifted.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import ClassVar
+
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|pad|>", "<|mask|>"]
+EOS_ID, PAD_ID, MASK_ID = 0, 1, 2
+FAST_DLLM_MASK = "|<MASK>|"
+
+
+def bd_training_mask(seq_len: int, block_size: int) -> torch.Tensor:
+    """Block-diffusion training mask over `[noisy | clean]`, `(2L, 2L)` bool, True = attend (SDAR, BD3-LM).
+
+    A noisy block sees itself and strictly earlier clean blocks; the clean copy is block-causal.
+    """
+    blk = torch.arange(seq_len) // block_size
+    same = blk[:, None] == blk[None, :]
+    earlier = blk[None, :] < blk[:, None]
+    causal_blocks = blk[None, :] <= blk[:, None]
+    top = torch.cat([same, earlier], dim=1)                             # noisy rows
+    bottom = torch.cat([torch.zeros_like(same), causal_blocks], dim=1)  # clean rows
+    return torch.cat([top, bottom], dim=0)
+
+
+def small_qwen_kwargs(args, vocab_size: int) -> dict:
+    """Shared architecture of the bundled models (4 heads / 2 KV heads, MLP 3x, tied, RoPE 1e4, 2,048 positions)."""
+    return dict(vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=2048, rope_theta=10_000.0, tie_word_embeddings=True,
+                eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None)
+
+
+class Objective:
+    """One training objective. `name` is the `--objective` value; `mask_id` the token the loss masks with."""
+
+    name: ClassVar[str]
+    block_sizes: ClassVar[dict[int, float]] = {}
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self._mask_cache: dict = {}
+
+    def prepare_tokenizer(self, tokenizer):
+        """Adapt the tokenizer for this objective (default: unchanged)."""
+        return tokenizer
+
+    def build_model(self, args, tokenizer, init_from: str | None):
+        raise NotImplementedError
+
+    def loss(self, model, x: torch.Tensor, maskable: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        raise NotImplementedError
+
+    def save(self, model, tokenizer, out: pathlib.Path) -> None:
+        """Save in bf16 with the tokenizer and a generation config whose eos list is `[EOS_ID]`."""
+        model.eval()
+        model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        model.generation_config.eos_token_id = [EOS_ID]
+        model.generation_config.pad_token_id = PAD_ID
+        model.generation_config.save_pretrained(out)
+
+    def block_mask(self, seq_len: int, block_size: int) -> torch.Tensor:
+        if block_size not in self._mask_cache:
+            self._mask_cache[block_size] = bd_training_mask(seq_len, block_size)[None, None]
+        return self._mask_cache[block_size]
+
+    def record(self) -> dict:
+        """Objective-specific entries of the stage's training log."""
+        return {}
+
+
+class AutoregressiveObjective(Objective):
+    """Next-token cross-entropy on maskable targets (answers and code; questions are context only)."""
+
+    name = "ar"
+
+    def build_model(self, args, tokenizer, init_from):
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        if init_from:
+            return Qwen2ForCausalLM.from_pretrained(init_from, dtype=torch.float32, attn_implementation="sdpa")
+        config = Qwen2Config(**small_qwen_kwargs(args, len(tokenizer)), attn_implementation="sdpa")
+        return Qwen2ForCausalLM(config)
+
+    def loss(self, model, x, maskable, gen):
+        logits = model(input_ids=x).logits[:, :-1].float()
+        labels = x[:, 1:].masked_fill(~maskable[:, 1:], -100)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 ignore_index=-100)
+
+
+class BlockDiffusionObjective(Objective):
+    """SDAR's block-diffusion objective; the block size is drawn per step from `block_sizes`."""
+
+    name = "block_diffusion"
+    #: 4 (the trained block size, written to the config) most of the time; 1 keeps the AR mode S2D2 verifies
+    #: with on-distribution, 16 keeps larger blocks usable (a deviation from SDAR, see the model card).
+    block_sizes = {4: 0.6, 1: 0.2, 16: 0.2}
+
+    def build_model(self, args, tokenizer, init_from):
+        from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+        if init_from:
+            return SDARForCausalLM.from_pretrained(init_from, dtype=torch.float32, attn_implementation="sdpa")
+        config = SDARConfig(**small_qwen_kwargs(args, len(tokenizer)), head_dim=args.hidden // 4, block_size=4,
+                            mask_token_id=MASK_ID, attn_implementation="sdpa")
+        return SDARForCausalLM(config)
+
+    def loss(self, model, x, maskable, gen):
+        sizes = list(self.block_sizes)
+        block_size = sizes[int(torch.multinomial(torch.tensor(list(self.block_sizes.values())), 1, generator=gen))]
+        b, seq_len = x.shape
+        t = torch.rand(b, generator=gen) * (1 - 1e-3) + 1e-3                         # (b,)
+        noise = (torch.rand(b, seq_len, generator=gen) < t[:, None]) & maskable       # (b, L)
+        noisy = torch.where(noise, torch.full_like(x, MASK_ID), x)
+        pos = torch.arange(seq_len).repeat(2)[None].expand(b, -1)
+        hidden = model.model(input_ids=torch.cat([noisy, x], dim=1), position_ids=pos,
+                             attention_mask=self.block_mask(seq_len, block_size).expand(b, -1, -1, -1)
+                             ).last_hidden_state
+        logits = model.lm_head(hidden[:, :seq_len][noise]).float()                    # (N, V)
+        token_loss = torch.nn.functional.cross_entropy(logits, x[noise], reduction="none")
+        weights = (1.0 / t)[:, None].expand(b, seq_len)[noise]
+        return (token_loss * weights).sum() / maskable.sum().clamp_min(1)
+
+    def record(self):
+        return {"block_size_mix": self.block_sizes}
+
+
+class FastDLLMV2Objective(Objective):
+    """Fast-dLLM v2 conversion of an AR Qwen2 model: complementary masks, per-block t, right-shifted loss.
+
+    The tokenizer gains the Hub mask token `|<MASK>|` as an additional special token (its `mask_token` stays
+    unset, as on the Hub) and the embedding grows to a multiple of 64 rows (rows above the tokenizer, as on
+    the Hub); the new rows start at the mean embedding.
+    """
+
+    name = "fast_dllm_v2"
+
+    def prepare_tokenizer(self, tokenizer):
+        if FAST_DLLM_MASK not in tokenizer.get_vocab():
+            tokenizer.add_special_tokens({"additional_special_tokens": [FAST_DLLM_MASK]})
+        tokenizer.mask_token = None
+        self.mask_id = tokenizer.convert_tokens_to_ids(FAST_DLLM_MASK)
+        return tokenizer
+
+    def build_model(self, args, tokenizer, init_from):
+        from transformers import Qwen2ForCausalLM
+
+        from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
+
+        if not init_from:
+            raise ValueError("`--init-from` (=None) is required for --objective fast_dllm_v2: the conversion starts "
+                             "from an AR Qwen2 checkpoint, e.g. --init-from models/qwen2-tiny-ar.")
+        if json.loads((pathlib.Path(init_from) / "config.json").read_text())["model_type"] == "Fast_dLLM_Qwen":
+            return Fast_dLLM_QwenForCausalLM.from_pretrained(init_from, dtype=torch.float32,
+                                                             attn_implementation="sdpa")
+        ar = Qwen2ForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+        fields = {k: v for k, v in ar.config.to_dict().items()
+                  if k not in ("model_type", "architectures", "transformers_version", "dtype")}
+        rows = -(-len(tokenizer) // 64) * 64
+        fields.update(vocab_size=rows, bd_size=args.bd_size, conplemenrary_mask=True,
+                      architectures=["Fast_dLLM_QwenForCausalLM"])
+        model = Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(**fields, attn_implementation="sdpa"))
+        state = ar.state_dict()
+        old = state["model.embed_tokens.weight"]
+        grown = old.mean(dim=0, keepdim=True).expand(rows - old.shape[0], -1)
+        state["model.embed_tokens.weight"] = torch.cat([old, grown], dim=0)
+        state.pop("lm_head.weight", None)
+        model.load_state_dict(state, strict=False)
+        model.tie_weights()
+        return model
+
+    def loss(self, model, x, maskable, gen):
+        bd = self.args.bd_size
+        b, seq_len = x.shape
+        blocks = seq_len // bd
+        t = torch.rand(b, blocks, generator=gen) * (1 - 1e-3) + 1e-3                  # one t per block
+        draw = torch.rand(b, seq_len, generator=gen) < t.repeat_interleave(bd, dim=1)
+        noise = torch.cat([draw, ~draw]) & maskable.repeat(2, 1)                      # complementary copy
+        clean = x.repeat(2, 1)
+        noisy = torch.where(noise, torch.full_like(clean, self.mask_id), clean)
+        pos = torch.arange(seq_len).repeat(2)[None].expand(2 * b, -1)
+        hidden = model.model(input_ids=torch.cat([noisy, clean], dim=1), position_ids=pos,
+                             attention_mask=self.block_mask(seq_len, bd).expand(2 * b, -1, -1, -1)
+                             ).last_hidden_state
+        target = noise[:, 1:]                                                         # row i - 1 predicts i
+        logits = model.lm_head(hidden[:, : seq_len - 1][target]).float()              # (N, V)
+        return torch.nn.functional.cross_entropy(logits, clean[:, 1:][target])
+
+    def record(self):
+        return {"bd_size": self.args.bd_size, "complementary_mask": True, "mask_token_id": self.mask_id}
+
+
+OBJECTIVES: dict[str, type[Objective]] = {
+    cls.name: cls for cls in (AutoregressiveObjective, BlockDiffusionObjective, FastDLLMV2Objective)
+}
+
+
+def read_stages(init_from: str | None) -> list:
+    """The stages recorded in `init_from`'s `training_log.json` (empty without one)."""
+    if not init_from:
+        return []
+    log = pathlib.Path(init_from) / "training_log.json"
+    if not log.exists():
+        return []
+    previous = json.loads(log.read_text())
+    return previous.get("stages", [previous])

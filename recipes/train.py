@@ -1,0 +1,210 @@
+"""The one training recipe of the bundled models: offline data, pluggable objectives, resumable stages.
+
+    python -m recipes.train --objective block_diffusion --out models/sdar-tiny-arith ...   (SDAR)
+    python -m recipes.train --objective ar --out models/qwen2-tiny-ar ...                   (AR Qwen2)
+    python -m recipes.train --objective fast_dllm_v2 --init-from models/qwen2-tiny-ar \\
+        --out models/fast-dllm-v2-tiny ...                                                 (Fast-dLLM v2)
+
+Each model card (`models/*/README.md`) lists the exact commands of its stages. Objectives live in
+`recipes.objectives`. Steps: (1) a byte-level BPE tokenizer (8,192 tokens, digits split one by one) trained with
+`tokenizers` on the CPython standard library and arithmetic problems, or the tokenizer of `--init-from`;
+(2) token streams: stdlib sources (every token a target) and templated arithmetic problems (question tokens
+are context only: never masked, never a loss target); (3) the objective's loss, AdamW (betas 0.9/0.95, weight
+decay 0.1), transformers' cosine schedule with 2% warm-up, gradient clipping 1.0, bf16 autocast on CPU;
+(4) the objective saves the model in its family's Hub layout with the tokenizer and the held-out problems, and
+the stage is appended to `training_log.json` (stages chain with `--init-from`).
+
+Resumable: with `--checkpoint-minutes M` the loop writes `<out>/resume.pt` (model, optimiser, schedule, step,
+generator state, loss history) every M minutes; `--resume` continues from it with the same arguments and gives
+the same result as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from .arithmetic import format_prompt, generate_problems, heldout_problems
+from .data import stdlib_texts
+from .objectives import EOS_ID, MASK_ID, OBJECTIVES, PAD_ID, SPECIALS, read_stages
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE with individual digits; returns a `PreTrainedTokenizerFast`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[1],
+                                   mask_token=SPECIALS[2])
+
+
+def build_streams(tokenizer, code_texts: list[str], problems: list[dict]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Concatenated token streams with a parallel `maskable` flag (loss target), one per source."""
+    code_ids = tokenizer(code_texts, add_special_tokens=False)["input_ids"]
+    code = torch.tensor([t for ids in code_ids for t in ids + [EOS_ID]], dtype=torch.long)
+    prompts = tokenizer([format_prompt(p["question"]) for p in problems], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([" " + p["solution"] for p in problems], add_special_tokens=False)["input_ids"]
+    ids, maskable = [], []
+    for q, a in zip(prompts, answers):
+        ids += q + a + [EOS_ID]
+        maskable += [False] * len(q) + [True] * (len(a) + 1)
+    arith = torch.tensor(ids, dtype=torch.long)
+    return {"code": (code, torch.ones_like(code, dtype=torch.bool)),
+            "arith": (arith, torch.tensor(maskable, dtype=torch.bool))}
+
+
+def sample_batch(streams, batch_size: int, seq_len: int, arith_fraction: float, gen: torch.Generator):
+    """`(batch, seq_len)` windows at random offsets of the streams, and their `maskable` flags."""
+    rows, flags = [], []
+    for _ in range(batch_size):
+        name = "arith" if torch.rand((), generator=gen) < arith_fraction else "code"
+        ids, maskable = streams[name]
+        start = int(torch.randint(0, ids.shape[0] - seq_len, (), generator=gen))
+        rows.append(ids[start:start + seq_len])
+        flags.append(maskable[start:start + seq_len])
+    return torch.stack(rows), torch.stack(flags)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--objective", required=True, choices=sorted(OBJECTIVES))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=10_000_000, help="training tokens (sequence positions)")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--arith-fraction", type=float, default=0.6)
+    ap.add_argument("--train-problems", type=int, default=120_000)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--bd-size", type=int, default=32, help="fast_dllm_v2: block size of the conversion")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-operand", type=int, default=50, help="arithmetic difficulty (recipes.arithmetic)")
+    ap.add_argument("--init-from", default=None, help="continue from this checkpoint (and reuse its tokenizer)")
+    ap.add_argument("--tokenizer-from", default=None, help="reuse this checkpoint's tokenizer (new model)")
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop early after this wall time")
+    ap.add_argument("--checkpoint-minutes", type=float, default=None, help="write <out>/resume.pt this often")
+    ap.add_argument("--resume", action="store_true", help="continue from <out>/resume.pt")
+    return ap.parse_args(argv)
+
+
+def load_tokenizer(args, code: list[str], problems: list[dict]):
+    source = args.init_from or args.tokenizer_from
+    if source:
+        # Not AutoTokenizer: for `model_type: "qwen2"` it builds transformers' Qwen2Tokenizer, which replaces the
+        # tokenizer.json pre-tokenizer with Qwen2's and tokenizes differently from the model's own tokenizer.
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+    else:
+        tok_texts = code + [format_prompt(p["question"]) + " " + p["solution"] for p in problems[:20_000]]
+        tokenizer = train_tokenizer(tok_texts, args.vocab_size)
+    if tokenizer.convert_tokens_to_ids(SPECIALS) != [EOS_ID, PAD_ID, MASK_ID]:
+        raise ValueError(f"tokenizer special ids {tokenizer.convert_tokens_to_ids(SPECIALS)} != [0, 1, 2]")
+    return tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import get_scheduler
+
+    args = parse_args(argv)
+    objective = OBJECTIVES[args.objective](args)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    heldout = heldout_problems(max_operand=args.max_operand)
+    problems = generate_problems(args.train_problems, seed=args.seed + 1, exclude={p["question"] for p in heldout},
+                                 max_operand=args.max_operand)
+    code = stdlib_texts()
+    print(f"data: {len(code)} stdlib files, {len(problems)} arithmetic problems, {len(heldout)} held out")
+    tokenizer = objective.prepare_tokenizer(load_tokenizer(args, code, problems))
+    streams = build_streams(tokenizer, code, problems)
+    print({k: int(v[0].shape[0]) for k, v in streams.items()}, "tokens per stream")
+
+    previous_stages = read_stages(args.init_from)
+    model = objective.build_model(args, tokenizer, args.init_from)
+    model.train()
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {num_params / 1e6:.2f}M parameters ({args.objective})")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    tokens_per_step = args.batch_size * args.seq_len
+    total_steps = max(1, args.tokens // tokens_per_step)
+    scheduler = get_scheduler("cosine", opt, num_warmup_steps=max(1, total_steps // 50), num_training_steps=total_steps)
+    gen = torch.Generator().manual_seed(args.seed)
+    state = {"step": 0, "ema": None, "history": [], "seconds": 0.0}
+    resume_path = out / "resume.pt"
+    if args.resume:
+        saved = torch.load(resume_path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        gen.set_state(saved["generator"])
+        state = saved["state"]
+        print(f"resumed at step {state['step']} of {total_steps}")
+    t0 = time.time() - state["seconds"]
+    last_checkpoint = time.time()
+    bar = tqdm(range(state["step"], total_steps), desc=f"train {args.objective}", mininterval=10)
+    for step in bar:
+        x, maskable = sample_batch(streams, args.batch_size, args.seq_len, args.arith_fraction, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = objective.loss(model, x, maskable, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        scheduler.step()
+        value = loss.item()
+        state["ema"] = value if state["ema"] is None else 0.98 * state["ema"] + 0.02 * value
+        state["step"] = step + 1
+        if step % 50 == 0 or step == total_steps - 1:
+            state["history"].append({"step": step, "tokens": (step + 1) * tokens_per_step,
+                                     "loss_ema": round(state["ema"], 4)})
+            bar.set_postfix(loss=f"{state['ema']:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+        if args.checkpoint_minutes is not None and time.time() - last_checkpoint > 60 * args.checkpoint_minutes:
+            state["seconds"] = time.time() - t0
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": scheduler.state_dict(), "generator": gen.get_state(), "state": state},
+                       resume_path)
+            last_checkpoint = time.time()
+        if args.max_minutes is not None and time.time() - t0 > 60 * args.max_minutes:
+            print(f"stopping at step {step}: --max-minutes {args.max_minutes} reached")
+            break
+    elapsed = time.time() - t0
+    objective.save(model, tokenizer, out)
+    with open(out / "heldout_arithmetic.jsonl", "w") as f:
+        for p in heldout:
+            f.write(json.dumps(p) + "\n")
+    stage = {
+        "objective": args.objective, "init_from": args.init_from, "max_operand": args.max_operand,
+        "seed": args.seed, "steps": state["step"], "tokens_seen": state["step"] * tokens_per_step,
+        "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr, "arith_fraction": args.arith_fraction,
+        **objective.record(), "parameters": num_params, "train_seconds": round(elapsed, 1),
+        "final_loss_ema": round(state["ema"], 4), "stream_tokens": {k: int(v[0].shape[0]) for k, v in streams.items()},
+        "loss_history": state["history"], "torch": torch.__version__,
+    }
+    stages = [*previous_stages, stage]
+    summary = {"stages": stages, "tokens_seen_total": sum(s["tokens_seen"] for s in stages),
+               "train_seconds_total": round(sum(s["train_seconds"] for s in stages), 1)}
+    (out / "training_log.json").write_text(json.dumps(summary, indent=1))
+    resume_path.unlink(missing_ok=True)
+    print(json.dumps({k: v for k, v in stage.items() if k != "loss_history"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The training objectives of `recipes.train` against slow, explicit computations of the same losses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
+from recipes.objectives import AutoregressiveObjective, FastDLLMV2Objective, bd_training_mask
+
+SMALL = dict(vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=True, attn_implementation="sdpa")
+
+
+def test_bd_training_mask_regions():
+    mask = bd_training_mask(6, 2)                                  # (12, 12): [noisy | clean]
+    blk = torch.arange(6) // 2
+    for i in range(6):
+        for j in range(6):
+            assert bool(mask[i, j]) == bool(blk[i] == blk[j])           # noisy sees its own noisy block
+            assert bool(mask[i, 6 + j]) == bool(blk[j] < blk[i])        # and strictly earlier clean blocks
+            assert not bool(mask[6 + i, j])                             # clean never sees noisy
+            assert bool(mask[6 + i, 6 + j]) == bool(blk[j] <= blk[i])   # clean is block-causal
+
+
+def test_ar_loss_is_next_token_cross_entropy_on_targets():
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
+    x = torch.randint(3, 40, (2, 12))
+    maskable = torch.rand(2, 12) < 0.6
+    loss = AutoregressiveObjective(SimpleNamespace()).loss(model, x, maskable, torch.Generator())
+    labels = x.masked_fill(~maskable, -100)                        # HF shifts labels itself
+    assert torch.allclose(loss, model(input_ids=x, labels=labels).loss, atol=1e-6)
+
+
+def test_fast_dllm_v2_loss_equals_explicit_complementary_loss():
+    """Complementary copies mask every target exactly once; row i - 1 of the noisy copy predicts token i."""
+    torch.manual_seed(0)
+    model = Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(bd_size=4, **SMALL)).eval()
+    objective = FastDLLMV2Objective(SimpleNamespace(bd_size=4))
+    objective.mask_id = 39
+    b, seq_len = 2, 8
+    x = torch.randint(3, 39, (b, seq_len))
+    maskable = torch.ones(b, seq_len, dtype=torch.bool)
+    maskable[:, :3] = False                                        # a question: never masked, never a target
+    loss = objective.loss(model, x, maskable, torch.Generator().manual_seed(5))
+
+    gen = torch.Generator().manual_seed(5)                         # the same draws, explicitly
+    t = torch.rand(b, 2, generator=gen) * (1 - 1e-3) + 1e-3
+    draw = torch.rand(b, seq_len, generator=gen) < t.repeat_interleave(4, dim=1)
+    losses, count = [], 0
+    for noise in (draw & maskable, ~draw & maskable):
+        for row in range(b):
+            noisy = torch.where(noise[row], torch.tensor(39), x[row])
+            allowed = bd_training_mask(seq_len, 4)
+            additive = torch.zeros(2 * seq_len, 2 * seq_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            logits = model(input_ids=torch.cat([noisy, x[row]])[None],
+                           position_ids=torch.arange(seq_len).repeat(2)[None],
+                           attention_mask=additive[None, None]).logits[0]
+            for i in range(1, seq_len):
+                if noise[row, i]:
+                    losses.append(torch.nn.functional.cross_entropy(logits[i - 1][None], x[row, i][None]))
+                    count += 1
+    assert bool(((draw & maskable) ^ (~draw & maskable) == maskable).all())   # each target masked exactly once
+    assert torch.allclose(loss, torch.stack(losses).mean(), atol=1e-5)
