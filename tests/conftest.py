@@ -50,3 +50,15 @@ def prompt() -> torch.Tensor:
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def left_padded_batch(lengths, seed: int = 1, high: int = 90):
+    """Random prompts of the given lengths, left-padded with 0: `(ids (N, P), attention_mask (N, P), prompts)`."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, high, (n,), generator=g) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask, prompts

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import pytest
 import torch
-from conftest import gen
+from conftest import gen, left_padded_batch
 
 from hf_dllm_spec import SpecDecodingStats
 
@@ -26,14 +26,7 @@ TIMES_AND_CALLS = {"wall_time_s", "prefill_time_s", "forward_time_s", "num_forwa
 @pytest.fixture(scope="module")
 def batch():
     """8 prompts of different lengths, left-padded with 0, and the unpadded prompts."""
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 90, (n,), generator=g) for n in LENGTHS]
-    width = max(LENGTHS)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    return ids, mask, prompts
+    return left_padded_batch(LENGTHS)
 
 
 def counters(stats: SpecDecodingStats) -> dict:

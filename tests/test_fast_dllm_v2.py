@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from conftest import left_padded_batch
 from hf_dllm_spec import SpecDecodingStats
 from hf_dllm_spec.masks import block_causal_mask, causal_mask, to_additive
 from hf_dllm_spec.outputs import BatchStats
@@ -555,13 +556,7 @@ def _counters(stats: SpecDecodingStats) -> dict:
     ("s2d2", {"min_ssd_span_length": 3, "confidence_threshold": 0.1}),
 ], ids=["fast_dllm_v2", "s2d2", "s2d2-routed-separate", "block_diffusion-fused", "s2d2-routed-fused"])
 def test_batch_equals_singles(model, strategy, extra):
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 90, (n,), generator=g) for n in LENGTHS]
-    width = max(LENGTHS)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    ids, mask, prompts = left_padded_batch(LENGTHS)
     kwargs = dict(BATCH_COMMON, decoding_strategy=strategy, sub_block_size=4, block_size=8, **extra)
     out = model.generate(ids, attention_mask=mask, **kwargs)
     summed = SpecDecodingStats()
@@ -571,7 +566,7 @@ def test_batch_equals_singles(model, strategy, extra):
         new = single.sequences[0, len(p):].tolist()
         assert len(new) == 14
         rows.append(new)
-        assert out.sequences[i, width:].tolist() == new, f"row {i} (prompt of {len(p)} tokens)"
+        assert out.sequences[i, ids.shape[1]:].tolist() == new, f"row {i} (prompt of {len(p)} tokens)"
         assert _counters(out.spec_stats_per_row[i]) == _counters(single.spec_stats), f"row {i} statistics"
         summed.merge(single.spec_stats)
     assert _counters(out.spec_stats) == _counters(summed)
