@@ -136,6 +136,26 @@ def write_shims(directory: str | os.PathLike, config_class: type) -> dict[str, s
     return mapping
 
 
+
+class ShimsConfigMixin:
+    """Config mixin of the library's own model families: a Hub repo's own `auto_map` (naming remote code that is
+    not carried) is dropped on load; the one written by :func:`export_checkpoint` (naming the shims) is kept, and
+    saving writes the shims again, so a saved directory still loads with `trust_remote_code=True` alone.
+
+    Put it before the transformers config class: `class SDARConfig(ShimsConfigMixin, Qwen3Config)`.
+    """
+
+    def __init__(self, **kwargs):
+        if not names_shims(kwargs.get("auto_map")):
+            kwargs.pop("auto_map", None)
+        super().__init__(**kwargs)
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """`PreTrainedConfig.save_pretrained`, plus the remote-code shims when `auto_map` names them."""
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        if names_shims(getattr(self, "auto_map", None)):
+            write_shims(save_directory, type(self))
+
 def _write_custom_generate(directory: pathlib.Path) -> None:
     source = importlib.resources.files("hf_dllm_spec") / "hub" / "custom_generate"
     target = directory / "custom_generate"

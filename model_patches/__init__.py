@@ -48,5 +48,6 @@ def get_patch(model) -> FamilyPatch:
     )
 
 
-__all__ = ["ALIGNMENTS", "FamilyPatch", "FastDLLMV2Patch", "Fast_dLLM_QwenConfig", "Fast_dLLM_QwenForCausalLM", "Fast_dLLM_QwenModel", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
+__all__ = ["ALIGNMENTS", "FamilyPatch", "FastDLLMV2Patch", "Fast_dLLM_QwenConfig", "Fast_dLLM_QwenForCausalLM",
+           "Fast_dLLM_QwenModel", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
            "get_patch", "register_auto_classes"]

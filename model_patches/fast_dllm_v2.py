@@ -30,7 +30,7 @@ from typing import Any
 
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
-from hf_dllm_spec.export import names_shims, write_shims
+from hf_dllm_spec.export import ShimsConfigMixin
 from hf_dllm_spec.mixin import DllmGenerationMixin
 
 from .base import FamilyPatch
@@ -41,7 +41,7 @@ MASK_TOKEN = "|<MASK>|"
 _TOKENIZER_FILES = ("tokenizer.json", "added_tokens.json", "tokenizer_config.json")
 
 
-class Fast_dLLM_QwenConfig(Qwen2Config):  # noqa: N801 (the Hub class name)
+class Fast_dLLM_QwenConfig(ShimsConfigMixin, Qwen2Config):  # noqa: N801 (the Hub class name)
     """Qwen2 config plus Fast-dLLM v2's fields.
 
     Args:
@@ -57,8 +57,6 @@ class Fast_dLLM_QwenConfig(Qwen2Config):  # noqa: N801 (the Hub class name)
     def __init__(self, bd_size: int = 32, mask_token_id: int | None = None, **kwargs):
         self.bd_size = bd_size
         self.mask_token_id = mask_token_id
-        if not names_shims(kwargs.get("auto_map")):  # a Hub repo's own remote code is not carried on save
-            kwargs.pop("auto_map", None)
         super().__init__(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -67,12 +65,6 @@ class Fast_dLLM_QwenConfig(Qwen2Config):  # noqa: N801 (the Hub class name)
         if out.get("mask_token_id") is None:
             out.pop("mask_token_id", None)
         return out
-
-    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
-        """`PreTrainedConfig.save_pretrained`, plus the remote-code shims when `auto_map` names them."""
-        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
-        if names_shims(getattr(self, "auto_map", None)):
-            write_shims(save_directory, type(self))
 
 
 def mask_token_from_files(name_or_path: str | os.PathLike, **hub_kwargs) -> int | None:

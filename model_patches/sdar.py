@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hf_dllm_spec.export import names_shims, write_shims
+from hf_dllm_spec.export import ShimsConfigMixin
 from hf_dllm_spec.mixin import DllmGenerationMixin
 
 from .base import FamilyPatch
 
 
-class SDARConfig(Qwen3Config):
+class SDARConfig(ShimsConfigMixin, Qwen3Config):
     """Qwen3 config plus SDAR's fields.
 
     Args:
@@ -45,19 +45,7 @@ class SDARConfig(Qwen3Config):
         self.fuse_cross_entropy = fuse_cross_entropy
         if kwargs.get("attn_implementation") == "flex_attention":
             self.hub_attn_implementation = kwargs.pop("attn_implementation")
-        if not names_shims(kwargs.get("auto_map")):  # a Hub repo's own remote code is not carried on save
-            kwargs.pop("auto_map", None)
         super().__init__(**kwargs)
-
-    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
-        """`PreTrainedConfig.save_pretrained`, plus the remote-code shims when `auto_map` names them.
-
-        A config loaded from a checkpoint written by `hf_dllm_spec.export_checkpoint` keeps that `auto_map`;
-        the shims are written beside it so the saved directory still loads with `trust_remote_code=True` alone.
-        """
-        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
-        if names_shims(getattr(self, "auto_map", None)):
-            write_shims(save_directory, type(self))
 
 
 class SDARForCausalLM(DllmGenerationMixin, Qwen3ForCausalLM):
