@@ -13,6 +13,7 @@ import ast
 import json
 import pathlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -37,11 +38,13 @@ class Prompt:
 
 @dataclass
 class StrategySpec:
-    """A named `generate` configuration: `decoding_strategy` plus its parameters."""
+    """A named `generate` configuration: `decoding_strategy`, its parameters and, for strategies with a
+    separate drafter (DEER), the loaded `draft_model` (not part of `params`, which stay JSON-serialisable)."""
 
     label: str
     decoding_strategy: str
     params: dict = field(default_factory=dict)
+    draft_model: Any = None
 
 
 def arithmetic_prompts(model_dir: pathlib.Path, n: int) -> list[Prompt]:
@@ -144,7 +147,8 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
         out = model.generate(enc.input_ids, attention_mask=enc.attention_mask,
                              decoding_strategy=spec.decoding_strategy, max_new_tokens=max_new_tokens,
                              return_dict_in_generate=True, generator=torch.Generator().manual_seed(seed + start),
-                             **entry, **spec.params)
+                             **entry, **spec.params,
+                             **({"draft_model": spec.draft_model} if spec.draft_model is not None else {}))
         result.stats.merge(out.spec_stats)
         for row, prompt in enumerate(chunk):
             new = out.sequences[row, enc.input_ids.shape[1]:]
@@ -165,14 +169,15 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
 def table(results: list[RunResult], baseline: RunResult, metric: str) -> str:
     """Markdown table, one row per strategy; speedups against `baseline` measured in the same process."""
     head = (f"| strategy | NFE | tokens/forward | wall s | speedup vs AR | NFE vs AR | {metric} | acceptance rate | "
-            "outside forwards |")
-    lines = [head, "|" + "---|" * 9]
+            "tau | outside forwards |")
+    lines = [head, "|" + "---|" * 10]
     for r in results:
         s, base = r.stats, baseline.stats
         acc_rate = "-" if s.num_draft_tokens == 0 else f"{s.acceptance_rate:.2f}"
+        tau = "-" if s.num_drafts == 0 else f"{s.mean_acceptance_length:.2f}"
         lines.append(
             f"| {r.spec.label} | {s.nfe} | {s.tpf:.2f} | {s.wall_time_s:.2f} | "
             f"{base.wall_time_s / s.wall_time_s:.2f}x | {s.nfe / base.nfe:.0%} | "
-            f"{r.accuracy:.1f}% | {acc_rate} | {s.overhead_fraction:.0%} |"
+            f"{r.accuracy:.1f}% | {acc_rate} | {tau} | {s.overhead_fraction:.0%} |"
         )
     return "\n".join(lines)

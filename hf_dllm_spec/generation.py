@@ -35,6 +35,7 @@ import model_patches
 from .checks import (check_call, check_generation_config, check_generator, check_model_kwargs, check_tokens,
                      prompt_lengths)
 from .configuration import DecodingConfig, check_int
+from .masks import left_padded_valid
 from .outputs import BatchStats, GenerateDllmOutput
 from .registry import get_strategy, resolve_config, strategy_parameter_names
 from .runner import ModelRunner
@@ -289,6 +290,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                       "decode one prompt at a time when streaming, or drop `streamer`")
 
     patch = model_patches.get_patch(model)
+    strategy_cls.check_models(model, patch, draft_model,
+                              model_patches.get_patch(draft_model) if draft_model is not None else None)
     alignment = patch.alignment_of(model)
     resolved_mask = patch.mask_token_id(model, mask_token_id)
     needs_mask = strategy_cls.requires_mask_token and not (strategy_cls.name == "ar" and alignment == "right_shift")
@@ -341,6 +344,10 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                           "pass draft_mask_token_id=<id>, or set draft_model.config.mask_token_id")
         draft_block_size = getattr(config, "draft_block_size", None) or drafter_patch.trained_block_size(draft_model)
         strategy_cls.check_block_sizes(block_size, draft_block_size)
+        if draft_mask is not None and bool((input_ids[left_padded_valid(lengths, input_ids.shape[1],
+                                                                        input_ids.device)] == draft_mask).any()):
+            raise invalid("input_ids", f"<prompt holding the drafter's mask token {draft_mask}>",
+                          "not contain the drafter's mask token", "remove the mask tokens from the prompt")
 
     device = model.device
     timer = ForwardTimer(device)
@@ -368,7 +375,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
         stop_check=(lambda i, generated: scan(i, _trim(generated, max_new_tokens, stop_ids)) is not None)
         if scan is not None else None,
         drafter=ModelRunner(draft_model, drafter_patch, stats, batch_size=batch_size, use_cache=use_cache,
-                            timer=timer) if draft_model is not None else None,
+                            timer=timer, timer_span="draft_model") if draft_model is not None else None,
         draft_mask_token_id=draft_mask, draft_block_size=draft_block_size,
         stream=TokenStream(streamer, lambda final: output_tokens(0, final)) if streamer is not None else None,
     )
@@ -377,12 +384,14 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     generated = strategy.decode()
     wall = now(device) - t0
     forward_time, prefill_time = timer.total("forward"), timer.total("prefill")
+    draft_model_time = timer.total("draft_model")
     generated = [output_tokens(n, g) for n, g in enumerate(generated)]
     stats.flush()
     for n, row in enumerate(stats.per_row):
         row.num_generated_tokens = generated[n].shape[0]
         row.num_discarded_tokens = row.num_committed_tokens - row.num_generated_tokens
         row.wall_time_s, row.forward_time_s, row.prefill_time_s = wall, forward_time, prefill_time
+        row.draft_model_time_s = draft_model_time
     width = max(g.shape[0] for g in generated)
     new = torch.full((batch_size, width), pad_id if pad_id is not None else 0, dtype=torch.long, device=device)
     for n, g in enumerate(generated):

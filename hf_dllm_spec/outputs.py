@@ -53,7 +53,8 @@ class SpecDecodingStats:
     Time (seconds): wall_time_s: the whole decoding call (after a device synchronise); prefill_time_s: the
         prefill forward; forward_time_s: all model forwards together (CUDA events, read once at the end: no
         device sync per forward), the rest of `wall_time_s` is the loop's own work: sampling, routing,
-        bookkeeping. For a batch every row reports the call's times.
+        bookkeeping; draft_model_time_s: the separate drafter's share of `forward_time_s` (SimSD, DEER; the
+        target's share is the rest). For a batch every row reports the call's times.
     """
 
     num_prefill_forwards: int = 0
@@ -78,6 +79,7 @@ class SpecDecodingStats:
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0
     forward_time_s: float = 0.0
+    draft_model_time_s: float = 0.0
 
     def count_forward(self, kind: str) -> None:
         """Add one forward of `kind` (one of :data:`FORWARD_KINDS`)."""
@@ -291,7 +293,7 @@ class BatchStats:
         if self.per_row:
             first = self.per_row[0]
             merged.wall_time_s, merged.prefill_time_s = first.wall_time_s, first.prefill_time_s
-            merged.forward_time_s = first.forward_time_s
+            merged.forward_time_s, merged.draft_model_time_s = first.forward_time_s, first.draft_model_time_s
         return merged
 
 

@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 from .configuration import DecodingConfig, merge_parameters
 from .strategies.base import DecodingStrategy
 from .strategies.block_diffusion import ARStrategy, BlockDiffusionStrategy
+from .strategies.deer import DeerStrategy
 from .strategies.fast_dllm_v2 import FastDLLMV2Strategy
 from .strategies.s2d2 import S2D2Strategy
 from .validation import check_choice
@@ -29,6 +30,7 @@ class DecodingStrategyName(str, Enum):
     BLOCK_DIFFUSION = "block_diffusion"
     S2D2 = "s2d2"
     FAST_DLLM_V2 = "fast_dllm_v2"
+    DEER = "deer"
 
 
 def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy]:
@@ -43,7 +45,7 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     return strategy
 
 
-for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy, FastDLLMV2Strategy):
+for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy, FastDLLMV2Strategy, DeerStrategy):
     register_strategy(_strategy)
 
 

@@ -25,6 +25,8 @@ encodes. It is the slow reference the cached path is tested against.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .masks import to_additive
@@ -42,7 +44,10 @@ class ModelRunner:
         batch_size (`int`): N.
         use_cache (`bool`, defaults to True): keep K/V in a `DynamicCache`; False recomputes.
         cache (`DynamicCache`, *optional*): an empty cache to use (e.g. the one `generate` prepared).
-        timer (`ForwardTimer`, *optional*): times every forward under "forward" (no device sync).
+        timer (`ForwardTimer`, *optional*): times every forward under "forward" (no device sync), and under
+            `timer_span` as well when given.
+        timer_span (`str`, *optional*): a second span name for this model's forwards (e.g. "draft_model": the
+            drafter's share of the forward time).
 
     Raises:
         ValueError: if `cache` is not empty.
@@ -58,8 +63,9 @@ class ModelRunner:
     check_layouts: bool = False
 
     def __init__(self, model, patch, stats: BatchStats, *, batch_size: int, use_cache: bool = True, cache=None,
-                 timer: ForwardTimer | None = None) -> None:
+                 timer: ForwardTimer | None = None, timer_span: str | None = None) -> None:
         self.model, self.patch, self.stats, self.use_cache = model, patch, stats, use_cache
+        self.timer_span = timer_span
         self.alignment = patch.alignment_of(model)
         self.device = model.device
         self.dtype = model.dtype if model.dtype.is_floating_point else torch.float32
@@ -139,7 +145,7 @@ class ModelRunner:
             keep_raw = max(keep_raw, q - s + 1)                    # the last stored token's logits: the carry
         self.stats.count_forward(kind, rows)
         self._maybe_compact()
-        with self.timer.span("forward"):
+        with self.timer.span("forward"), self._own_span():
             if self.use_cache:
                 mask = torch.cat([self.valid[:, None, :].expand(n, q, -1), intra], dim=-1)
                 raw = self.patch.forward(
@@ -158,6 +164,42 @@ class ModelRunner:
         if self.alignment == "position":
             return raw[:, -keep:]
         return self._align_right_shift(raw, query_valid, q, keep, s)
+
+    def _own_span(self):
+        return self.timer.span(self.timer_span) if self.timer_span else contextlib.nullcontext()
+
+    def discard_tail(self, num_discard: torch.Tensor, carry: torch.Tensor | None = None) -> None:
+        """Forget the last `num_discard[n]` stored tokens of each row (the rejected drafts of a verification).
+
+        The AR verification pattern (transformers `_assisted_decoding`): one forward stores the pending token
+        and all drafts, then the rejected tail goes. Columns every row discards are cropped from the cache
+        (`DynamicCache.crop(-k)`); the rest become padding of their row (`valid` False), which no query sees, so
+        the cache of each row equals a fresh prefill of its committed tokens.
+
+        Args:
+            num_discard (`torch.Tensor` of shape `(N,)`, int64): tokens to drop per row, each <= the tokens the row
+                stored in the last forward.
+            carry (`torch.Tensor` of shape `(N, V)`, *optional*): right-shifted models: the logits of each row's
+                last kept token (the carry must describe the last stored token); required for them.
+
+        Raises:
+            ValueError: if a right-shifted model gets no `carry`.
+        """
+        if self.alignment != "position" and carry is None:
+            raise ValueError("ModelRunner.discard_tail: a right-shifted model needs `carry`, the logits of each "
+                             "row's last kept token.")
+        common = int(num_discard.min()) if num_discard.numel() else 0
+        if common:
+            if self.use_cache:
+                self.cache.crop(-common)
+            self.valid = self.valid[:, :-common]
+            self._ids, self._pos = self._ids[:, :self.stored_len], self._pos[:, :self.stored_len]
+            self._visible = self._visible[:, :self.stored_len, :self.stored_len]
+        rest = (num_discard - common).to(self.device)
+        columns = torch.arange(self.stored_len, device=self.device)[None]
+        self.valid = self.valid & (columns < (self.stored_len - rest)[:, None])
+        if carry is not None:
+            self.carry = carry
 
     @staticmethod
     def _check_layout(intra: torch.Tensor, s: int, store_valid: torch.Tensor | None) -> None:

@@ -8,11 +8,14 @@ is the one place that registers the families with their own model classes (SDAR,
 from __future__ import annotations
 
 from .base import ALIGNMENTS, FamilyPatch
+from .causal_lm import CausalLMPatch
 from .fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM, Fast_dLLM_QwenModel, FastDLLMV2Patch
 from .qwen import QwenPatch
 from .sdar import SDARConfig, SDARForCausalLM, SDARPatch
 
 PATCHES: tuple[FamilyPatch, ...] = (SDARPatch(), FastDLLMV2Patch(), QwenPatch())
+#: Serves any other decoder-only transformers causal LM (autoregressive): `ar` and DEER targets.
+CAUSAL_LM_PATCH = CausalLMPatch()
 
 
 def register_auto_classes() -> None:
@@ -32,7 +35,8 @@ def register_auto_classes() -> None:
 
 
 def get_patch(model) -> FamilyPatch:
-    """The family adapter for a loaded model, chosen by `model.config.model_type`.
+    """The family adapter for a loaded model, chosen by `model.config.model_type`; any other decoder-only
+    transformers causal LM gets :class:`CausalLMPatch` (autoregressive).
 
     Raises:
         NotImplementedError: for a model type no patch serves, listing the supported ones.
@@ -41,13 +45,16 @@ def get_patch(model) -> FamilyPatch:
     for patch in PATCHES:
         if model_type in patch.model_types:
             return patch
+    if CausalLMPatch.serves(model):
+        return CAUSAL_LM_PATCH
     supported = ", ".join(repr(t) for p in PATCHES for t in p.model_types)
     raise NotImplementedError(
         f"`model.config.model_type` (={model_type!r}) has no family patch in hf_dllm_spec; supported model types: "
-        f"{supported}. Load a supported family, or add a FamilyPatch in model_patches/."
+        f"{supported}, and any decoder-only causal LM of transformers (autoregressive). Load a supported family, "
+        "or add a FamilyPatch in model_patches/."
     )
 
 
-__all__ = ["ALIGNMENTS", "FamilyPatch", "FastDLLMV2Patch", "Fast_dLLM_QwenConfig", "Fast_dLLM_QwenForCausalLM",
+__all__ = ["ALIGNMENTS", "CAUSAL_LM_PATCH", "CausalLMPatch", "FamilyPatch", "FastDLLMV2Patch", "Fast_dLLM_QwenConfig", "Fast_dLLM_QwenForCausalLM",
            "Fast_dLLM_QwenModel", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
            "get_patch", "register_auto_classes"]

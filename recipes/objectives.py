@@ -7,6 +7,9 @@ the schedule, the resumable loop and the training log of `recipes.train`.
 - ``ar``: next-token cross-entropy (a Qwen2 causal LM: the AR baseline, DEER's target).
 - ``block_diffusion``: SDAR's objective (SDAR, arXiv 2510.06303): `[noisy | clean]` with shared positions and
   the block-diffusion mask, one t per sequence, loss 1/t on masked positions (position-aligned).
+- ``d2a``: DEER's drafter alignment (arXiv 2512.15176 §3.1) of a block-diffusion drafter to an AR teacher, on
+  the teacher's own continuations; Stage I (``--d2a-stage 1``, Eq. 1-2) and Stage II (``--d2a-stage 2``,
+  Eq. 3-4). See :class:`D2AObjective`.
 - ``fast_dllm_v2``: Fast-dLLM v2's conversion of an AR model (arXiv 2509.26328 §3): the same layout, one t per
   block of `bd_size`, every sample duplicated with the complementary mask, and the causal-LM loss (logits at
   i - 1 predict token i) on masked positions of the noisy copy: the model stays right-shifted.
@@ -84,6 +87,10 @@ class Objective:
     def record(self) -> dict:
         """Objective-specific entries of the stage's training log."""
         return {}
+
+    def build_streams(self, tokenizer, code_texts: list[str], problems: list[dict], default):
+        """The token streams to train on; `default(tokenizer, code_texts, problems)` builds the shared ones."""
+        return default(tokenizer, code_texts, problems)
 
 
 class AutoregressiveObjective(Objective):
@@ -208,8 +215,168 @@ class FastDLLMV2Objective(Objective):
         return {"bd_size": self.args.bd_size, "complementary_mask": True, "mask_token_id": self.mask_id}
 
 
+def d2a_training_mask(segment: torch.Tensor) -> torch.Tensor:
+    """D2A training mask over `[noisy | clean]`, `(b, 2L, 2L)` bool, True = attend.
+
+    The drafter's inference layout (`hf_dllm_spec.drafting`, "causal_prefix"): the clean copy is token-causal
+    (the verified prefix); a noisy segment sees itself in full and the clean tokens strictly before it.
+
+    Args:
+        segment (`torch.Tensor` of shape `(b, L)`, int64): non-decreasing segment index of each position.
+    """
+    same = segment[:, :, None] == segment[:, None, :]
+    before = segment[:, None, :] < segment[:, :, None]
+    causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()[None].expand_as(same)
+    top = torch.cat([same, before], dim=2)
+    bottom = torch.cat([torch.zeros_like(same), causal], dim=2)
+    return torch.cat([top, bottom], dim=1)
+
+
+def random_segments(b: int, seq_len: int, max_len: int, gen: torch.Generator, fixed: int | None = None) -> torch.Tensor:
+    """Segment index per position, `(b, L)`: segments of `fixed` tokens at a random offset, or of random
+    lengths in [1, max_len] (random truncation points: each segment start is a continuation boundary)."""
+    if fixed is not None:
+        offset = torch.randint(0, fixed, (b, 1), generator=gen)
+        return (torch.arange(seq_len)[None] + offset) // fixed
+    lengths = torch.randint(1, max_len + 1, (b, seq_len), generator=gen)
+    starts = torch.zeros(b, seq_len, dtype=torch.bool)
+    for row in range(b):
+        i = 0
+        for length in lengths[row].tolist():
+            if i >= seq_len:
+                break
+            starts[row, i] = True
+            i += length
+    return starts.long().cumsum(dim=1) - 1
+
+
+class D2AObjective(BlockDiffusionObjective):
+    """DEER's two-stage drafter alignment (D2A, arXiv 2512.15176 §3.1, Eq. 1-4; `strategies.md` §7.2).
+
+    Data: the teacher (`--teacher`, an AR model of the same tokenizer, e.g. models/qwen2-tiny-ar) continues
+    every training prompt greedily: arithmetic questions, and windows of standard-library code; the drafter
+    learns the teacher's continuations (question / code-prefix tokens are context only). A window of the
+    stream is cut into segments; each segment start is a truncation point whose past is the clean, causal
+    prefix (`[noisy | clean]` layout, :func:`d2a_training_mask`, as the drafter attends at inference).
+
+    - Stage I (`--d2a-stage 1`, AR-style continuation distillation, Eq. 1-2): segments of k in {4, 8, 16, 32}
+      (the draft block sizes) at a random offset; one t ~ U(0, 1] per sequence masks continuation tokens,
+      loss (1/t) x cross-entropy on masked tokens.
+    - Stage II (`--d2a-stage 2`, prefix-conditioned refinement, Eq. 3-4): segments of R ~ U(1, R_max) tokens
+      (`--d2a-max-refine`, 96 in the paper), every continuation token masked (t = 1, as at inference), token i
+      of a segment (1-based) weighted alpha^(R - i) (`--d2a-alpha`, 1.01): tokens nearest the prefix weigh
+      most.
+    - SEP (`--d2a-sep-token-id`): appended to each noisy segment as at inference
+      (`hf_dllm_spec.drafting.draft_block_layout`, "after_masks"): not used for the bundled drafter (the
+      tokenizer has no spare special token, and the masks already mark the boundary).
+    """
+
+    name = "d2a"
+    block_sizes = {4: 0.25, 8: 0.25, 16: 0.25, 32: 0.25}
+
+    def __init__(self, args) -> None:
+        super().__init__(args)
+        if getattr(args, "d2a_sep_token_id", None) is not None:
+            raise NotImplementedError("--d2a-sep-token-id: the packed layout does not insert SEP tokens yet; "
+                                      "train without SEP (the default).")
+
+    def build_model(self, args, tokenizer, init_from):
+        if not init_from:
+            raise ValueError("`--init-from` (=None) is required for --objective d2a: alignment starts from a "
+                             "diffusion drafter, e.g. --init-from models/sdar-tiny-arith.")
+        return super().build_model(args, tokenizer, init_from)
+
+    def build_streams(self, tokenizer, code_texts, problems, default):
+        from .arithmetic import format_prompt
+
+        args = self.args
+        cache = pathlib.Path(args.d2a_teacher_cache) if getattr(args, "d2a_teacher_cache", None) else None
+        if cache is not None and cache.exists():
+            streams = torch.load(cache)
+            self.teacher_tokens = {name: int(m.sum()) for name, (_, m) in streams.items()}
+            return streams
+        prompts = tokenizer([format_prompt(p["question"]) for p in problems[: args.d2a_teacher_problems]],
+                            add_special_tokens=False)["input_ids"]
+        gen = torch.Generator().manual_seed(args.seed)
+        code_stream = torch.tensor([t for ids in tokenizer(code_texts, add_special_tokens=False)["input_ids"]
+                                    for t in ids + [EOS_ID]])
+        starts = torch.randint(0, code_stream.shape[0] - 64, (args.d2a_teacher_code,), generator=gen).tolist()
+        code_prompts = [code_stream[i:i + 48].tolist() for i in starts]
+        arith = self.teacher_stream(prompts, max_new_tokens=48)
+        code = self.teacher_stream(code_prompts, max_new_tokens=64)
+        self.teacher_tokens = {"arith": int(arith[1].sum()), "code": int(code[1].sum())}
+        if cache is not None:
+            torch.save({"arith": arith, "code": code}, cache)
+        return {"arith": arith, "code": code}
+
+    def teacher_stream(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[prompt | teacher's greedy continuation (up to its EOS)]` concatenated; continuations are maskable."""
+        from transformers import Qwen2ForCausalLM
+
+        teacher = Qwen2ForCausalLM.from_pretrained(self.args.teacher, dtype=torch.float32).eval()
+        ids, maskable = [], []
+        batch = 256
+        for start in tqdm_range(0, len(prompts), batch, "teacher continuations"):
+            rows = prompts[start:start + batch]
+            width = max(len(r) for r in rows)
+            x = torch.tensor([[PAD_ID] * (width - len(r)) + r for r in rows])
+            attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+            with torch.no_grad():
+                out = teacher.generate(input_ids=x, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                       do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+            for r, new in zip(rows, out[:, width:].tolist()):
+                continuation = new[: new.index(EOS_ID) + 1] if EOS_ID in new else new
+                ids += r + continuation
+                maskable += [False] * len(r) + [True] * len(continuation)
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(maskable, dtype=torch.bool)
+
+    def loss(self, model, x, maskable, gen):
+        args = self.args
+        b, seq_len = x.shape
+        if args.d2a_stage == 1:
+            sizes = list(self.block_sizes)
+            k = sizes[int(torch.multinomial(torch.tensor(list(self.block_sizes.values())), 1, generator=gen))]
+            segment = random_segments(b, seq_len, k, gen, fixed=k)
+            t = torch.rand(b, generator=gen) * (1 - 1e-3) + 1e-3
+            noise = (torch.rand(b, seq_len, generator=gen) < t[:, None]) & maskable
+            weights = (1.0 / t)[:, None].expand(b, seq_len)
+        else:
+            segment = random_segments(b, seq_len, args.d2a_max_refine, gen)
+            noise = maskable.clone()
+            starts = torch.cat([torch.ones(b, 1, dtype=torch.bool), segment[:, 1:] != segment[:, :-1]], dim=1)
+            index = torch.arange(seq_len)[None].expand(b, -1)
+            first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values    # segment start
+            length = torch.zeros(b, int(segment.max()) + 1, dtype=torch.long).scatter_add_(
+                1, segment, torch.ones_like(segment)).gather(1, segment)                         # R
+            i = index - first + 1                                                                # 1-based
+            weights = torch.tensor(args.d2a_alpha).pow((length - i).float())
+        noisy = torch.where(noise, torch.full_like(x, MASK_ID), x)
+        pos = torch.arange(seq_len).repeat(2)[None].expand(b, -1)
+        hidden = model.model(input_ids=torch.cat([noisy, x], dim=1), position_ids=pos,
+                             attention_mask=d2a_training_mask(segment)[:, None]).last_hidden_state
+        logits = model.lm_head(hidden[:, :seq_len][noise]).float()
+        token_loss = torch.nn.functional.cross_entropy(logits, x[noise], reduction="none")
+        return (token_loss * weights[noise]).sum() / maskable.sum().clamp_min(1)
+
+    def record(self):
+        args = self.args
+        out = {"d2a_stage": args.d2a_stage, "teacher": args.teacher, "teacher_tokens": self.teacher_tokens,
+               "teacher_problems": args.d2a_teacher_problems, "teacher_code_windows": args.d2a_teacher_code}
+        if args.d2a_stage == 1:
+            out["block_size_mix"] = self.block_sizes
+        else:
+            out.update(max_refine=args.d2a_max_refine, alpha=args.d2a_alpha)
+        return out
+
+
+def tqdm_range(start: int, stop: int, step: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(range(start, stop, step), desc=desc, mininterval=10)
+
+
 OBJECTIVES: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (AutoregressiveObjective, BlockDiffusionObjective, FastDLLMV2Objective)
+    cls.name: cls for cls in (AutoregressiveObjective, BlockDiffusionObjective, FastDLLMV2Objective, D2AObjective)
 }
 
 

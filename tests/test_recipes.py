@@ -8,7 +8,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
-from recipes.objectives import AutoregressiveObjective, FastDLLMV2Objective, bd_training_mask
+from recipes.objectives import (AutoregressiveObjective, D2AObjective, FastDLLMV2Objective, bd_training_mask,
+                                d2a_training_mask, random_segments)
 
 SMALL = dict(vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=True, attn_implementation="sdpa")
@@ -65,3 +66,70 @@ def test_fast_dllm_v2_loss_equals_explicit_complementary_loss():
                     count += 1
     assert bool(((draw & maskable) ^ (~draw & maskable) == maskable).all())   # each target masked exactly once
     assert torch.allclose(loss, torch.stack(losses).mean(), atol=1e-5)
+
+
+def test_d2a_training_mask_regions():
+    segment = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    mask = d2a_training_mask(segment)[0]                           # (12, 12): [noisy | clean]
+    seg = segment[0]
+    for i in range(6):
+        for j in range(6):
+            assert bool(mask[i, j]) == bool(seg[i] == seg[j])         # a noisy segment sees itself in full
+            assert bool(mask[i, 6 + j]) == bool(seg[j] < seg[i])      # and the clean prefix before it
+            assert not bool(mask[6 + i, j])                           # clean never sees noisy
+            assert bool(mask[6 + i, 6 + j]) == (j <= i)               # clean is token-causal (the verified prefix)
+
+
+def test_random_segments_cover_every_position_in_order():
+    gen = torch.Generator().manual_seed(0)
+    fixed = random_segments(3, 20, 4, gen, fixed=4)
+    variable = random_segments(3, 50, 7, gen)
+    for seg, longest in ((fixed, 4), (variable, 7)):
+        assert (seg[:, 0] == 0).all() and ((seg[:, 1:] - seg[:, :-1]) >= 0).all()
+        assert ((seg[:, 1:] - seg[:, :-1]) <= 1).all()
+        for row in seg:
+            assert torch.bincount(row).max() <= longest
+
+
+def test_d2a_stage2_loss_equals_separate_inference_layout_forwards():
+    """The packed Stage II loss equals, segment by segment, the drafter's inference forward over
+    `[clean prefix (causal) | MASK x R (full)]` with weights alpha^(R - i): the mask trick replaces them exactly."""
+    from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+    torch.manual_seed(0)
+    model = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=2, head_dim=8, **SMALL)).eval()
+    args = SimpleNamespace(d2a_stage=2, d2a_max_refine=5, d2a_alpha=1.3)
+    b, seq_len = 2, 12
+    x = torch.randint(3, 40, (b, seq_len))
+    maskable = torch.ones(b, seq_len, dtype=torch.bool)
+    loss = D2AObjective(args).loss(model, x, maskable, torch.Generator().manual_seed(4))
+
+    segment = random_segments(b, seq_len, 5, torch.Generator().manual_seed(4))
+    total = 0.0
+    for row in range(b):
+        for s_id in segment[row].unique().tolist():
+            cols = (segment[row] == s_id).nonzero()[:, 0]
+            start, length = int(cols[0]), cols.numel()
+            ids = torch.cat([x[row, :start], torch.full((length,), 2)])
+            allowed = torch.ones(start + length, start + length, dtype=torch.bool).tril()
+            allowed[start:, :] = True
+            additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            logits = model(input_ids=ids[None], position_ids=torch.arange(start + length)[None],
+                           attention_mask=additive[None, None]).logits[0, start:]
+            ce = torch.nn.functional.cross_entropy(logits, x[row, start:start + length], reduction="none")
+            weights = 1.3 ** (length - torch.arange(1, length + 1).float())
+            total = total + (ce * weights).sum()
+    torch.testing.assert_close(loss, total / maskable.sum(), atol=1e-5, rtol=1e-5)
+
+
+def test_d2a_stage1_loss_is_finite_and_only_on_continuations():
+    from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+    torch.manual_seed(0)
+    model = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=2, head_dim=8, **SMALL)).eval()
+    x = torch.randint(3, 40, (2, 16))
+    nothing = torch.zeros(2, 16, dtype=torch.bool)
+    objective = D2AObjective(SimpleNamespace(d2a_stage=1))
+    assert objective.loss(model, x, nothing, torch.Generator().manual_seed(1)).item() == 0.0
+    value = objective.loss(model, x, torch.ones(2, 16, dtype=torch.bool), torch.Generator().manual_seed(1))
+    assert torch.isfinite(value) and float(value) > 0

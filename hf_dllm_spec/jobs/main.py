@@ -4,6 +4,7 @@
     hf-dllm-spec main --prompt "def fibonacci(n):"       # your own prompt
     hf-dllm-spec main --model path/to/sdar --block-size 4 --set do_verify_policy=score_threshold
     hf-dllm-spec main --batch-size 8                     # 8 left-padded prompts per generate call
+    hf-dllm-spec main --model models/qwen2-tiny-ar       # an AR target: AR vs DEER with the bundled drafter
 
 (`./run.sh main ...` sets up the virtual environment and runs the same.) Loads the model with
 `AutoModelForCausalLM.from_pretrained` (no remote code) and decodes every prompt with
@@ -19,7 +20,7 @@ import argparse
 import ast
 
 from ..evaluation import Prompt, StrategySpec, arithmetic_prompts, humaneval_prompts, load, run as run_spec, table
-from . import add_model_argument, job_main
+from . import DEFAULT_MODEL, add_model_argument, job_main
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -45,9 +46,14 @@ def parse_set(items: list[str]) -> dict:
 SUB_BLOCKS = {"sub_block_size": 8, "fuse_cache_write": False}
 
 
+#: DEER's drafter for an AR target when --draft-model is not given: the bundled D2A-aligned drafter.
+DEFAULT_DRAFTER = DEFAULT_MODEL.parent / "deer-drafter-tiny"
+
+
 def specs(block_size: int, threshold: float, strategies: list[str], extra: dict,
-          family: dict | None = None) -> list[StrategySpec]:
-    """The rows of the job; `family` holds parameters every block-diffusion row of this model family takes."""
+          family: dict | None = None, draft_model=None, draft_block_size: int = 16) -> list[StrategySpec]:
+    """The rows of the job; `family` holds parameters every block-diffusion row of this model family takes;
+    `draft_model` is DEER's drafter (k = `draft_block_size`)."""
     family = family or {}
     known = {
         "ar": StrategySpec("AR (block size 1)", "ar"),
@@ -60,10 +66,14 @@ def specs(block_size: int, threshold: float, strategies: list[str], extra: dict,
                               **extra}),
         "fast_dllm_v2": StrategySpec(f"Fast-dLLM v2 tau={threshold}, B={block_size}, SB=8", "fast_dllm_v2",
                                      {"block_size": block_size, "confidence_threshold": threshold}),
+        "deer": StrategySpec(f"DEER, k={draft_block_size}", "deer", {"block_size": draft_block_size},
+                             draft_model=draft_model),
     }
     unknown = [s for s in strategies if s not in known]
     if unknown:
         raise SystemExit(f"--strategies: unknown {unknown}; choose from {list(known)}")
+    if "deer" in strategies and draft_model is None:
+        raise SystemExit("--strategies deer needs --draft-model PATH (a diffusion drafter of the same tokenizer)")
     if "ar" not in strategies:
         strategies = ["ar", *strategies]   # the baseline every speedup is measured against
     return [known[s] for s in strategies]
@@ -73,9 +83,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_model_argument(ap)
     ap.add_argument("--prompt", action="append", default=[], help="your own prompt (repeatable); skips the sets")
     ap.add_argument("--strategies", default=None,
-                    help="comma list of ar, static, dynamic, s2d2, fast_dllm_v2; default: ar,dynamic,s2d2 "
-                         "(ar,fast_dllm_v2,s2d2 on a Fast-dLLM v2 model)")
+                    help="comma list of ar, static, dynamic, s2d2, fast_dllm_v2, deer; default: ar,dynamic,s2d2 "
+                         "(ar,fast_dllm_v2,s2d2 on a Fast-dLLM v2 model, ar,deer on an AR model)")
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--draft-model", default=None, metavar="PATH",
+                    help="DEER's diffusion drafter (an AR --model runs ar,deer; default: models/deer-drafter-tiny)")
+    ap.add_argument("--draft-block-size", type=int, default=16, help="DEER: tokens drafted per cycle (k)")
     ap.add_argument("--threshold", type=float, default=0.9, help="confidence threshold of dynamic decoding")
     ap.add_argument("--num-arith", type=int, default=30)
     ap.add_argument("--num-humaneval", type=int, default=4)
@@ -93,9 +106,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     tokenizer, model = load(args.model)
     patch = model_patches.get_patch(model)
     fast_dllm = patch.native_strategy == "fast_dllm_v2"
-    strategies = args.strategies or ("ar,fast_dllm_v2,s2d2" if fast_dllm else "ar,dynamic,s2d2")
+    autoregressive = not patch.is_diffusion_lm
+    draft_path = args.draft_model or (str(DEFAULT_DRAFTER) if autoregressive else None)
+    draft_model = load(draft_path)[1] if draft_path else None
+    default = "ar,fast_dllm_v2,s2d2" if fast_dllm else ("ar,deer" if autoregressive else "ar,dynamic,s2d2")
+    strategies = args.strategies or default
     strategy_specs = specs(args.block_size, args.threshold, strategies.split(","), parse_set(args.set),
-                           SUB_BLOCKS if fast_dllm else None)
+                           SUB_BLOCKS if fast_dllm else None, draft_model, args.draft_block_size)
     if args.prompt:
         sets = {"your prompts": ([Prompt(p) for p in args.prompt], args.max_new_tokens or 64, "-")}
     else:

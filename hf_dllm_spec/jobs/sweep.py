@@ -2,6 +2,8 @@
 
     hf-dllm-spec bench                              # bundled model, 50 arithmetic + 10 HumanEval prompts
     hf-dllm-spec bench --num-arith 100 --block-sizes 4,16 --out benchmarks/results
+    hf-dllm-spec bench --model models/qwen2-tiny-ar --draft-model aligned=models/deer-drafter-tiny \\
+        --draft-model unaligned=models/sdar-tiny-arith   # DEER: k = 4, 8, 16, 32 per drafter, against AR
 
 (`./run.sh bench ...` sets up the virtual environment and runs the same.)
 
@@ -75,6 +77,14 @@ def fast_dllm_v2_specs(thresholds: list[float]) -> list[StrategySpec]:
     return out
 
 
+def deer_specs(drafters: dict, ks: list[int]) -> list[StrategySpec]:
+    """DEER rows (DEER App. B.2): AR, then k x drafter (e.g. D2A-aligned vs the unaligned starting point)."""
+    out = [StrategySpec("AR", "ar")]
+    for name, drafter in drafters.items():
+        out += [StrategySpec(f"DEER {name} k={k}", "deer", {"block_size": k}, draft_model=drafter) for k in ks]
+    return out
+
+
 def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bundled model") -> None:
     import matplotlib
 
@@ -83,15 +93,15 @@ def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bund
 
     fig, axes = plt.subplots(1, len(all_results), figsize=(6.5 * len(all_results), 4.8), squeeze=False)
     families = {"AR": ("black", "*"), "static": ("tab:gray", "s"), "dynamic": ("tab:blue", "o"),
-                "S2D2": ("tab:red", "^"), "Fast-dLLM": ("tab:blue", "o")}
+                "S2D2": ("tab:red", "^"), "Fast-dLLM": ("tab:blue", "o"), "DEER": ("tab:red", "^")}
     for ax, (name, results) in zip(axes[0], all_results.items()):
         for r in results:
             fam = r["label"].split()[0]
             color, marker = families.get(fam, ("tab:green", "x"))
             ax.scatter(r["wall_time_s"], r["accuracy"], color=color, marker=marker, s=40,
                        label=fam if fam not in ax.get_legend_handles_labels()[1] else None)
-            if fam in ("AR", "S2D2"):
-                ax.annotate(r["label"].replace("S2D2 ", ""), (r["wall_time_s"], r["accuracy"]), fontsize=6,
+            if fam in ("AR", "S2D2", "DEER"):
+                ax.annotate(r["label"].replace("S2D2 ", "").replace("DEER ", ""), (r["wall_time_s"], r["accuracy"]), fontsize=6,
                             xytext=(3, 2), textcoords="offset points")
         ax.set_xlabel("wall time of the prompt set (s, lower is faster)")
         ax.set_ylabel(results[0]["metric"] + " (%)")
@@ -109,6 +119,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-humaneval", type=int, default=10)
     ap.add_argument("--block-sizes", default="4,8,16,32")
     ap.add_argument("--thresholds", default="0.9,0.7")
+    ap.add_argument("--draft-model", action="append", default=[], metavar="[NAME=]PATH",
+                    help="DEER drafters for an AR --model (repeatable), e.g. aligned=models/deer-drafter-tiny "
+                         "unaligned=models/sdar-tiny-arith; the DEER rows sweep --block-sizes as k")
     ap.add_argument("--out", default=str(RESULTS_DIR), help="results folder; default: benchmarks/results")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", dest="progress", action="store_false",
@@ -121,10 +134,20 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
     tokenizer, model = load(args.model)
     thresholds = [float(t) for t in args.thresholds.split(",")]
-    if model_patches.get_patch(model).native_strategy == "fast_dllm_v2":
+    block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    patch = model_patches.get_patch(model)
+    if not patch.is_diffusion_lm:
+        if not args.draft_model:
+            raise SystemExit("an AR --model is benchmarked with DEER: pass --draft-model [NAME=]PATH (repeatable)")
+        drafters = {}
+        for item in args.draft_model:
+            name, _, path = item.rpartition("=")
+            drafters[name or pathlib.Path(path).name] = load(path)[1]
+        specs = deer_specs(drafters, block_sizes)
+    elif patch.native_strategy == "fast_dllm_v2":
         specs = fast_dllm_v2_specs(thresholds)        # blocks of bd_size; --block-sizes does not apply
     else:
-        specs = sweep_specs([int(b) for b in args.block_sizes.split(",")], thresholds)
+        specs = sweep_specs(block_sizes, thresholds)
     sets = {
         "held-out arithmetic": (arithmetic_prompts(args.model, args.num_arith), 48, "exact match"),
         "HumanEval prompts": (humaneval_prompts(args.num_humaneval), 64, "syntax OK"),

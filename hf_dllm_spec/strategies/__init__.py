@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from .base import DecodingSession, DecodingStrategy
 from .block_diffusion import ARConfig, ARStrategy, BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
+from .deer import DeerConfig, DeerStrategy
 from .fast_dllm_v2 import FastDLLMV2Config, FastDLLMV2Strategy
 from ..unmasking import first_masked_span
 from .s2d2 import S2D2Config, S2D2Strategy
 
 __all__ = ["ARConfig", "ARStrategy", "BlockDiffusionConfig", "BlockDiffusionStrategy", "BlockState",
-           "DecodingSession", "DecodingStrategy", "FastDLLMV2Config", "FastDLLMV2Strategy", "S2D2Config", "S2D2Strategy", "first_masked_span"]
+           "DecodingSession", "DecodingStrategy", "DeerConfig", "DeerStrategy", "FastDLLMV2Config", "FastDLLMV2Strategy", "S2D2Config", "S2D2Strategy", "first_masked_span"]

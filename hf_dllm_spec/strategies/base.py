@@ -90,6 +90,14 @@ class DecodingStrategy(ABC):
                 f"decoding_strategy={cls.name!r}; pass the same block size for both models."
             )
 
+    @classmethod
+    def check_models(cls, target, target_patch, drafter, drafter_patch) -> None:
+        """Raise `ValueError` if the target / drafter pair cannot run this strategy (before any forward).
+
+        Called with the loaded models and their family patches (`drafter` and `drafter_patch` are `None` for
+        strategies without a drafter). Default: any pair.
+        """
+
     @abstractmethod
     def decode(self) -> list[torch.Tensor]:
         """Run the decoding loop; return each prompt's committed tokens, `(n_i,)` int64 (untrimmed)."""
