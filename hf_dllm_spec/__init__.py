@@ -23,6 +23,7 @@ _EXPORTS = {
     "S2D2Config": "strategies.s2d2",
     "FastDLLMV2Config": "strategies.fast_dllm_v2",
     "DeerConfig": "strategies.deer",
+    "SimSDConfig": "strategies.simsd",
     "DeerCandidateGenerator": "candidate_generator",
     "deer_assisted_generate": "candidate_generator",
     "DecodingConfig": "configuration",

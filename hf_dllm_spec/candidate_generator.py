@@ -24,6 +24,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 import model_patches
 
+from .configuration import check_int
 from .drafting import OneStepDrafter
 from .outputs import BatchStats
 from .runner import ModelRunner
@@ -59,8 +60,7 @@ class DeerCandidateGenerator(CandidateGenerator):
                  do_sample: bool = False, max_length: int | None = None, mask_token_id: int | None = None,
                  draft_attention: str = "causal_prefix", sep_token_id: int | None = None,
                  sep_position: str = "after_masks", generator: torch.Generator | None = None) -> None:
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise invalid("num_draft_tokens", num_draft_tokens, "be an integer >= 1", "pass e.g. 16")
+        check_int("num_draft_tokens", num_draft_tokens, 1, "pass e.g. 16")
         patch = model_patches.get_patch(draft_model)
         mask = patch.mask_token_id(draft_model, mask_token_id)
         if mask is None:

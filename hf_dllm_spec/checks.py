@@ -188,10 +188,22 @@ def check_tokens(input_ids: torch.Tensor, lengths: list[int], vocab_size: int, *
         if mask_token_id in stop_ids:
             raise invalid("mask_token_id", mask_token_id, f"differ from the stop ids {stop_ids}",
                           "pass the model's mask token, not its end-of-sequence token")
-        if bool((tokens == mask_token_id).any()):
-            raise invalid("input_ids", f"<prompt holding the mask token {mask_token_id}>",
-                          "not contain the mask token (infilling a prompt is not supported: the prompt is returned "
-                          "as given)", "remove the mask tokens from the prompt")
+        check_mask_not_in_prompt(input_ids, lengths, mask_token_id)
+
+
+def check_mask_not_in_prompt(input_ids: torch.Tensor, lengths: list[int], mask_token_id: int,
+                             owner: str = "") -> None:
+    """Raise if a prompt (padding excluded) holds `mask_token_id`; `owner` names whose mask it is ("drafter's").
+
+    Raises:
+        ValueError: naming `input_ids` (infilling a prompt is not supported: the prompt is returned as given).
+    """
+    tokens = input_ids[left_padded_valid(lengths, input_ids.shape[1], input_ids.device)]
+    if bool((tokens == mask_token_id).any()):
+        whose = f"{owner} " if owner else ""
+        raise invalid("input_ids", f"<prompt holding the {whose}mask token {mask_token_id}>",
+                      f"not contain the {whose}mask token (infilling a prompt is not supported: the prompt is "
+                      "returned as given)", "remove the mask tokens from the prompt")
 
 
 def check_generator(generator: Any, device: torch.device) -> None:

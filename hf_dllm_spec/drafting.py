@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import causal_mask, concat_segments, full_mask, left_padded_valid
+from .masks import causal_mask, concat_segments, full_mask, left_pad
 from .runner import ModelRunner
 from .validation import invalid
 
@@ -116,23 +116,18 @@ class OneStepDrafter:
         counts = torch.tensor([t.shape[0] for t in new_tokens], dtype=torch.long, device=device)
         if self.draft_attention == "full":
             self.context = [torch.cat([c, t.to(device)]) for c, t in zip(self.context, new_tokens)]
-            prefix, stored = self.context, 0
+            prefix = self.context
         else:
-            prefix, stored = new_tokens, max(int(counts.max()), 0)
-        width = max(t.shape[0] for t in prefix)
-        lengths = torch.tensor([t.shape[0] for t in prefix], dtype=torch.long, device=device)
-        padded = torch.zeros(len(prefix), width, dtype=torch.long, device=device)
-        for n, t in enumerate(prefix):
-            if t.shape[0]:
-                padded[n, width - t.shape[0]:] = t
-        valid = left_padded_valid(lengths, width, device)
+            prefix = new_tokens
         start = self.lengths if self.draft_attention == "causal_prefix" else torch.zeros_like(self.lengths)
-        prefix_pos = (start + lengths)[:, None] - width + torch.arange(width, device=device)[None]
+        padded, valid, prefix_pos = left_pad(prefix, device, start)
+        width = padded.shape[1]
+        stored = width if self.draft_attention == "causal_prefix" else 0
         self.lengths = self.lengths + counts
         block_pos = self.lengths[:, None] + torch.tensor(offsets, device=device)[None]
         block_ids = torch.tensor(ids, dtype=torch.long, device=device)[None].expand(len(prefix), -1)
         query = torch.cat([padded, block_ids], dim=1)
-        positions = torch.cat([prefix_pos.clamp(min=0), block_pos], dim=1)
+        positions = torch.cat([prefix_pos, block_pos], dim=1)
         b = len(ids)
         if self.draft_attention == "full":
             see = torch.cat([valid, torch.ones(len(prefix), b, dtype=torch.bool, device=device)], dim=1)

@@ -32,13 +32,12 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList
 
 import model_patches
 
-from .checks import (check_call, check_generation_config, check_generator, check_model_kwargs, check_tokens,
-                     prompt_lengths)
+from .checks import (check_call, check_generation_config, check_generator, check_mask_not_in_prompt,
+                     check_model_kwargs, check_tokens, prompt_lengths)
 from .configuration import DecodingConfig, check_int
-from .masks import left_padded_valid
 from .outputs import BatchStats, GenerateDllmOutput
 from .registry import get_strategy, resolve_config, strategy_parameter_names
-from .runner import ModelRunner
+from .runner import DRAFT_MODEL_SPAN, ModelRunner
 from .sampling import Sampler
 from .strategies import DecodingSession
 from .streaming import TokenStream
@@ -290,8 +289,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                       "decode one prompt at a time when streaming, or drop `streamer`")
 
     patch = model_patches.get_patch(model)
-    strategy_cls.check_models(model, patch, draft_model,
-                              model_patches.get_patch(draft_model) if draft_model is not None else None)
+    drafter_patch = model_patches.get_patch(draft_model) if draft_model is not None else None
+    strategy_cls.check_models(model, patch, draft_model, drafter_patch)
     alignment = patch.alignment_of(model)
     resolved_mask = patch.mask_token_id(model, mask_token_id)
     needs_mask = strategy_cls.requires_mask_token and not (strategy_cls.name == "ar" and alignment == "right_shift")
@@ -326,7 +325,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     check_tokens(input_ids, lengths, model.get_input_embeddings().num_embeddings, mask_token_id=resolved_mask,
                  stop_ids=stop_ids, pad_token_id=pad_id, mask_required=needs_mask)
 
-    drafter_patch = draft_mask = draft_block_size = None
+    draft_mask = draft_block_size = None
     if draft_model is not None and not strategy_cls.uses_drafter:
         raise invalid("draft_model", type(draft_model).__name__,
                       f"be None for decoding_strategy={config.decoding_strategy!r}, which drafts with the target "
@@ -335,7 +334,6 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
         if draft_model is None:
             raise invalid("draft_model", None, f"be given for decoding_strategy={config.decoding_strategy!r}",
                           "pass draft_model=<a smaller model of the same tokenizer>")
-        drafter_patch = model_patches.get_patch(draft_model)
         check_model_pair(model, patch, draft_model, drafter_patch, generation_config)
         draft_mask = drafter_patch.mask_token_id(draft_model, draft_mask_token_id)
         if strategy_cls.requires_draft_mask_token and draft_mask is None:
@@ -344,10 +342,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                           "pass draft_mask_token_id=<id>, or set draft_model.config.mask_token_id")
         draft_block_size = getattr(config, "draft_block_size", None) or drafter_patch.trained_block_size(draft_model)
         strategy_cls.check_block_sizes(block_size, draft_block_size)
-        if draft_mask is not None and bool((input_ids[left_padded_valid(lengths, input_ids.shape[1],
-                                                                        input_ids.device)] == draft_mask).any()):
-            raise invalid("input_ids", f"<prompt holding the drafter's mask token {draft_mask}>",
-                          "not contain the drafter's mask token", "remove the mask tokens from the prompt")
+        if draft_mask is not None:
+            check_mask_not_in_prompt(input_ids, lengths, draft_mask, owner="drafter's")
 
     device = model.device
     timer = ForwardTimer(device)
@@ -375,7 +371,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
         stop_check=(lambda i, generated: scan(i, _trim(generated, max_new_tokens, stop_ids)) is not None)
         if scan is not None else None,
         drafter=ModelRunner(draft_model, drafter_patch, stats, batch_size=batch_size, use_cache=use_cache,
-                            timer=timer, timer_span="draft_model") if draft_model is not None else None,
+                            timer=timer, timer_span=DRAFT_MODEL_SPAN) if draft_model is not None else None,
         draft_mask_token_id=draft_mask, draft_block_size=draft_block_size,
         stream=TokenStream(streamer, lambda final: output_tokens(0, final)) if streamer is not None else None,
     )
@@ -384,7 +380,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     generated = strategy.decode()
     wall = now(device) - t0
     forward_time, prefill_time = timer.total("forward"), timer.total("prefill")
-    draft_model_time = timer.total("draft_model")
+    draft_model_time = timer.total(DRAFT_MODEL_SPAN)
     generated = [output_tokens(n, g) for n, g in enumerate(generated)]
     stats.flush()
     for n, row in enumerate(stats.per_row):

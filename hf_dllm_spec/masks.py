@@ -25,6 +25,31 @@ def left_padded_valid(lengths: torch.Tensor | list[int], width: int,
     return torch.arange(width, device=lengths.device)[None] >= (width - lengths)[:, None]
 
 
+def left_pad(rows: list[torch.Tensor], device: torch.device | str | None = None,
+             starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad token rows to the longest one.
+
+    Args:
+        rows (`list[torch.Tensor]`): N rows of token ids, `(L_n,)` int64 (may be empty).
+        device: where the outputs live.
+        starts (`torch.Tensor` of shape `(N,)`, int64, *optional*): the absolute position of each row's first
+            token; 0 when omitted.
+
+    Returns:
+        `(ids, valid, positions)`, each `(N, W)` with W = max L_n: ids (padding 0), the real columns
+        (:func:`left_padded_valid`), and absolute positions (padding clamped to 0; nobody sees it).
+    """
+    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long, device=device)
+    width = int(lengths.max()) if len(rows) else 0
+    ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    for n, row in enumerate(rows):
+        if row.shape[0]:
+            ids[n, width - row.shape[0]:] = row
+    start = starts if starts is not None else torch.zeros_like(lengths)
+    positions = ((start + lengths)[:, None] - width + torch.arange(width, device=device)[None]).clamp(min=0)
+    return ids, left_padded_valid(lengths, width, device), positions
+
+
 def full_mask(length: int, device: torch.device | str | None = None) -> torch.Tensor:
     """All-visible pattern, `(length, length)` bool: one block under block diffusion."""
     return torch.ones(length, length, dtype=torch.bool, device=device)
@@ -82,6 +107,41 @@ def verifier_2l_mask(length: int, device: torch.device | str | None = None) -> t
     mask[length:, :length] = causal_mask(length, device).tril(-1)
     mask[length:, length:] = torch.eye(length, dtype=torch.bool, device=device)
     return mask
+
+
+def temporal_verify_mask(reveal_step: torch.Tensor) -> torch.Tensor:
+    """SimSD Eq. 1, the token-level temporal causal mask of the paired layout ``[data section | mask section]``.
+
+    Both sections cover the same B block positions (mask slot k copies data position k's RoPE position). With
+    tau = `reveal_step` (0 = known before drafting: the prompt tail and earlier commits, SimSD's "leftover"):
+
+    - data row i sees data j iff tau(j) <= tau(i) (leftover rows see the leftover only);
+    - data row i (drafted) sees mask slot j iff tau(j) > tau(i) (leftover rows never see data or masks, the
+      reference's deliberate deviation from native SDAR);
+    - mask slot i (drafted) sees data j iff tau(j) < tau(i), leftover included;
+    - mask slot i sees mask slot j iff tau(j) >= tau(i), both drafted.
+
+    Mask slot i thus sees the block as it was just before reveal step tau(i) and data row i as just after it.
+    Mask slots of leftover positions are dummies that see only themselves (their logits are never read).
+    Each slot's *keys* carry the hidden states of their own step, so beyond the first layer the slot's logits
+    approximate a separate forward over that block state (exact for one layer; SimSD §4.3).
+
+    Args:
+        reveal_step (`torch.Tensor` of shape `(N, B)`, int64): the drafter's step map, 0 for known positions and
+            1.. for the step at which each drafted position was revealed (equal steps: revealed together).
+
+    Returns:
+        `torch.Tensor` of shape `(N, 2B, 2B)`, bool. Source: SimSD (Cui et al.) §3.1 Eq. 1; `strategies.md` §6.3.
+    """
+    width = reveal_step.shape[1]
+    t_row, t_col = reveal_step[:, :, None], reveal_step[:, None, :]
+    drafted_row, drafted_col = t_row > 0, t_col > 0
+    data_data = t_col <= t_row
+    data_mask = (t_col > t_row) & drafted_row
+    mask_data = (t_col < t_row) & drafted_row
+    eye = torch.eye(width, dtype=torch.bool, device=reveal_step.device)
+    mask_mask = ((t_col >= t_row) & drafted_row & drafted_col) | eye
+    return torch.cat([torch.cat([data_data, data_mask], dim=2), torch.cat([mask_data, mask_mask], dim=2)], dim=1)
 
 
 def concat_segments(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:

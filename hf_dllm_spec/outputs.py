@@ -49,6 +49,8 @@ class SpecDecodingStats:
     Batch (for one row, the forwards that served it; summed over rows by :meth:`merge`):
         num_forward_calls: model forward calls actually run. For one prompt it equals `nfe`; for a batch,
             where one call serves every row, the batch's `spec_stats` holds the number of batched calls.
+        num_draft_model_forwards: of those, forwards of the separate drafter model (SimSD, DEER), prefill included;
+            the target ran the rest.
 
     Time (seconds): wall_time_s: the whole decoding call (after a device synchronise); prefill_time_s: the
         prefill forward; forward_time_s: all model forwards together (CUDA events, read once at the end: no
@@ -76,18 +78,20 @@ class SpecDecodingStats:
     num_denoising_steps: int = 0
     num_edited_tokens: int = 0
     num_forward_calls: int = 0
+    num_draft_model_forwards: int = 0
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0
     forward_time_s: float = 0.0
     draft_model_time_s: float = 0.0
 
-    def count_forward(self, kind: str) -> None:
-        """Add one forward of `kind` (one of :data:`FORWARD_KINDS`)."""
+    def count_forward(self, kind: str, draft_model: bool = False) -> None:
+        """Add one forward of `kind` (one of :data:`FORWARD_KINDS`); `draft_model`: run by the separate drafter."""
         if kind not in FORWARD_KINDS:
             raise ValueError(f"SpecDecodingStats.count_forward: `kind` (={kind!r}) must be one of {FORWARD_KINDS}.")
         name = f"num_{kind}_forwards"
         setattr(self, name, getattr(self, name) + 1)
         self.num_forward_calls += 1
+        self.num_draft_model_forwards += int(draft_model)
 
     def observe_verification(self, num_draft_tokens: int, num_accepted: int, recovered: bool, bonus: bool) -> None:
         """Record one verification cycle (vLLM `observe_draft` analogue)."""
@@ -157,12 +161,23 @@ class SpecDecodingStats:
     @property
     def per_position_acceptance_rate(self) -> list[float]:
         """Accepted / cycles reaching each draft index."""
-        return [a / n if n else float("nan") for a, n in zip(self.num_accepted_tokens_per_pos, self.num_drafts_reaching_pos)]
+        return [a / n if n else float("nan")
+                for a, n in zip(self.num_accepted_tokens_per_pos, self.num_drafts_reaching_pos)]
 
     @property
     def verify_rate(self) -> float:
         """Verifier forwards per denoising step (S2D2 routing activity)."""
         return self.num_verify_forwards / self.num_denoising_steps if self.num_denoising_steps else 0.0
+
+    @property
+    def draft_target_time_ratio(self) -> float:
+        """rho = T_draft / T_target, the time of one drafter forward over one target forward (SimSD §3.3 Eq. 3),
+        from the measured forward times and counts; nan without both kinds of forward."""
+        drafter, target = self.num_draft_model_forwards, self.num_forward_calls - self.num_draft_model_forwards
+        target_time = self.forward_time_s - self.draft_model_time_s
+        if not drafter or not target or target_time <= 0:
+            return float("nan")
+        return (self.draft_model_time_s / drafter) / (target_time / target)
 
     @property
     def decode_time_s(self) -> float:
@@ -179,7 +194,7 @@ class SpecDecodingStats:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["accepted_length_histogram"] = dict(sorted(self.accepted_length_histogram.items()))
         for name in ("nfe", "tpf", "acceptance_rate", "mean_accepted_per_draft", "mean_acceptance_length",
-                     "verify_rate", "decode_time_s", "overhead_fraction"):
+                     "verify_rate", "draft_target_time_ratio", "decode_time_s", "overhead_fraction"):
             out[name] = getattr(self, name)
         return out
 
@@ -200,19 +215,23 @@ class BatchStats:
         self.per_row = [SpecDecodingStats() for _ in range(batch_size)]
         self.active = list(range(batch_size))         # batch index -> prompt index
         self.num_forward_calls = 0
+        self.num_draft_model_forwards = 0
         self._pending: dict[str, list] = {}
 
     def row(self, index: int) -> SpecDecodingStats:
         """Counters of the row at batch index `index`."""
         return self.per_row[self.active[index]]
 
-    def count_forward(self, kind: str, rows=None) -> None:
-        """One forward of `kind` for the rows where `rows` (`(N,)` bools, a list or a tensor) is true; all if None."""
+    def count_forward(self, kind: str, rows=None, draft_model: bool = False) -> None:
+        """One forward of `kind` for the rows where `rows` (`(N,)` bools, a list or a tensor) is true; all if None.
+
+        `draft_model`: the forward ran the separate drafter model (counted in `num_draft_model_forwards` too)."""
         self.num_forward_calls += 1
+        self.num_draft_model_forwards += int(draft_model)
         flags = [True] * len(self.active) if rows is None else (rows.tolist() if hasattr(rows, "tolist") else rows)
         for r, flag in zip(self.active, flags):
             if flag:
-                self.per_row[r].count_forward(kind)
+                self.per_row[r].count_forward(kind, draft_model)
 
     def accumulate(self, name: str, values: "torch.Tensor", rows: "torch.Tensor | None" = None) -> None:
         """Add device-side per-row values to counter `name`; no device work until :meth:`flush`.
@@ -290,6 +309,7 @@ class BatchStats:
         for stats in self.per_row:
             merged.merge(stats)
         merged.num_forward_calls = self.num_forward_calls
+        merged.num_draft_model_forwards = self.num_draft_model_forwards
         if self.per_row:
             first = self.per_row[0]
             merged.wall_time_s, merged.prefill_time_s = first.wall_time_s, first.prefill_time_s

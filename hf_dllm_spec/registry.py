@@ -18,6 +18,7 @@ from .strategies.block_diffusion import ARStrategy, BlockDiffusionStrategy
 from .strategies.deer import DeerStrategy
 from .strategies.fast_dllm_v2 import FastDLLMV2Strategy
 from .strategies.s2d2 import S2D2Strategy
+from .strategies.simsd import SimSDStrategy
 from .validation import check_choice
 
 STRATEGIES: dict[str, type[DecodingStrategy]] = {}
@@ -31,6 +32,7 @@ class DecodingStrategyName(str, Enum):
     S2D2 = "s2d2"
     FAST_DLLM_V2 = "fast_dllm_v2"
     DEER = "deer"
+    SIMSD = "simsd"
 
 
 def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy]:
@@ -45,7 +47,7 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     return strategy
 
 
-for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy, FastDLLMV2Strategy, DeerStrategy):
+for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy, FastDLLMV2Strategy, DeerStrategy, SimSDStrategy):
     register_strategy(_strategy)
 
 

@@ -34,6 +34,11 @@ from .outputs import BatchStats
 from .timing import ForwardTimer
 
 
+#: The `timer_span` of a separate drafter model: its forwards are timed and counted apart (`draft_model_time_s`,
+#: `num_draft_model_forwards`).
+DRAFT_MODEL_SPAN = "draft_model"
+
+
 class ModelRunner:
     """One model, its family adapter and its stored context, for a batch of `N` rows.
 
@@ -46,8 +51,8 @@ class ModelRunner:
         cache (`DynamicCache`, *optional*): an empty cache to use (e.g. the one `generate` prepared).
         timer (`ForwardTimer`, *optional*): times every forward under "forward" (no device sync), and under
             `timer_span` as well when given.
-        timer_span (`str`, *optional*): a second span name for this model's forwards (e.g. "draft_model": the
-            drafter's share of the forward time).
+        timer_span (`str`, *optional*): a second span name for this model's forwards; :data:`DRAFT_MODEL_SPAN`
+            ("draft_model") marks the separate drafter (its time and forwards are reported apart).
 
     Raises:
         ValueError: if `cache` is not empty.
@@ -143,7 +148,7 @@ class ModelRunner:
         keep_raw = keep if self.alignment == "position" else min(q, keep + 1)
         if self.alignment != "position" and s:
             keep_raw = max(keep_raw, q - s + 1)                    # the last stored token's logits: the carry
-        self.stats.count_forward(kind, rows)
+        self.stats.count_forward(kind, rows, draft_model=self.timer_span == DRAFT_MODEL_SPAN)
         self._maybe_compact()
         with self.timer.span("forward"), self._own_span():
             if self.use_cache:

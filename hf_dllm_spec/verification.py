@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+#: The `acceptance` rules of the strategies with a separate drafter (DEER, SimSD).
+ACCEPTANCE_RULES = ("rejection_sampling", "greedy_match")
+
 #: Lower clamp on the draft probability of the drafted token (S2D2 reference code).
 MIN_DRAFT_PROB = 1e-12
 

@@ -22,6 +22,7 @@ import pathlib
 from typing import ClassVar
 
 import torch
+from tqdm import tqdm
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|mask|>"]
 EOS_ID, PAD_ID, MASK_ID = 0, 1, 2
@@ -302,33 +303,16 @@ class D2AObjective(BlockDiffusionObjective):
                                     for t in ids + [EOS_ID]])
         starts = torch.randint(0, code_stream.shape[0] - 64, (args.d2a_teacher_code,), generator=gen).tolist()
         code_prompts = [code_stream[i:i + 48].tolist() for i in starts]
-        arith = self.teacher_stream(prompts, max_new_tokens=48)
-        code = self.teacher_stream(code_prompts, max_new_tokens=64)
+        from transformers import Qwen2ForCausalLM
+
+        teacher = Qwen2ForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
+        arith = teacher_stream(teacher, prompts, max_new_tokens=48)
+        code = teacher_stream(teacher, code_prompts, max_new_tokens=64)
         self.teacher_tokens = {"arith": int(arith[1].sum()), "code": int(code[1].sum())}
         if cache is not None:
             torch.save({"arith": arith, "code": code}, cache)
         return {"arith": arith, "code": code}
 
-    def teacher_stream(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[prompt | teacher's greedy continuation (up to its EOS)]` concatenated; continuations are maskable."""
-        from transformers import Qwen2ForCausalLM
-
-        teacher = Qwen2ForCausalLM.from_pretrained(self.args.teacher, dtype=torch.float32).eval()
-        ids, maskable = [], []
-        batch = 256
-        for start in tqdm_range(0, len(prompts), batch, "teacher continuations"):
-            rows = prompts[start:start + batch]
-            width = max(len(r) for r in rows)
-            x = torch.tensor([[PAD_ID] * (width - len(r)) + r for r in rows])
-            attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-            with torch.no_grad():
-                out = teacher.generate(input_ids=x, attention_mask=attention, max_new_tokens=max_new_tokens,
-                                       do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-            for r, new in zip(rows, out[:, width:].tolist()):
-                continuation = new[: new.index(EOS_ID) + 1] if EOS_ID in new else new
-                ids += r + continuation
-                maskable += [False] * len(r) + [True] * len(continuation)
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(maskable, dtype=torch.bool)
 
     def loss(self, model, x, maskable, gen):
         args = self.args
@@ -369,10 +353,23 @@ class D2AObjective(BlockDiffusionObjective):
         return out
 
 
-def tqdm_range(start: int, stop: int, step: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(range(start, stop, step), desc=desc, mininterval=10)
+def teacher_stream(teacher, prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[prompt | teacher's greedy continuation (up to its EOS)]` concatenated; continuations are maskable."""
+    ids, maskable = [], []
+    batch = 256
+    for start in tqdm(range(0, len(prompts), batch), desc="teacher continuations", mininterval=10):
+        rows = prompts[start:start + batch]
+        width = max(len(r) for r in rows)
+        x = torch.tensor([[PAD_ID] * (width - len(r)) + r for r in rows])
+        attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.no_grad():
+            out = teacher.generate(input_ids=x, attention_mask=attention, max_new_tokens=max_new_tokens,
+                                   do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+        for r, new in zip(rows, out[:, width:].tolist()):
+            continuation = new[: new.index(EOS_ID) + 1] if EOS_ID in new else new
+            ids += r + continuation
+            maskable += [False] * len(r) + [True] * len(continuation)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(maskable, dtype=torch.bool)
 
 
 OBJECTIVES: dict[str, type[Objective]] = {

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from .arithmetic import format_prompt, generate_problems, heldout_problems
 from .data import stdlib_texts
+from .growth import grow_depth
 from .objectives import EOS_ID, MASK_ID, OBJECTIVES, PAD_ID, SPECIALS, read_stages
 
 
@@ -105,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-operand", type=int, default=50, help="arithmetic difficulty (recipes.arithmetic)")
     ap.add_argument("--init-from", default=None, help="continue from this checkpoint (and reuse its tokenizer)")
+    ap.add_argument("--grow-layers", type=int, default=None,
+                    help="with --init-from: grow to this many layers by block expansion (recipes.growth)")
     ap.add_argument("--tokenizer-from", default=None, help="reuse this checkpoint's tokenizer (new model)")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early after this wall time")
     ap.add_argument("--checkpoint-minutes", type=float, default=None, help="write <out>/resume.pt this often")
@@ -148,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
 
     previous_stages = read_stages(args.init_from)
     model = objective.build_model(args, tokenizer, args.init_from)
+    if args.grow_layers is not None:
+        if not args.init_from:
+            raise ValueError("--grow-layers needs --init-from (the trained model to grow); pass both")
+        model = grow_depth(model, args.grow_layers)
     model.train()
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params / 1e6:.2f}M parameters ({args.objective})")

@@ -87,15 +87,11 @@ def test_random_drafter_is_mostly_rejected_yet_exact(drafter, draft_attention):
     assert out.spec_stats.acceptance_rate < 0.5
 
 
-def _self_drafter(target):
-    """The AR target itself as a right-shifted 'diffusion' drafter: its single mask is scored from the last
-    prefix token, i.e. exactly the target's next-token distribution (a perfect drafter at k = 1)."""
-    return target
-
-
 def test_k1_with_a_perfect_drafter_degenerates_to_ar():
+    # The AR target itself as a right-shifted 'diffusion' drafter: its single mask is scored from the last prefix
+    # token, i.e. exactly the target's next-token distribution (a perfect drafter at k = 1).
     target = _target("qwen2", seed=4)
-    out = _deer(target, _self_drafter(target), PROMPT, block_size=1, draft_mask_token_id=MASK_ID,
+    out = _deer(target, target, PROMPT, block_size=1, draft_mask_token_id=MASK_ID,
                 return_dict_in_generate=True)
     assert torch.equal(out.sequences, _greedy(target, PROMPT))
     stats = out.spec_stats

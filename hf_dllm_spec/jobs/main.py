@@ -5,6 +5,7 @@
     hf-dllm-spec main --model path/to/sdar --block-size 4 --set do_verify_policy=score_threshold
     hf-dllm-spec main --batch-size 8                     # 8 left-padded prompts per generate call
     hf-dllm-spec main --model models/qwen2-tiny-ar       # an AR target: AR vs DEER with the bundled drafter
+    hf-dllm-spec main --model models/sdar-large --draft-model models/sdar-tiny-arith   # SimSD vs the target alone
 
 (`./run.sh main ...` sets up the virtual environment and runs the same.) Loads the model with
 `AutoModelForCausalLM.from_pretrained` (no remote code) and decodes every prompt with
@@ -53,7 +54,7 @@ DEFAULT_DRAFTER = DEFAULT_MODEL.parent / "deer-drafter-tiny"
 def specs(block_size: int, threshold: float, strategies: list[str], extra: dict,
           family: dict | None = None, draft_model=None, draft_block_size: int = 16) -> list[StrategySpec]:
     """The rows of the job; `family` holds parameters every block-diffusion row of this model family takes;
-    `draft_model` is DEER's drafter (k = `draft_block_size`)."""
+    `draft_model` is DEER's drafter (k = `draft_block_size`) or SimSD's (block size `block_size`)."""
     family = family or {}
     known = {
         "ar": StrategySpec("AR (block size 1)", "ar"),
@@ -68,12 +69,20 @@ def specs(block_size: int, threshold: float, strategies: list[str], extra: dict,
                                      {"block_size": block_size, "confidence_threshold": threshold}),
         "deer": StrategySpec(f"DEER, k={draft_block_size}", "deer", {"block_size": draft_block_size},
                              draft_model=draft_model),
+        "simsd": StrategySpec(f"SimSD, B={block_size}", "simsd", {"block_size": block_size,
+                                                                  "draft_block_size": block_size},
+                              draft_model=draft_model),
+        "simsd-dynamic": StrategySpec(f"SimSD dynamic drafter 0.9, B={block_size}", "simsd",
+                                      {"preset": "simsd-dynamic", "block_size": block_size,
+                                       "draft_block_size": block_size}, draft_model=draft_model),
     }
     unknown = [s for s in strategies if s not in known]
     if unknown:
         raise SystemExit(f"--strategies: unknown {unknown}; choose from {list(known)}")
-    if "deer" in strategies and draft_model is None:
-        raise SystemExit("--strategies deer needs --draft-model PATH (a diffusion drafter of the same tokenizer)")
+    for needs_drafter in ("deer", "simsd", "simsd-dynamic"):
+        if needs_drafter in strategies and draft_model is None:
+            raise SystemExit(f"--strategies {needs_drafter} needs --draft-model PATH (a diffusion drafter of the "
+                             "same tokenizer)")
     if "ar" not in strategies:
         strategies = ["ar", *strategies]   # the baseline every speedup is measured against
     return [known[s] for s in strategies]
@@ -83,11 +92,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_model_argument(ap)
     ap.add_argument("--prompt", action="append", default=[], help="your own prompt (repeatable); skips the sets")
     ap.add_argument("--strategies", default=None,
-                    help="comma list of ar, static, dynamic, s2d2, fast_dllm_v2, deer; default: ar,dynamic,s2d2 "
-                         "(ar,fast_dllm_v2,s2d2 on a Fast-dLLM v2 model, ar,deer on an AR model)")
-    ap.add_argument("--block-size", type=int, default=32)
+                    help="comma list of ar, static, dynamic, s2d2, fast_dllm_v2, deer, simsd, simsd-dynamic; default: "
+                         "ar,dynamic,s2d2 (ar,fast_dllm_v2,s2d2 on a Fast-dLLM v2 model, ar,deer on an AR model, "
+                         "ar,static,dynamic,simsd,simsd-dynamic with a diffusion --draft-model)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="default 32; with a SimSD --draft-model the target's trained block size")
     ap.add_argument("--draft-model", default=None, metavar="PATH",
-                    help="DEER's diffusion drafter (an AR --model runs ar,deer; default: models/deer-drafter-tiny)")
+                    help="the drafter: DEER's for an AR --model (default: models/deer-drafter-tiny), SimSD's for a "
+                         "diffusion --model (e.g. models/sdar-tiny-arith for models/sdar-large)")
     ap.add_argument("--draft-block-size", type=int, default=16, help="DEER: tokens drafted per cycle (k)")
     ap.add_argument("--threshold", type=float, default=0.9, help="confidence threshold of dynamic decoding")
     ap.add_argument("--num-arith", type=int, default=30)
@@ -107,11 +119,15 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     patch = model_patches.get_patch(model)
     fast_dllm = patch.native_strategy == "fast_dllm_v2"
     autoregressive = not patch.is_diffusion_lm
-    draft_path = args.draft_model or (str(DEFAULT_DRAFTER) if autoregressive else None)
-    draft_model = load(draft_path)[1] if draft_path else None
+    simsd = args.draft_model is not None and not autoregressive
     default = "ar,fast_dllm_v2,s2d2" if fast_dllm else ("ar,deer" if autoregressive else "ar,dynamic,s2d2")
+    if simsd:
+        default = "ar,static,dynamic,simsd,simsd-dynamic"
     strategies = args.strategies or default
-    strategy_specs = specs(args.block_size, args.threshold, strategies.split(","), parse_set(args.set),
+    draft_path = args.draft_model or (str(DEFAULT_DRAFTER) if autoregressive and "deer" in strategies else None)
+    draft_model = load(draft_path)[1] if draft_path else None
+    block_size = args.block_size or ((patch.trained_block_size(model) or 4) if simsd else 32)
+    strategy_specs = specs(block_size, args.threshold, strategies.split(","), parse_set(args.set),
                            SUB_BLOCKS if fast_dllm else None, draft_model, args.draft_block_size)
     if args.prompt:
         sets = {"your prompts": ([Prompt(p) for p in args.prompt], args.max_new_tokens or 64, "-")}

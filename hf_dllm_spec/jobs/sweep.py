@@ -4,6 +4,8 @@
     hf-dllm-spec bench --num-arith 100 --block-sizes 4,16 --out benchmarks/results
     hf-dllm-spec bench --model models/qwen2-tiny-ar --draft-model aligned=models/deer-drafter-tiny \\
         --draft-model unaligned=models/sdar-tiny-arith   # DEER: k = 4, 8, 16, 32 per drafter, against AR
+    hf-dllm-spec bench --model models/sdar-large --draft-model models/sdar-tiny-arith --block-sizes 4,8
+                                                    # SimSD per block size, against the target alone
 
 (`./run.sh bench ...` sets up the virtual environment and runs the same.)
 
@@ -85,6 +87,24 @@ def deer_specs(drafters: dict, ks: list[int]) -> list[StrategySpec]:
     return out
 
 
+def simsd_specs(drafters: dict, block_sizes: list[int]) -> list[StrategySpec]:
+    """SimSD rows (SimSD §4): AR, then per block size the target alone (static: one token per forward, the
+    paper's baseline; dynamic 0.9) and SimSD per drafter (the paper's protocol; a dynamic drafter; the exact
+    sequential + stacked variant)."""
+    out = [StrategySpec("AR", "ar")]
+    for b in block_sizes:
+        out += [StrategySpec(f"target static B={b}", "block_diffusion",
+                             {"block_size": b, "remasking_strategy": "low_confidence_static"}),
+                StrategySpec(f"target dynamic 0.9 B={b}", "block_diffusion",
+                             {"block_size": b, "confidence_threshold": 0.9})]
+        for name, drafter in drafters.items():
+            for preset in ("simsd-paper", "simsd-dynamic", "simsd-exact"):
+                out.append(StrategySpec(f"SimSD {name} {preset.removeprefix('simsd-')} B={b}", "simsd",
+                                        {"preset": preset, "block_size": b, "draft_block_size": b},
+                                        draft_model=drafter))
+    return out
+
+
 def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bundled model") -> None:
     import matplotlib
 
@@ -93,15 +113,16 @@ def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bund
 
     fig, axes = plt.subplots(1, len(all_results), figsize=(6.5 * len(all_results), 4.8), squeeze=False)
     families = {"AR": ("black", "*"), "static": ("tab:gray", "s"), "dynamic": ("tab:blue", "o"),
-                "S2D2": ("tab:red", "^"), "Fast-dLLM": ("tab:blue", "o"), "DEER": ("tab:red", "^")}
+                "S2D2": ("tab:red", "^"), "Fast-dLLM": ("tab:blue", "o"), "DEER": ("tab:red", "^"),
+                "target": ("tab:gray", "s"), "SimSD": ("tab:red", "^")}
     for ax, (name, results) in zip(axes[0], all_results.items()):
         for r in results:
             fam = r["label"].split()[0]
             color, marker = families.get(fam, ("tab:green", "x"))
             ax.scatter(r["wall_time_s"], r["accuracy"], color=color, marker=marker, s=40,
                        label=fam if fam not in ax.get_legend_handles_labels()[1] else None)
-            if fam in ("AR", "S2D2", "DEER"):
-                ax.annotate(r["label"].replace("S2D2 ", "").replace("DEER ", ""), (r["wall_time_s"], r["accuracy"]), fontsize=6,
+            if fam in ("AR", "S2D2", "DEER", "SimSD"):
+                ax.annotate(r["label"].split(" ", 1)[-1], (r["wall_time_s"], r["accuracy"]), fontsize=6,
                             xytext=(3, 2), textcoords="offset points")
         ax.set_xlabel("wall time of the prompt set (s, lower is faster)")
         ax.set_ylabel(results[0]["metric"] + " (%)")
@@ -120,8 +141,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-sizes", default="4,8,16,32")
     ap.add_argument("--thresholds", default="0.9,0.7")
     ap.add_argument("--draft-model", action="append", default=[], metavar="[NAME=]PATH",
-                    help="DEER drafters for an AR --model (repeatable), e.g. aligned=models/deer-drafter-tiny "
-                         "unaligned=models/sdar-tiny-arith; the DEER rows sweep --block-sizes as k")
+                    help="drafters (repeatable): DEER drafters for an AR --model, e.g. "
+                         "aligned=models/deer-drafter-tiny (the DEER rows sweep --block-sizes as k); SimSD drafters for a diffusion --model, e.g. "
+                         "models/sdar-tiny-arith for models/sdar-large (SimSD rows per block size)")
     ap.add_argument("--out", default=str(RESULTS_DIR), help="results folder; default: benchmarks/results")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", dest="progress", action="store_false",
@@ -136,14 +158,16 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     thresholds = [float(t) for t in args.thresholds.split(",")]
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
     patch = model_patches.get_patch(model)
+    drafters = {}
+    for item in args.draft_model:
+        name, _, path = item.rpartition("=")
+        drafters[name or pathlib.Path(path).name] = load(path)[1]
     if not patch.is_diffusion_lm:
-        if not args.draft_model:
+        if not drafters:
             raise SystemExit("an AR --model is benchmarked with DEER: pass --draft-model [NAME=]PATH (repeatable)")
-        drafters = {}
-        for item in args.draft_model:
-            name, _, path = item.rpartition("=")
-            drafters[name or pathlib.Path(path).name] = load(path)[1]
         specs = deer_specs(drafters, block_sizes)
+    elif drafters:
+        specs = simsd_specs(drafters, block_sizes)
     elif patch.native_strategy == "fast_dllm_v2":
         specs = fast_dllm_v2_specs(thresholds)        # blocks of bd_size; --block-sizes does not apply
     else:

@@ -11,6 +11,8 @@ from .deer import DeerConfig, DeerStrategy
 from .fast_dllm_v2 import FastDLLMV2Config, FastDLLMV2Strategy
 from ..unmasking import first_masked_span
 from .s2d2 import S2D2Config, S2D2Strategy
+from .simsd import SimSDConfig, SimSDStrategy
 
 __all__ = ["ARConfig", "ARStrategy", "BlockDiffusionConfig", "BlockDiffusionStrategy", "BlockState",
-           "DecodingSession", "DecodingStrategy", "DeerConfig", "DeerStrategy", "FastDLLMV2Config", "FastDLLMV2Strategy", "S2D2Config", "S2D2Strategy", "first_masked_span"]
+           "DecodingSession", "DecodingStrategy", "DeerConfig", "DeerStrategy", "FastDLLMV2Config",
+           "FastDLLMV2Strategy", "S2D2Config", "S2D2Strategy", "SimSDConfig", "SimSDStrategy", "first_masked_span"]

@@ -20,7 +20,7 @@ import torch
 
 from ..configuration import DecodingConfig, check_bool, check_int
 from ..editing import EditRule
-from ..masks import block_causal_mask, concat_segments, full_mask, left_padded_valid, partially_causal_draft_mask
+from ..masks import block_causal_mask, concat_segments, full_mask, left_pad, partially_causal_draft_mask
 from ..sampling import entropy
 from ..unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
@@ -335,24 +335,18 @@ class BlockDiffusionStrategy(DecodingStrategy):
         """Visibility among tokens being stored, `(N, q, q)`: token-causal with `cache_ver`, else block-causal."""
         return block_causal_mask(positions, 1 if self.config.cache_ver else self.block_size)
 
-    def prefill(self, aligned: torch.Tensor) -> None:
-        """Store each row's block-aligned prompt, left-padded to the longest (1 forward, counted as prefill)."""
+    def prefill(self, aligned: torch.Tensor, runner=None) -> None:
+        """Store each row's block-aligned prompt, left-padded to the longest (1 forward, counted as prefill), in
+        `runner`'s cache (default: the target's)."""
         s = self.session
+        runner = runner if runner is not None else s.target
         longest = int(aligned.max())
         if longest == 0:
             return
-        n = s.batch_size
-        ids = torch.zeros(n, longest, dtype=torch.long, device=aligned.device)
-        positions = torch.zeros_like(ids)
-        valid = left_padded_valid(aligned, longest)
-        for i, prompt in enumerate(s.prompts):
-            a = int(aligned[i])
-            if a:
-                ids[i, longest - a:] = prompt[:a]
-                positions[i, longest - a:] = torch.arange(a, device=aligned.device)
-        with s.target.timer.span("prefill"):
-            s.target.forward(ids, positions, self.store_mask(positions), kind="prefill", store_len=longest,
-                             store_valid=valid, logits_to_keep=1, rows=(aligned > 0).tolist())
+        ids, valid, positions = left_pad([p[: int(a)] for p, a in zip(s.prompts, aligned)], aligned.device)
+        with runner.timer.span("prefill"):
+            runner.forward(ids, positions, self.store_mask(positions), kind="prefill", store_len=longest,
+                           store_valid=valid, logits_to_keep=1, rows=(aligned > 0).tolist())
 
     def write_blocks(self, block: BlockState, rows: torch.Tensor, row_flags: list[bool]) -> None:
         """Separate cache-write forward of the finished blocks of `rows` `(N,)` (Algorithm 1 line 5; 1 forward)."""

@@ -31,13 +31,11 @@ import torch
 
 from ..configuration import DrafterConfig, check_int
 from ..drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter
-from ..masks import causal_mask, left_padded_valid
+from ..masks import causal_mask, left_pad
 from ..sampling import Sampler
 from ..validation import check_choice, invalid
-from ..verification import greedy_match, rejection_sample
+from ..verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
 from .base import DecodingStrategy
-
-ACCEPTANCE_RULES = ("rejection_sampling", "greedy_match")
 
 
 @dataclass
@@ -149,14 +147,10 @@ class DeerStrategy(DecodingStrategy):
         if width == 0:
             return
         device = s.target.device
-        ids = torch.zeros(s.batch_size, width, dtype=torch.long, device=device)
-        for n, p in enumerate(s.prompts):
-            if lengths[n]:
-                ids[n, width - lengths[n]:] = p[:-1]
-        valid = left_padded_valid(lengths, width, device)
-        pos = (torch.tensor(lengths, device=device)[:, None] - width + torch.arange(width, device=device)).clamp(min=0)
-        s.target.forward(ids, pos, causal_mask(width, device), kind="prefill", store_len=width, store_valid=valid,
-                         logits_to_keep=1)
+        ids, valid, pos = left_pad([p[:-1] for p in s.prompts], device)
+        with s.target.timer.span("prefill"):
+            s.target.forward(ids, pos, causal_mask(width, device), kind="prefill", store_len=width, store_valid=valid,
+                             logits_to_keep=1, rows=[n > 0 for n in lengths])
 
     def num_drafts(self) -> tuple[int, torch.Tensor]:
         """k for this cycle (never beyond the budget) and drafts per row `(N,)`: a row one token short of its

@@ -1,0 +1,382 @@
+"""SimSD: a small dLLM drafts a block step by step, a large dLLM of the same family verifies every draft in one forward.
+
+Cui et al., "SimSD: Simple Speculative Decoding in Diffusion Language Models", §3.1 (Eq. 1, position encoding
+alignment), §3.2 (Eq. 2), §3.3 (Eq. 3); the reference code (airevo2/SimSD-release) ships no licence, so this is
+written from the paper and `strategies.md` §6, whose recommendations it follows where paper and code disagree.
+
+One cycle per row (batched; every row denoises its own block of B positions on the block grid from position 0;
+the block's known part, SimSD's "leftover", is the prompt tail plus earlier commits):
+
+1. draft: the drafter denoises ``[known | MASK x n]`` (its cache read-only) until every position is revealed,
+   recording the step at which each position was revealed (the step map) and its draft distribution at that
+   step. The drafter's schedule is `remasking_strategy` / `steps_per_block` / `confidence_threshold` (the
+   published protocols: `low_confidence_static`, one reveal per step);
+2. verify: one target forward (cache read-only). `verify_layout="paired"` (the paper): ``[data | mask slots]``
+   with the token-level temporal causal mask (:func:`~hf_dllm_spec.masks.temporal_verify_mask`, Eq. 1), mask slot
+   k at data position k's RoPE position. `verify_layout="stacked"`: one copy of the block per reveal step, copy s
+   holding the block as it was before step s (full attention inside each copy): exact, at s times the query;
+3. accept in position order (default; `verify_order="temporal"` walks the reveal order, experimental: a token
+   accepted in position order can have been verified against a context whose later reveals were replaced) with
+   `greedy_match` (default) or rejection sampling (min(1, t/d), residual (t - d)+, the target when the residual
+   has no mass); the first rejected position gets the target's token. Commit rule `truncate`: committed tokens
+   join the block's known part and the block is re-drafted until full. A block with fewer than `min_draft_len`
+   masks left is finished by the target alone, one most-confident token per forward (the paper's rule for
+   R < gamma);
+4. a full block enters both caches, fused with each model's next forward: caches hold only full committed
+   blocks.
+
+Exactness (paper §4.3): in the paired layout a mask slot's keys are data rows that saw the block as it was at
+*their own* reveal step, so beyond the first layer its logits approximate the separate target forward over the
+block state before the slot's step. For a one-layer target they are equal; the stacked layout is equal for any
+depth. With an exact layout, greedy SimSD with greedy_match reproduces the target's own block diffusion along
+the drafter's reveal order: with a left-to-right drafter (`remasking_strategy="sequential"`) that is the target's
+own sequential block diffusion, token for token, for any drafter (tested). Other reveal orders and the paired
+layout on deeper targets are approximations: SimSD is not claimed lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..configuration import DrafterConfig, check_int
+from ..masks import concat_segments, full_mask, temporal_verify_mask
+from ..sampling import Sampler, entropy
+from ..unmasking import scheduled_tokens, select_transfer
+from ..validation import check_choice, check_range, invalid
+from ..verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
+from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
+
+VERIFY_LAYOUTS = ("paired", "stacked")
+VERIFY_ORDERS = ("position", "temporal")
+
+
+@dataclass
+class SimSDConfig(BlockDiffusionConfig, DrafterConfig):
+    """SimSD (Cui et al. §3; `strategies.md` §6). Needs `draft_model=`: a diffusion LM of the target's family with
+    the same tokenizer and block size.
+
+    Args:
+        block_size (`int`, *optional*): B, the block size of both models (`None`: the target's trained one).
+        remasking_strategy (`str`, defaults to "low_confidence_static"), steps_per_block (`int`, *optional*),
+            confidence_threshold (`float`, defaults to 0.85), eb_threshold (`float`): the drafter's denoising
+            schedule (see :class:`BlockDiffusionConfig`); "sequential" reveals left to right (the exact case).
+        acceptance (`str`, *optional*): "greedy_match" (the published protocols) or "rejection_sampling"; `None`
+            picks greedy_match without sampling and rejection_sampling with `do_sample=True`.
+        verify_order (`str`, defaults to "position"): "position" (the reference) or "temporal" (the paper's reveal
+            order; experimental).
+        verify_layout (`str`, defaults to "paired"): "paired" (the paper's one-pass layout, 2B query tokens) or
+            "stacked" (one block copy per reveal step: exact, up to B x B query tokens).
+        min_draft_len (`int`, defaults to 1): blocks with fewer masks left are finished by the target alone
+            (1: always draft, the reference; B: the paper's "target finishes a short remainder").
+        eos_min_prob (`float`, defaults to 0.0): EOS gate; a stop id that arrives only as the target's correction
+            token is replaced by the target's best other token unless the target's own probability of it is at
+            least this (0 = off).
+        draft_block_size (`int`, *optional*): the drafter's block size; must equal `block_size`.
+
+    `sub_block_size`, `cache_ver`, `draft_ver` and `fuse_cache_write=False` do not apply and are refused.
+
+    Raises:
+        ValueError: for an out-of-range or unknown value, naming the parameter.
+    """
+
+    decoding_strategy: ClassVar[str] = "simsd"
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        # The published protocols (SimSD §4.1 / reference configs): static confidence, one reveal per step.
+        "simsd-paper": {"remasking_strategy": "low_confidence_static", "acceptance": "greedy_match"},
+        # Left-to-right drafts verified exactly: greedy output equals the target's sequential block diffusion.
+        "simsd-exact": {"remasking_strategy": "sequential", "verify_layout": "stacked"},
+        # Fewer drafter forwards: the drafter reveals every position above the threshold per step.
+        "simsd-dynamic": {"remasking_strategy": "low_confidence_dynamic", "confidence_threshold": 0.9},
+    }
+
+    remasking_strategy: str = "low_confidence_static"
+    acceptance: str | None = None
+    verify_order: str = "position"
+    verify_layout: str = "paired"
+    min_draft_len: int = 1
+    eos_min_prob: float = 0.0
+
+    def validate(self) -> None:
+        BlockDiffusionConfig.validate(self)
+        DrafterConfig.validate(self)
+        if self.acceptance is not None:
+            check_choice("acceptance", self.acceptance, ACCEPTANCE_RULES, "pass acceptance='greedy_match'")
+        check_choice("verify_order", self.verify_order, VERIFY_ORDERS, "pass verify_order='position'")
+        check_choice("verify_layout", self.verify_layout, VERIFY_LAYOUTS, "pass verify_layout='paired'")
+        check_int("min_draft_len", self.min_draft_len, 1, "pass 1 to always draft, or B to let the target finish "
+                  "short remainders")
+        check_range("eos_min_prob", self.eos_min_prob, low=0.0, high=1.0,
+                    fix="pass a probability in [0, 1]; 0 turns the EOS gate off")
+        for name, default in (("sub_block_size", None), ("cache_ver", False), ("draft_ver", False),
+                              ("fuse_cache_write", True)):
+            if getattr(self, name) != default:
+                raise invalid(name, getattr(self, name), f"keep its default ({default!r}) for "
+                              "decoding_strategy='simsd' (the drafter denoises whole blocks; full blocks are stored "
+                              "with each model's next forward)", f"drop `{name}`")
+
+
+@dataclass
+class Drafts:
+    """One drafted block per row.
+
+    Attributes:
+        tokens (`torch.Tensor` of shape `(N, B)`, int64): the block with every position filled.
+        reveal_step (`torch.Tensor` of shape `(N, B)`, int64): the step map: 0 for positions known before drafting,
+            1.. for the drafter step that revealed the position (target-only rows: 1 at every masked position).
+        probs (`torch.Tensor` of shape `(N, B, V)`, float32): the drafter's processed distribution at each
+            position at its reveal step (zeros where nothing was drafted).
+        drafting (`torch.Tensor` of shape `(N,)`, bool): rows that drafted (the rest are finished by the target).
+    """
+
+    tokens: torch.Tensor
+    reveal_step: torch.Tensor
+    probs: torch.Tensor
+    drafting: torch.Tensor
+
+    @property
+    def drafted(self) -> torch.Tensor:
+        """`(N, B)` bool, positions whose token came from the drafter."""
+        return (self.reveal_step > 0) & self.drafting[:, None]
+
+
+def verification_order(drafted: torch.Tensor, reveal_step: torch.Tensor, order: str) -> torch.Tensor:
+    """The order in which each row's drafted positions are verified, drafted positions first.
+
+    Args:
+        drafted (`torch.Tensor` of shape `(N, B)`, bool), reveal_step (`torch.Tensor` of shape `(N, B)`, int64).
+        order (`str`): "position" (left to right) or "temporal" (by reveal step, then position).
+
+    Returns:
+        `torch.Tensor` of shape `(N, B)`, int64: a permutation of 0..B-1 per row.
+    """
+    width = drafted.shape[1]
+    pos = torch.arange(width, device=drafted.device)[None]
+    key = pos if order == "position" else reveal_step * width + pos
+    key = torch.where(drafted, key, key + (width + 1) * width)          # undrafted positions last
+    return key.argsort(dim=1, stable=True)
+
+
+def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, target_probs: torch.Tensor,
+                     stop_token_ids: list[int], min_prob: float, sampler: Sampler) -> torch.Tensor:
+    """SimSD's EOS gate (`eos_min_prob`, `strategies.md` §6.6): a stop id that arrives only as the correction token
+    (after a rejection) while the target gives it less than `min_prob` is replaced by the target's best other
+    token (greedy) or one drawn from the target without the stop ids (sampling).
+
+    Args:
+        committed_ids (`torch.Tensor` of shape `(N, L)`, int64): committed tokens in verification order.
+        result (`VerificationResult`): the verification that produced them.
+        target_probs (`torch.Tensor` of shape `(N, L, V)`): target distributions in the same order.
+        stop_token_ids (`list[int]`), min_prob (`float`): the gate.
+        sampler (`Sampler`): picks the replacement (argmax, or a draw from its generator).
+
+    Returns:
+        `torch.Tensor` of shape `(N, L)`, int64.
+    """
+    rows = torch.arange(committed_ids.shape[0], device=committed_ids.device)
+    slot = result.num_accepted.clamp(max=committed_ids.shape[1] - 1)
+    probs = target_probs[rows, slot]                                                  # (N, V)
+    stop = torch.tensor(stop_token_ids, device=probs.device)
+    token = committed_ids[rows, slot]
+    below = probs.gather(1, token.clamp(min=0)[:, None])[:, 0] < min_prob
+    gated = result.recovered & torch.isin(token, stop) & below
+    if not bool(gated.any()):
+        return committed_ids
+    other = probs.index_fill(1, stop, 0.0)
+    other = other / other.sum(dim=1, keepdim=True).clamp_min(torch.finfo(other.dtype).tiny)
+    replacement, _ = sampler.choose(other)
+    out = committed_ids.clone()
+    out[rows, slot] = torch.where(gated, replacement, token)
+    return out
+
+
+class SimSDStrategy(BlockDiffusionStrategy):
+    """SimSD decoding, batched; see the module docstring and :class:`SimSDConfig`."""
+
+    name = "simsd"
+    config_class = SimSDConfig
+    paper = "Cui et al., SimSD: Simple Speculative Decoding in Diffusion Language Models (§3, Eq. 1-3)"
+    lossless = False
+    uses_drafter = True
+    requires_draft_mask_token = True
+
+    @classmethod
+    def check_models(cls, target, target_patch, drafter, drafter_patch) -> None:
+        """Both models: position-aligned diffusion LMs of one family (the paired layout reads each position's own
+        mask slot; right-shifted families would read a neighbour's state).
+
+        Raises:
+            ValueError: naming `draft_model` or `model`.
+        """
+        if drafter_patch is None:
+            return
+        for name, model, patch in (("model", target, target_patch), ("draft_model", drafter, drafter_patch)):
+            if not patch.is_diffusion_lm or patch.alignment_of(model) != "position":
+                raise invalid(name, type(model).__name__, "be a position-aligned diffusion LM (SDAR, LLaDA2) for "
+                              "decoding_strategy='simsd'", "use block-diffusion models such as SDAR for both")
+        if type(drafter_patch) is not type(target_patch):
+            raise invalid("draft_model", type(drafter).__name__, f"be of the target's family ({target_patch.family})",
+                          "pass a smaller model of the same family and tokenizer")
+
+    def __init__(self, config: SimSDConfig, session) -> None:
+        super().__init__(config, session)
+        s = session
+        if config.acceptance == "greedy_match" and s.sampler.do_sample:
+            raise invalid("acceptance", "greedy_match", "not be combined with do_sample=True (drafts are sampled; "
+                          "verify them with rejection sampling)", "drop `acceptance`, or pass do_sample=False")
+        self.acceptance = config.acceptance or ("rejection_sampling" if s.sampler.do_sample else "greedy_match")
+        self.draft_sampler = Sampler(s.sampler.logits_processor, do_sample=s.sampler.do_sample,
+                                     suppress_token_ids=[s.draft_mask_token_id], generator=s.sampler.generator)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def decode(self) -> list[torch.Tensor]:
+        s, B = self.session, self.block_size
+        lengths = torch.tensor([p.shape[0] for p in s.prompts], device=s.target.device)
+        aligned = (lengths // B) * B
+        self.prefill(aligned)
+        self.prefill(aligned, s.drafter)
+        block = self.first_blocks(aligned)
+        blocks_done = [s.prompts[0].new_empty(0) for _ in range(s.batch_size)]    # full blocks, per prompt
+        generated = [g.clone() for g in blocks_done]
+        pending: tuple | None = None
+        while block.tokens.shape[0]:
+            drafts = self.draft(block, pending)
+            target_probs = self.session.sampler.probs(self.verify(block, drafts, pending))
+            self.commit(block, drafts, target_probs)
+            block.step += 1
+            done = ~block.undecided.any(dim=1)
+            done_rows, finished = done.tolist(), []
+            for i, is_done in enumerate(done_rows):
+                prompt_index = s.stats.active[i]
+                generated[prompt_index] = torch.cat([blocks_done[prompt_index], self.final_prefix(block, i)])
+                if is_done:
+                    blocks_done[prompt_index] = generated[prompt_index]
+                if self.should_stop(prompt_index, generated[prompt_index]):
+                    finished.append(i)
+            if s.stream is not None:
+                s.stream.push(generated[s.stats.active[0]])
+            continuing = done.clone()
+            continuing[finished] = False
+            pending = (block.tokens.clone(), block.positions, continuing) if bool(continuing.any()) else None
+            block.restart(continuing)
+            if finished:
+                pending = self.drop_rows(block, [True] * len(done_rows), finished, pending)
+        return generated
+
+    # -- 1. draft ------------------------------------------------------------------------------------------------
+    def draft(self, block: BlockState, pending: tuple | None) -> Drafts:
+        """Let the drafter denoise every row's block until full, recording the step map (read-only cache; the
+        first forward also stores `pending` blocks). Rows below `min_draft_len` masks skip drafting."""
+        s, cfg = self.session, self.config
+        num_masks = block.undecided.sum(dim=1)                                          # (N,)
+        drafting = num_masks >= cfg.min_draft_len
+        undecided = block.undecided & drafting[:, None]
+        tokens = block.tokens.clone()
+        reveal_step = torch.zeros_like(tokens)
+        probs_at_reveal: torch.Tensor | None = None
+        step = 0
+        while bool(undecided.any()):
+            ids = torch.where(undecided, s.draft_mask_token_id, tokens)
+            logits = self.forward_with_pending(s.drafter, ids, block.positions, full_mask(self.block_size, ids.device),
+                                               pending, kind="draft", rows=drafting)
+            pending = None
+            probs = self.draft_sampler.probs(logits)
+            chosen, confidence = self.draft_sampler.choose(probs)
+            transfer = select_transfer(
+                cfg.remasking_strategy, masked=undecided, confidence=confidence,
+                num_tokens=scheduled_tokens(num_masks.clamp(min=1), self.steps_per_block,
+                                            torch.full_like(num_masks, step)),
+                confidence_threshold=cfg.confidence_threshold, eb_threshold=cfg.eb_threshold,
+                entropies=entropy(probs) if cfg.remasking_strategy == "entropy_bounded" else None,
+            )
+            tokens = torch.where(transfer, chosen, tokens)
+            undecided = undecided & ~transfer
+            step += 1
+            reveal_step = torch.where(transfer, step, reveal_step)
+            probs_at_reveal = probs if probs_at_reveal is None else torch.where(transfer[..., None], probs,
+                                                                               probs_at_reveal)
+            s.stats.accumulate("num_denoising_steps", drafting.long())
+        if pending is not None:                       # nothing drafted this cycle: store the blocks on their own
+            self.forward_with_pending(s.drafter, block.tokens, block.positions,
+                                      full_mask(self.block_size, block.tokens.device), pending, kind="cache_write")
+        if probs_at_reveal is None:
+            probs_at_reveal = torch.zeros(*tokens.shape, 1, device=tokens.device)
+        target_only = block.undecided & ~drafting[:, None]
+        reveal_step = torch.where(target_only, 1, reveal_step)
+        tokens = torch.where(target_only, s.mask_token_id, tokens)
+        return Drafts(tokens, reveal_step, probs_at_reveal, drafting)
+
+    def forward_with_pending(self, runner, ids, positions, intra, pending, *, kind: str, rows=None) -> torch.Tensor:
+        """`runner.forward` over `ids` (read-only), storing the `pending` finished blocks first when given;
+        returns the logits of the `ids` part, `(N, q, V)`."""
+        store_len, store_valid = 0, None
+        q = ids.shape[1]
+        if pending is not None:
+            tokens, pending_positions, pending_rows = pending
+            ids = torch.cat([tokens, ids], dim=1)
+            positions = torch.cat([pending_positions, positions], dim=1)
+            intra = concat_segments(self.store_mask(pending_positions), intra)
+            store_len, store_valid = self.block_size, pending_rows[:, None].expand(-1, self.block_size)
+        return runner.forward(ids, positions, intra, kind=kind, store_len=store_len, store_valid=store_valid,
+                              logits_to_keep=q, rows=rows)
+
+    # -- 2. verify -----------------------------------------------------------------------------------------------
+    def verify(self, block: BlockState, drafts: Drafts, pending: tuple | None) -> torch.Tensor:
+        """One target forward; returns the target logits for every block position, `(N, B, V)`, each read where
+        that position is still masked in the block state before its reveal step."""
+        s, B = self.session, self.block_size
+        device = block.tokens.device
+        if self.config.verify_layout == "paired":
+            ids = torch.cat([drafts.tokens, torch.full_like(drafts.tokens, s.mask_token_id)], dim=1)
+            positions = torch.cat([block.positions, block.positions], dim=1)        # mask slots copy RoPE positions
+            logits = self.forward_with_pending(s.target, ids, positions, temporal_verify_mask(drafts.reveal_step),
+                                               pending, kind="verify")
+            return logits[:, B:]
+        num_copies = int(drafts.reveal_step.max())
+        copy = torch.arange(1, num_copies + 1, device=device)[None, :, None]           # (1, S, 1)
+        before = drafts.reveal_step[:, None, :] < copy                                  # (N, S, B) known at copy s
+        ids = torch.where(before, drafts.tokens[:, None, :], s.mask_token_id).reshape(-1, num_copies * B)
+        positions = block.positions.repeat(1, num_copies)
+        copy_of = torch.arange(num_copies * B, device=device) // B
+        intra = copy_of[:, None] == copy_of[None, :]                                   # block-diagonal copies
+        logits = self.forward_with_pending(s.target, ids, positions, intra, pending, kind="verify")
+        index = (drafts.reveal_step - 1).clamp(min=0) * B + torch.arange(B, device=device)[None]
+        return logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+
+    # -- 3. accept and commit ------------------------------------------------------------------------------------
+    def commit(self, block: BlockState, drafts: Drafts, target_probs: torch.Tensor) -> None:
+        """Accept drafts (position or temporal order), commit them and the correction token into `block`; rows
+        that did not draft commit the target's most confident masked position."""
+        s, n = self.session, block.tokens.shape[0]
+        drafted = drafts.drafted
+        order = verification_order(drafted, drafts.reveal_step, self.config.verify_order)       # (N, B)
+        num_drafts = drafted.sum(dim=1)
+        vocab = target_probs.shape[-1]
+        draft_ids = drafts.tokens.gather(1, order)
+        target_ordered = target_probs.gather(1, order[..., None].expand(-1, -1, vocab))
+        if self.acceptance == "greedy_match":
+            result = greedy_match(draft_ids, target_ordered, num_drafts=num_drafts)
+        else:
+            draft_probs = drafts.probs.expand(-1, -1, vocab) if drafts.probs.shape[-1] == 1 else drafts.probs
+            result = rejection_sample(draft_ids, draft_probs.gather(1, order[..., None].expand(-1, -1, vocab)),
+                                      target_ordered, num_drafts=num_drafts, generator=s.sampler.generator)
+        committed_ids = result.token_ids[:, : order.shape[1]]
+        if self.config.eos_min_prob > 0 and s.stop_token_ids:
+            committed_ids = gate_stop_tokens(committed_ids, result, target_ordered, s.stop_token_ids,
+                                             self.config.eos_min_prob, s.sampler)
+        in_order = torch.arange(order.shape[1], device=order.device)[None] < result.num_tokens[:, None]
+        commit = torch.zeros_like(in_order).scatter(1, order, in_order)
+        values = torch.zeros_like(block.tokens).scatter(1, order, committed_ids.clamp(min=0))
+        # rows finished by the target alone: its most confident masked position, one token per forward
+        target_ids, confidence = s.sampler.choose(target_probs)
+        alone = select_transfer("low_confidence_static", masked=block.undecided & ~drafts.drafting[:, None],
+                                confidence=confidence, num_tokens=1)
+        block.tokens = torch.where(commit, values, torch.where(alone, target_ids, block.tokens))
+        block.undecided = block.undecided & ~commit & ~alone
+        rows = torch.arange(n, device=order.device)
+        s.stats.observe_verification(rows, num_drafts, result.num_accepted, result.recovered,
+                                     torch.zeros_like(result.recovered))
+        s.stats.accumulate("num_fallback_tokens", alone.sum(dim=1))
+        s.stats.accumulate("num_committed_tokens", result.num_tokens + alone.sum(dim=1))
