@@ -133,3 +133,27 @@ def test_d2a_stage1_loss_is_finite_and_only_on_continuations():
     assert objective.loss(model, x, nothing, torch.Generator().manual_seed(1)).item() == 0.0
     value = objective.loss(model, x, torch.ones(2, 16, dtype=torch.bool), torch.Generator().manual_seed(1))
     assert torch.isfinite(value) and float(value) > 0
+
+
+def test_depth_growth_preserves_the_logits_then_trains_every_layer():
+    """Block expansion (`--grow-layers`): inserted copies have zero output projections, so the grown model computes
+    the original's logits exactly; their other weights still get gradients once the projections move."""
+    import pytest
+
+    from conftest import MASK_ID, TINY
+    from model_patches.sdar import SDARConfig, SDARForCausalLM
+    from recipes.growth import expansion_plan, grow_depth
+
+    torch.manual_seed(0)
+    model = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+    ids = torch.randint(0, 90, (2, 11))
+    before = model(ids).logits
+    grown = grow_depth(model, 6)
+    assert grown.config.num_hidden_layers == 6 == len(grown.model.layers) == len(grown.config.layer_types)
+    assert [layer.self_attn.layer_idx for layer in grown.model.layers] == list(range(6))
+    torch.testing.assert_close(grown(ids).logits, before, atol=0, rtol=0)
+    grown(ids).logits.sum().backward()
+    assert grown.model.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert expansion_plan(2, 6) == [(0, False), (0, True), (0, True), (1, False), (1, True), (1, True)]
+    with pytest.raises(ValueError, match="--grow-layers"):
+        expansion_plan(4, 6)

@@ -183,21 +183,45 @@ def test_sequential_drafter_reproduces_target_sequential_block_diffusion(target,
         assert out.spec_stats.acceptance_rate < 0.9
 
 
-def test_temporal_order_equals_position_order_for_left_to_right_drafts(target, drafter):
-    kwargs = dict(remasking_strategy="sequential")
-    assert torch.equal(_simsd(target, drafter, PROMPT, verify_order="temporal", **kwargs),
-                       _simsd(target, drafter, PROMPT, **kwargs))
-    _simsd(target, drafter, PROMPT, verify_order="temporal", remasking_strategy="low_confidence_static")
+def test_temporal_order_with_confidence_reveals_self_draft_equals_target_block_diffusion(target):
+    """Temporal order leaves gaps in the block (a later position accepted first); self-drafting on the exact layout
+    still accepts everything and reproduces the target's static block diffusion."""
+    out = _simsd(target, target, PROMPT, verify_order="temporal", verify_layout="stacked",
+                 remasking_strategy="low_confidence_static", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, _block_diffusion(target, PROMPT, remasking_strategy="low_confidence_static"))
+    assert out.spec_stats.acceptance_rate == 1.0
+
+
+def test_temporal_order_with_a_random_drafter_batches_like_singles(target, drafter):
+    ids, mask, prompts = left_padded_batch([7, 2, 9], seed=6)
+    kwargs = dict(verify_order="temporal", remasking_strategy="low_confidence_static")
+    batch = _simsd(target, drafter, ids, attention_mask=mask, pad_token_id=0, **kwargs)
+    for n, prompt in enumerate(prompts):
+        new = _simsd(target, drafter, prompt[None], **kwargs)[0, prompt.shape[0]:]
+        assert torch.equal(batch[n, ids.shape[1]: ids.shape[1] + new.shape[0]], new)
 
 
 def test_min_draft_len_lets_the_target_finish_short_remainders(target):
     """Self-draft, static reveals, stacked layout: the target finishing remainders alone still reproduces its own
-    static block diffusion."""
+    static block diffusion. With a random drafter (block-aligned prompt: no tail), blocks with a rejection are
+    finished by the target, one token per forward, counted as denoising forwards, not verifications."""
     out = _simsd(target, target, PROMPT, verify_layout="stacked", min_draft_len=B, return_dict_in_generate=True)
     assert torch.equal(out.sequences, _block_diffusion(target, PROMPT, remasking_strategy="low_confidence_static"))
-    random_drafter = _sdar(11)
-    out = _simsd(target, random_drafter, PROMPT, min_draft_len=B, return_dict_in_generate=True)
-    assert out.spec_stats.num_fallback_tokens > 0                     # the target finished some blocks alone
+    aligned = PROMPT[:, :4]
+    out = _simsd(target, _sdar(11), aligned, min_draft_len=B, return_dict_in_generate=True)
+    st = out.spec_stats
+    assert st.num_fallback_tokens > 0
+    assert st.num_verify_forwards == st.num_drafts
+    assert st.num_draft_forwards == st.num_denoising_steps == st.num_draft_model_forwards - 1 + st.num_fallback_tokens
+    with pytest.raises(ValueError, match="min_draft_len"):
+        _simsd(target, target, PROMPT, min_draft_len=B + 1)
+
+
+def test_short_budget_and_a_block_aligned_prompt(target, drafter):
+    for prompt, budget in ((PROMPT, 3), (PROMPT[:, :4], 2), (PROMPT[:, :2], 5)):
+        out = _simsd(target, drafter, prompt, max_new_tokens=budget, preset="simsd-exact")
+        ref = _block_diffusion(target, prompt, max_new_tokens=budget, remasking_strategy="sequential")
+        assert torch.equal(out, ref) and out.shape[1] == prompt.shape[1] + budget
 
 
 # -- batches, cache, stats ------------------------------------------------------------------------------------------
@@ -209,6 +233,19 @@ def test_batch_of_4_padded_equals_singles(target, drafter, layout):
         single = _simsd(target, drafter, prompt[None], verify_layout=layout)
         new = single[0, prompt.shape[0]:]
         assert torch.equal(batch[n, ids.shape[1]: ids.shape[1] + new.shape[0]], new)
+
+
+def test_batch_rows_stopping_at_different_times_equal_singles(target, drafter):
+    ids, mask, prompts = left_padded_batch([7, 2, 9, 4], seed=3)
+    free = _simsd(target, drafter, prompts[0][None])[0, prompts[0].shape[0]:]
+    stop = int(free[5])                                               # a token the first row emits mid-output
+    batch = _simsd(target, drafter, ids, attention_mask=mask, pad_token_id=0, eos_token_id=stop)
+    lengths = set()
+    for n, prompt in enumerate(prompts):
+        new = _simsd(target, drafter, prompt[None], eos_token_id=stop)[0, prompt.shape[0]:]
+        lengths.add(new.shape[0])
+        assert torch.equal(batch[n, ids.shape[1]: ids.shape[1] + new.shape[0]], new)
+    assert len(lengths) > 1
 
 
 def test_no_cache_equals_cache(target, drafter):
@@ -311,10 +348,36 @@ def test_eos_gate_replaces_an_unlikely_stop_id_arriving_as_the_correction():
     assert gate_stop_tokens(result.token_ids[:, :2], result, target_probs, [2], 0.9, sampler)[0].tolist() == [1, 2]
 
 
-def test_eos_gate_runs_end_to_end(target, drafter):
-    plain = _simsd(target, drafter, PROMPT, eos_token_id=11)
-    gated = _simsd(target, drafter, PROMPT, eos_token_id=11, eos_min_prob=1.0)
-    assert plain.shape[1] >= PROMPT.shape[1] and gated.shape[1] >= PROMPT.shape[1]
+def test_eos_gate_replaces_the_correction_end_to_end(target, monkeypatch):
+    """A stop id that first arrives as a correction ends the plain run there; the gate (at 1.0) replaces it."""
+    import hf_dllm_spec.strategies.simsd as simsd_module
+
+    drafter_ = _sdar(11)
+    corrections = []
+    original_match = simsd_module.greedy_match
+
+    def spy_match(*args, **kwargs):
+        result = original_match(*args, **kwargs)
+        if bool(result.recovered[0]):
+            corrections.append(int(result.token_ids[0, int(result.num_accepted[0])]))
+        return result
+
+    monkeypatch.setattr(simsd_module, "greedy_match", spy_match)
+    free = _simsd(target, drafter_, PROMPT)[0, PROMPT.shape[1]:]
+    stop = next(c for c in corrections if c not in free[: free.tolist().index(c)].tolist())
+    gated_calls = []
+    original_gate = simsd_module.gate_stop_tokens
+
+    def spy_gate(committed, *args, **kwargs):
+        out = original_gate(committed, *args, **kwargs)
+        gated_calls.append(not torch.equal(out, committed))
+        return out
+
+    monkeypatch.setattr(simsd_module, "gate_stop_tokens", spy_gate)
+    plain = _simsd(target, drafter_, PROMPT, eos_token_id=stop)
+    gated = _simsd(target, drafter_, PROMPT, eos_token_id=stop, eos_min_prob=1.0)
+    assert plain[0, -1] == stop and any(gated_calls)
+    assert not torch.equal(plain, gated[:, : plain.shape[1]])
 
 
 # -- bad input --------------------------------------------------------------------------------------------------------

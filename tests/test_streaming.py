@@ -59,6 +59,18 @@ def test_text_iterator_streamer_finishes_with_the_returned_text(bundled, entry, 
     assert streamed == returned and returned
 
 
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_simsd_streams_its_committed_prefix(bundled, entry):
+    """SimSD with the bundled model drafting for itself: every cycle's committed prefix reaches the streamer."""
+    tokenizer, model, ids = bundled
+    streamer = Recorder()
+    out = ENTRY_POINTS[entry](model, ids, decoding_strategy="simsd", draft_model=model, max_new_tokens=24,
+                              streamer=streamer)
+    assert streamer.ended == 1 and streamer.chunks[0] == ids[0].tolist()
+    assert sum(streamer.chunks[1:], []) == out[0, ids.shape[1]:].tolist()
+    assert len(streamer.chunks) > 3
+
+
 class Recorder:
     def __init__(self):
         self.chunks, self.ended = [], 0

@@ -105,6 +105,27 @@ def simsd_specs(drafters: dict, block_sizes: list[int]) -> list[StrategySpec]:
     return out
 
 
+def simsd_summary(results: list, metric: str) -> str:
+    """Markdown table of the SimSD rows against the target alone at the same block size (same process): alpha,
+    accepted drafts per block, rho, wall-time speedups over target static and dynamic decoding, accuracy."""
+    by_label = {r.spec.label: r for r in results}
+    lines = [f"| SimSD row | alpha | accepted per block | drafter / target forwards | rho | speedup vs target "
+             f"static | speedup vs target dynamic 0.9 | {metric} (SimSD / target static) |", "|" + "---|" * 8]
+    for r in results:
+        if r.spec.decoding_strategy != "simsd":
+            continue
+        b, st = r.spec.params["block_size"], r.stats
+        static, dynamic = by_label[f"target static B={b}"], by_label[f"target dynamic 0.9 B={b}"]
+        blocks = st.num_committed_tokens / b
+        target_forwards = st.num_forward_calls - st.num_draft_model_forwards
+        lines.append(f"| {r.spec.label} | {st.acceptance_rate:.3f} | {st.num_accepted_tokens / blocks:.2f} / "
+                     f"{st.num_draft_tokens / blocks:.2f} | {st.num_draft_model_forwards} / {target_forwards} | "
+                     f"{st.draft_target_time_ratio:.2f} | {static.stats.wall_time_s / st.wall_time_s:.2f}x | "
+                     f"{dynamic.stats.wall_time_s / st.wall_time_s:.2f}x | {r.accuracy:.1f}% / "
+                     f"{static.accuracy:.1f}% |")
+    return "\n".join(lines)
+
+
 def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bundled model") -> None:
     import matplotlib
 
@@ -195,6 +216,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
                   f"{metric}={r.accuracy:5.1f}%", flush=True)
         md += [f"## {name} ({len(prompts)} prompts, max_new_tokens={max_new}, metric: {metric})\n",
                table(results, results[0], metric), ""]
+        if any(r.spec.decoding_strategy == "simsd" for r in results):
+            md += ["SimSD against the target alone (accepted per block: accepted / drafted tokens per block):\n",
+                   simsd_summary(results, metric), ""]
         raw[name] = [{"label": r.spec.label, "decoding_strategy": r.spec.decoding_strategy, "params": r.spec.params,
                       "accuracy": r.accuracy, "metric": metric, **r.stats.to_dict()} for r in results]
     (out_dir / "sweep.md").write_text("\n".join(md) + "\n")

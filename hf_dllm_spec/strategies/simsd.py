@@ -15,9 +15,9 @@ the block's known part, SimSD's "leftover", is the prompt tail plus earlier comm
    with the token-level temporal causal mask (:func:`~hf_dllm_spec.masks.temporal_verify_mask`, Eq. 1), mask slot
    k at data position k's RoPE position. `verify_layout="stacked"`: one copy of the block per reveal step, copy s
    holding the block as it was before step s (full attention inside each copy): exact, at s times the query;
-3. accept in position order (default; `verify_order="temporal"` walks the reveal order, experimental: a token
-   accepted in position order can have been verified against a context whose later reveals were replaced) with
-   `greedy_match` (default) or rejection sampling (min(1, t/d), residual (t - d)+, the target when the residual
+3. accept in position order (default, the reference; position order can accept a token whose context held
+   drafts to its right, revealed earlier, that are then truncated; `verify_order="temporal"` walks the reveal
+   order, the consistent one, and is experimental) with `greedy_match` (default) or rejection sampling (min(1, t/d), residual (t - d)+, the target when the residual
    has no mass); the first rejected position gets the target's token. Commit rule `truncate`: committed tokens
    join the block's known part and the block is re-drafted until full. A block with fewer than `min_draft_len`
    masks left is finished by the target alone, one most-confident token per forward (the paper's rule for
@@ -28,10 +28,14 @@ the block's known part, SimSD's "leftover", is the prompt tail plus earlier comm
 Exactness (paper §4.3): in the paired layout a mask slot's keys are data rows that saw the block as it was at
 *their own* reveal step, so beyond the first layer its logits approximate the separate target forward over the
 block state before the slot's step. For a one-layer target they are equal; the stacked layout is equal for any
-depth. With an exact layout, greedy SimSD with greedy_match reproduces the target's own block diffusion along
-the drafter's reveal order: with a left-to-right drafter (`remasking_strategy="sequential"`) that is the target's
-own sequential block diffusion, token for token, for any drafter (tested). Other reveal orders and the paired
-layout on deeper targets are approximations: SimSD is not claimed lossless.
+depth. With an exact layout and one reveal per drafter step (`steps_per_block` unset or B), greedy SimSD with
+greedy_match reproduces the target's own block diffusion along the drafter's reveal order: with a left-to-right
+drafter (`remasking_strategy="sequential"`, preset `simsd-exact`) that is the target's own sequential block
+diffusion, token for token, for any drafter (tested). With several reveals per step, a truncated commit
+conditions a position on a neighbour revealed in the same step, which the target's own decoding never does.
+Rejection sampling keeps each position's distribution only for left-to-right reveals: a confidence rule picks
+positions by their sampled tokens, so the drafter's distribution is not the proposal. Other reveal orders and
+the paired layout on deeper targets are approximations: SimSD is not claimed lossless.
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class SimSDConfig(BlockDiffusionConfig, DrafterConfig):
             order; experimental).
         verify_layout (`str`, defaults to "paired"): "paired" (the paper's one-pass layout, 2B query tokens) or
             "stacked" (one block copy per reveal step: exact, up to B x B query tokens).
-        min_draft_len (`int`, defaults to 1): blocks with fewer masks left are finished by the target alone
-            (1: always draft, the reference; B: the paper's "target finishes a short remainder").
+        min_draft_len (`int`, defaults to 1): blocks with fewer masks left are finished by the target alone,
+            one most-confident token per forward (1: always draft, the reference; B: the paper's "target finishes
+            a short remainder"); at most the block size.
         eos_min_prob (`float`, defaults to 0.0): EOS gate; a stop id that arrives only as the target's correction
             token is replaced by the target's best other token unless the target's own probability of it is at
             least this (0 = off).
@@ -127,7 +132,8 @@ class Drafts:
         reveal_step (`torch.Tensor` of shape `(N, B)`, int64): the step map: 0 for positions known before drafting,
             1.. for the drafter step that revealed the position (target-only rows: 1 at every masked position).
         probs (`torch.Tensor` of shape `(N, B, V)`, float32): the drafter's processed distribution at each
-            position at its reveal step (zeros where nothing was drafted).
+            position at its reveal step (meaningless where nothing was drafted; `(N, B, 1)` zeros when no row
+            drafted).
         drafting (`torch.Tensor` of shape `(N,)`, bool): rows that drafted (the rest are finished by the target).
     """
 
@@ -160,10 +166,12 @@ def verification_order(drafted: torch.Tensor, reveal_step: torch.Tensor, order: 
 
 
 def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, target_probs: torch.Tensor,
-                     stop_token_ids: list[int], min_prob: float, sampler: Sampler) -> torch.Tensor:
+                     stop_token_ids: list[int], min_prob: float, sampler: Sampler,
+                     draft_probs: torch.Tensor | None = None) -> torch.Tensor:
     """SimSD's EOS gate (`eos_min_prob`, `strategies.md` §6.6): a stop id that arrives only as the correction token
     (after a rejection) while the target gives it less than `min_prob` is replaced by the target's best other
-    token (greedy) or one drawn from the target without the stop ids (sampling).
+    token (greedy_match) or, with `draft_probs` (rejection sampling), one drawn from the residual (t - d)+
+    without the stop ids (the target without them where that residual has no mass).
 
     Args:
         committed_ids (`torch.Tensor` of shape `(N, L)`, int64): committed tokens in verification order.
@@ -171,6 +179,7 @@ def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, ta
         target_probs (`torch.Tensor` of shape `(N, L, V)`): target distributions in the same order.
         stop_token_ids (`list[int]`), min_prob (`float`): the gate.
         sampler (`Sampler`): picks the replacement (argmax, or a draw from its generator).
+        draft_probs (`torch.Tensor` of shape `(N, L, V)`, *optional*): the draft distributions (rejection sampling).
 
     Returns:
         `torch.Tensor` of shape `(N, L)`, int64.
@@ -185,6 +194,9 @@ def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, ta
     if not bool(gated.any()):
         return committed_ids
     other = probs.index_fill(1, stop, 0.0)
+    if draft_probs is not None:
+        residual = (probs - draft_probs[rows, slot]).clamp_min(0.0).index_fill(1, stop, 0.0)
+        other = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, other)
     other = other / other.sum(dim=1, keepdim=True).clamp_min(torch.finfo(other.dtype).tiny)
     replacement, _ = sampler.choose(other)
     out = committed_ids.clone()
@@ -223,6 +235,9 @@ class SimSDStrategy(BlockDiffusionStrategy):
     def __init__(self, config: SimSDConfig, session) -> None:
         super().__init__(config, session)
         s = session
+        if config.min_draft_len > self.block_size:
+            raise invalid("min_draft_len", config.min_draft_len, f"be at most the block size ({self.block_size})",
+                          f"pass min_draft_len={self.block_size} to let the target finish every partial block")
         if config.acceptance == "greedy_match" and s.sampler.do_sample:
             raise invalid("acceptance", "greedy_match", "not be combined with do_sample=True (drafts are sampled; "
                           "verify them with rejection sampling)", "drop `acceptance`, or pass do_sample=False")
@@ -245,7 +260,6 @@ class SimSDStrategy(BlockDiffusionStrategy):
             drafts = self.draft(block, pending)
             target_probs = self.session.sampler.probs(self.verify(block, drafts, pending))
             self.commit(block, drafts, target_probs)
-            block.step += 1
             done = ~block.undecided.any(dim=1)
             done_rows, finished = done.tolist(), []
             for i, is_done in enumerate(done_rows):
@@ -262,7 +276,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
             pending = (block.tokens.clone(), block.positions, continuing) if bool(continuing.any()) else None
             block.restart(continuing)
             if finished:
-                pending = self.drop_rows(block, [True] * len(done_rows), finished, pending)
+                pending = self.drop_rows(block, done_rows, finished, pending)
         return generated
 
     # -- 1. draft ------------------------------------------------------------------------------------------------
@@ -279,8 +293,9 @@ class SimSDStrategy(BlockDiffusionStrategy):
         step = 0
         while bool(undecided.any()):
             ids = torch.where(undecided, s.draft_mask_token_id, tokens)
+            still = undecided.any(dim=1)
             logits = self.forward_with_pending(s.drafter, ids, block.positions, full_mask(self.block_size, ids.device),
-                                               pending, kind="draft", rows=drafting)
+                                               pending, kind="draft", rows=still)
             pending = None
             probs = self.draft_sampler.probs(logits)
             chosen, confidence = self.draft_sampler.choose(probs)
@@ -297,7 +312,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
             reveal_step = torch.where(transfer, step, reveal_step)
             probs_at_reveal = probs if probs_at_reveal is None else torch.where(transfer[..., None], probs,
                                                                                probs_at_reveal)
-            s.stats.accumulate("num_denoising_steps", drafting.long())
+            s.stats.accumulate("num_denoising_steps", still.long())
         if pending is not None:                       # nothing drafted this cycle: store the blocks on their own
             self.forward_with_pending(s.drafter, block.tokens, block.positions,
                                       full_mask(self.block_size, block.tokens.device), pending, kind="cache_write")
@@ -332,7 +347,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
             ids = torch.cat([drafts.tokens, torch.full_like(drafts.tokens, s.mask_token_id)], dim=1)
             positions = torch.cat([block.positions, block.positions], dim=1)        # mask slots copy RoPE positions
             logits = self.forward_with_pending(s.target, ids, positions, temporal_verify_mask(drafts.reveal_step),
-                                               pending, kind="verify")
+                                               pending, kind="verify", rows=self.count_target_alone(drafts))
             return logits[:, B:]
         num_copies = int(drafts.reveal_step.max())
         copy = torch.arange(1, num_copies + 1, device=device)[None, :, None]           # (1, S, 1)
@@ -341,9 +356,22 @@ class SimSDStrategy(BlockDiffusionStrategy):
         positions = block.positions.repeat(1, num_copies)
         copy_of = torch.arange(num_copies * B, device=device) // B
         intra = copy_of[:, None] == copy_of[None, :]                                   # block-diagonal copies
-        logits = self.forward_with_pending(s.target, ids, positions, intra, pending, kind="verify")
+        logits = self.forward_with_pending(s.target, ids, positions, intra, pending, kind="verify",
+                                           rows=self.count_target_alone(drafts))
         index = (drafts.reveal_step - 1).clamp(min=0) * B + torch.arange(B, device=device)[None]
         return logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+
+    def count_target_alone(self, drafts: Drafts) -> torch.Tensor | None:
+        """Rows that did not draft use this target forward as a plain denoising step: count it as one (a draft
+        forward and a denoising step) and return the rows the verify counter serves (None: all)."""
+        if self.config.min_draft_len == 1:
+            return None                                   # every block with a mask drafts
+        s = self.session
+        for i, drafting in enumerate(drafts.drafting.tolist()):
+            if not drafting:
+                s.stats.row(i).count_forward("draft")
+                s.stats.row(i).num_denoising_steps += 1
+        return drafts.drafting
 
     # -- 3. accept and commit ------------------------------------------------------------------------------------
     def commit(self, block: BlockState, drafts: Drafts, target_probs: torch.Tensor) -> None:
@@ -356,24 +384,29 @@ class SimSDStrategy(BlockDiffusionStrategy):
         vocab = target_probs.shape[-1]
         draft_ids = drafts.tokens.gather(1, order)
         target_ordered = target_probs.gather(1, order[..., None].expand(-1, -1, vocab))
+        draft_ordered = None
         if self.acceptance == "greedy_match":
             result = greedy_match(draft_ids, target_ordered, num_drafts=num_drafts)
         else:
             draft_probs = drafts.probs.expand(-1, -1, vocab) if drafts.probs.shape[-1] == 1 else drafts.probs
-            result = rejection_sample(draft_ids, draft_probs.gather(1, order[..., None].expand(-1, -1, vocab)),
-                                      target_ordered, num_drafts=num_drafts, generator=s.sampler.generator)
+            draft_ordered = draft_probs.gather(1, order[..., None].expand(-1, -1, vocab))
+            result = rejection_sample(draft_ids, draft_ordered, target_ordered, num_drafts=num_drafts,
+                                      generator=s.sampler.generator)
         committed_ids = result.token_ids[:, : order.shape[1]]
         if self.config.eos_min_prob > 0 and s.stop_token_ids:
             committed_ids = gate_stop_tokens(committed_ids, result, target_ordered, s.stop_token_ids,
-                                             self.config.eos_min_prob, s.sampler)
+                                             self.config.eos_min_prob, s.sampler, draft_probs=draft_ordered)
         in_order = torch.arange(order.shape[1], device=order.device)[None] < result.num_tokens[:, None]
         commit = torch.zeros_like(in_order).scatter(1, order, in_order)
         values = torch.zeros_like(block.tokens).scatter(1, order, committed_ids.clamp(min=0))
         # rows finished by the target alone: its most confident masked position, one token per forward
-        target_ids, confidence = s.sampler.choose(target_probs)
-        alone = select_transfer("low_confidence_static", masked=block.undecided & ~drafts.drafting[:, None],
-                                confidence=confidence, num_tokens=1)
-        block.tokens = torch.where(commit, values, torch.where(alone, target_ids, block.tokens))
+        alone = torch.zeros_like(commit)
+        if self.config.min_draft_len > 1:
+            target_ids, confidence = s.sampler.choose(target_probs)
+            alone = select_transfer("low_confidence_static", masked=block.undecided & ~drafts.drafting[:, None],
+                                    confidence=confidence, num_tokens=1)
+            values = torch.where(alone, target_ids, values)
+        block.tokens = torch.where(commit | alone, values, block.tokens)
         block.undecided = block.undecided & ~commit & ~alone
         rows = torch.arange(n, device=order.device)
         s.stats.observe_verification(rows, num_drafts, result.num_accepted, result.recovered,
