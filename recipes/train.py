@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         for p in heldout:
             f.write(json.dumps(p) + "\n")
     stage = {
-        "objective": args.objective, "init_from": args.init_from, "max_operand": args.max_operand,
+        "objective": args.objective, "init_from": args.init_from, "grow_layers": args.grow_layers,
+        "max_operand": args.max_operand,
         "seed": args.seed, "steps": state["step"], "tokens_seen": state["step"] * tokens_per_step,
         "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr, "arith_fraction": args.arith_fraction,
         **objective.record(), "parameters": num_params, "train_seconds": round(elapsed, 1),

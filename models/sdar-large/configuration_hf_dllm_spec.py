@@ -1,0 +1,18 @@
+"""Remote-code shim written by `hf_dllm_spec.export_checkpoint` (hf-dllm-spec 0.1.0.dev0).
+
+`model_patches.sdar.SDARConfig` lives in the installed `hf-dllm-spec` package; this file only imports it,
+so that `AutoConfig.from_pretrained(<this checkpoint>, trust_remote_code=True)` works without
+`import hf_dllm_spec`.
+"""
+
+try:  # transformers' import check skips try blocks, so a missing package fails with the message below
+    from model_patches.sdar import SDARConfig as _SDARConfig
+except ImportError as error:
+    raise ImportError(
+        "This checkpoint's `SDARConfig` comes from the `hf-dllm-spec` package, which could not be "
+        f"imported ({error}); pip install hf-dllm-spec"
+    ) from error
+
+
+class SDARConfig(_SDARConfig):
+    """`model_patches.sdar.SDARConfig`, as this checkpoint's remote code."""
