@@ -401,3 +401,37 @@ def test_pairs_are_checked_before_any_forward(target, drafter, qwen_model):
         _simsd(target, drafter, PROMPT, draft_block_size=8)
     with pytest.raises(ValueError, match="acceptance"):
         _simsd(target, drafter, PROMPT, acceptance="greedy_match", do_sample=True)
+
+
+# -- a right-shifted family (Fast-dLLM v2): the stacked layout carries over ----------------------------------------
+def _fast_dllm(seed: int):
+    from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
+
+    torch.manual_seed(seed)
+    config = Fast_dLLM_QwenConfig(initializer_range=0.2, bd_size=B, mask_token_id=MASK_ID, tie_word_embeddings=True,
+                                  eos_token_id=None, attn_implementation="sdpa", vocab_size=99, hidden_size=32,
+                                  intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2)
+    return Fast_dLLM_QwenForCausalLM(config).eval()
+
+
+def test_right_shifted_family_runs_exactly_on_the_stacked_layout():
+    target_, drafter_ = _fast_dllm(0), _fast_dllm(5)
+    for prompt in (PROMPT, PROMPT[:, :4]):                  # a prompt tail in the first block, and none
+        out = _simsd(target_, drafter_, prompt, preset="simsd-exact", return_dict_in_generate=True)
+        ref = _block_diffusion(target_, prompt, remasking_strategy="sequential")
+        assert torch.equal(out.sequences, ref) and out.spec_stats.acceptance_rate < 0.9
+        self_draft = _simsd(target_, target_, prompt, verify_layout="stacked",
+                            remasking_strategy="low_confidence_static", return_dict_in_generate=True)
+        assert torch.equal(self_draft.sequences, _block_diffusion(target_, prompt,
+                                                                  remasking_strategy="low_confidence_static"))
+        assert self_draft.spec_stats.acceptance_rate == 1.0
+    ids, mask, prompts = left_padded_batch([7, 2, 9, 4], seed=8)
+    batch = _simsd(target_, drafter_, ids, attention_mask=mask, pad_token_id=0, preset="simsd-exact")
+    for n, prompt in enumerate(prompts):
+        new = _simsd(target_, drafter_, prompt[None], preset="simsd-exact")[0, prompt.shape[0]:]
+        assert torch.equal(batch[n, ids.shape[1]: ids.shape[1] + new.shape[0]], new)
+    with pytest.raises(ValueError, match="verify_layout"):
+        _simsd(target_, drafter_, PROMPT)                   # the paired layout does not carry over
+    with pytest.raises(ValueError, match="draft_model"):
+        _simsd(target_, _sdar(7), PROMPT, verify_layout="stacked")      # another family

@@ -163,8 +163,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--thresholds", default="0.9,0.7")
     ap.add_argument("--draft-model", action="append", default=[], metavar="[NAME=]PATH",
                     help="drafters (repeatable): DEER drafters for an AR --model, e.g. "
-                         "aligned=models/deer-drafter-tiny (the DEER rows sweep --block-sizes as k); SimSD drafters for a diffusion --model, e.g. "
-                         "models/sdar-tiny-arith for models/sdar-large (SimSD rows per block size)")
+                         "aligned=models/deer-drafter-tiny (the DEER rows sweep --block-sizes as k); SimSD drafters "
+                         "for a diffusion --model, e.g. models/sdar-tiny-arith for models/sdar-large (SimSD rows per "
+                         "block size)")
     ap.add_argument("--out", default=str(RESULTS_DIR), help="results folder; default: benchmarks/results")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", dest="progress", action="store_false",

@@ -17,13 +17,17 @@ the block's known part, SimSD's "leftover", is the prompt tail plus earlier comm
    holding the block as it was before step s (full attention inside each copy): exact, at s times the query;
 3. accept in position order (default, the reference; position order can accept a token whose context held
    drafts to its right, revealed earlier, that are then truncated; `verify_order="temporal"` walks the reveal
-   order, the consistent one, and is experimental) with `greedy_match` (default) or rejection sampling (min(1, t/d), residual (t - d)+, the target when the residual
-   has no mass); the first rejected position gets the target's token. Commit rule `truncate`: committed tokens
-   join the block's known part and the block is re-drafted until full. A block with fewer than `min_draft_len`
-   masks left is finished by the target alone, one most-confident token per forward (the paper's rule for
-   R < gamma);
+   order, the consistent one, and is experimental) with `greedy_match` (default) or rejection sampling
+   (min(1, t/d), residual (t - d)+, the target when the residual has no mass); the first rejected position gets
+   the target's token. Commit rule `truncate`: committed tokens join the block's known part and the block is
+   re-drafted until full. A block with fewer than `min_draft_len` masks left is finished by the target alone,
+   one most-confident token per forward (the paper's rule for R < gamma);
 4. a full block enters both caches, fused with each model's next forward: caches hold only full committed
    blocks.
+
+Right-shifted families (Fast-dLLM v2) run on the stacked layout only: a right-shifted model predicts position k
+from row k - 1, which in the paired layout saw the block as of k - 1's own reveal step; in a stacked copy it saw
+the copy's state (the first position of every copy comes from the token before the block).
 
 Exactness (paper §4.3): in the paired layout a mask slot's keys are data rows that saw the block as it was at
 *their own* reveal step, so beyond the first layer its logits approximate the separate target forward over the
@@ -60,7 +64,8 @@ VERIFY_ORDERS = ("position", "temporal")
 @dataclass
 class SimSDConfig(BlockDiffusionConfig, DrafterConfig):
     """SimSD (Cui et al. §3; `strategies.md` §6). Needs `draft_model=`: a diffusion LM of the target's family with
-    the same tokenizer and block size.
+    the same tokenizer, block size and alignment (right-shifted families such as Fast-dLLM v2 need
+    `verify_layout="stacked"`).
 
     Args:
         block_size (`int`, *optional*): B, the block size of both models (`None`: the target's trained one).
@@ -216,8 +221,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
 
     @classmethod
     def check_models(cls, target, target_patch, drafter, drafter_patch) -> None:
-        """Both models: position-aligned diffusion LMs of one family (the paired layout reads each position's own
-        mask slot; right-shifted families would read a neighbour's state).
+        """Both models: diffusion LMs of one family and one alignment (position-aligned SDAR / LLaDA2, or
+        right-shifted Fast-dLLM v2, which needs `verify_layout="stacked"`: checked when the strategy starts).
 
         Raises:
             ValueError: naming `draft_model` or `model`.
@@ -225,16 +230,21 @@ class SimSDStrategy(BlockDiffusionStrategy):
         if drafter_patch is None:
             return
         for name, model, patch in (("model", target, target_patch), ("draft_model", drafter, drafter_patch)):
-            if not patch.is_diffusion_lm or patch.alignment_of(model) != "position":
-                raise invalid(name, type(model).__name__, "be a position-aligned diffusion LM (SDAR, LLaDA2) for "
-                              "decoding_strategy='simsd'", "use block-diffusion models such as SDAR for both")
-        if type(drafter_patch) is not type(target_patch):
-            raise invalid("draft_model", type(drafter).__name__, f"be of the target's family ({target_patch.family})",
-                          "pass a smaller model of the same family and tokenizer")
+            if not patch.is_diffusion_lm:
+                raise invalid(name, type(model).__name__, "be a diffusion LM for decoding_strategy='simsd'",
+                              "use block-diffusion models of one family (SDAR, Fast-dLLM v2) for both")
+        if type(drafter_patch) is not type(target_patch) or (
+                drafter_patch.alignment_of(drafter) != target_patch.alignment_of(target)):
+            raise invalid("draft_model", type(drafter).__name__, f"be of the target's family ({target_patch.family}) "
+                          "and alignment", "pass a smaller model of the same family and tokenizer")
 
     def __init__(self, config: SimSDConfig, session) -> None:
         super().__init__(config, session)
         s = session
+        if s.target.alignment == "right_shift" and config.verify_layout == "paired":
+            raise invalid("verify_layout", "paired", "be 'stacked' for a right-shifted family (Fast-dLLM v2): a "
+                          "right-shifted model predicts position k from row k - 1, which in the paired layout saw the "
+                          "block at k - 1's own reveal step", "pass verify_layout='stacked'")
         if config.min_draft_len > self.block_size:
             raise invalid("min_draft_len", config.min_draft_len, f"be at most the block size ({self.block_size})",
                           f"pass min_draft_len={self.block_size} to let the target finish every partial block")
@@ -358,6 +368,12 @@ class SimSDStrategy(BlockDiffusionStrategy):
         intra = copy_of[:, None] == copy_of[None, :]                                   # block-diagonal copies
         logits = self.forward_with_pending(s.target, ids, positions, intra, pending, kind="verify",
                                            rows=self.count_target_alone(drafts))
+        if s.target.alignment == "right_shift":
+            # Position 0 of a copy is predicted from the token before the block (the carry, or the last token of the
+            # block stored in this forward), identical for every copy; the runner's shift would read the previous
+            # copy's last row, so every copy takes copy 1's.
+            logits = logits.clone()
+            logits[:, B::B] = logits[:, :1]
         index = (drafts.reveal_step - 1).clamp(min=0) * B + torch.arange(B, device=device)[None]
         return logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
 
