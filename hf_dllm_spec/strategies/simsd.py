@@ -170,6 +170,40 @@ def verification_order(drafted: torch.Tensor, reveal_step: torch.Tensor, order: 
     return key.argsort(dim=1, stable=True)
 
 
+def compact_paired_layout(ids: torch.Tensor, positions: torch.Tensor, reveal_step: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Drop the query tokens of the paired layout whose outputs and keys nobody needs, per row.
+
+    Data rows revealed at a row's last step are seen by no mask slot (a slot sees data revealed strictly before
+    its own step), and mask slots of known positions are dummies: both go. Rows keep their order; shorter rows are
+    padded with tokens that see only themselves (and the cache) and that nobody sees. The mask slots' logits are
+    unchanged (the kept rows see exactly the keys they saw in the full layout).
+
+    Args:
+        ids, positions (`torch.Tensor` of shape `(N, 2B)`, int64): the full paired layout `[data | mask slots]`.
+        reveal_step (`torch.Tensor` of shape `(N, B)`, int64): the step map (0 = known).
+
+    Returns:
+        `(ids, positions, intra, slot)`: the compact query `(N, W)`, its visibility `(N, W, W)` bool (Eq. 1 on the
+        kept tokens), and `slot` `(N, B)` int64, the compact index of each position's mask slot (0 for known
+        positions, whose slot is not read).
+    """
+    width = reveal_step.shape[1]
+    last = reveal_step.max(dim=1, keepdim=True).values
+    keep = torch.cat([reveal_step < last, reveal_step > 0], dim=1)                   # (N, 2B)
+    kept = int(keep.sum(dim=1).max())
+    order = keep.long().argsort(dim=1, descending=True, stable=True)[:, :kept]        # kept first, in layout order
+    real = keep.gather(1, order)                                                      # (N, W); False = padding
+    full = temporal_verify_mask(reveal_step)
+    rows = full.gather(1, order[:, :, None].expand(-1, -1, 2 * width))
+    intra = rows.gather(2, order[:, None, :].expand(-1, kept, -1))
+    eye = torch.eye(kept, dtype=torch.bool, device=ids.device)
+    intra = (intra & real[:, None, :]) | eye
+    where = torch.zeros_like(keep, dtype=torch.long).scatter(1, order, torch.arange(kept, device=ids.device)
+                                                             .expand_as(order))
+    return ids.gather(1, order), positions.gather(1, order), intra, where[:, width:]
+
+
 def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, target_probs: torch.Tensor,
                      stop_token_ids: list[int], min_prob: float, sampler: Sampler,
                      draft_probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -356,9 +390,10 @@ class SimSDStrategy(BlockDiffusionStrategy):
         if self.config.verify_layout == "paired":
             ids = torch.cat([drafts.tokens, torch.full_like(drafts.tokens, s.mask_token_id)], dim=1)
             positions = torch.cat([block.positions, block.positions], dim=1)        # mask slots copy RoPE positions
-            logits = self.forward_with_pending(s.target, ids, positions, temporal_verify_mask(drafts.reveal_step),
-                                               pending, kind="verify", rows=self.count_target_alone(drafts))
-            return logits[:, B:]
+            ids, positions, intra, slot = compact_paired_layout(ids, positions, drafts.reveal_step)
+            logits = self.forward_with_pending(s.target, ids, positions, intra, pending, kind="verify",
+                                               rows=self.count_target_alone(drafts))
+            return logits.gather(1, slot[..., None].expand(-1, -1, logits.shape[-1]))
         num_copies = int(drafts.reveal_step.max())
         copy = torch.arange(1, num_copies + 1, device=device)[None, :, None]           # (1, S, 1)
         before = drafts.reveal_step[:, None, :] < copy                                  # (N, S, B) known at copy s
