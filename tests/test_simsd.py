@@ -156,6 +156,38 @@ def test_paired_layout_is_approximate_beyond_one_layer(target, drafter, monkeypa
     assert worst > 1e-3
 
 
+def test_compact_paired_layout_keeps_every_mask_slot_logit(target, drafter, monkeypatch):
+    """Dropping the tokens nobody needs changes no mask-slot logit, at any depth (two layers here): the compact
+    verify equals the full 2B-token paired forward over the same cache."""
+    import hf_dllm_spec.strategies.simsd as simsd_module
+
+    def full_layout(ids, positions, reveal_step):
+        width = reveal_step.shape[1]
+        slot = torch.arange(width, 2 * width)[None].expand(ids.shape[0], -1)
+        return ids, positions, temporal_verify_mask(reveal_step), slot
+
+    captured = {}
+    original = SimSDStrategy.verify
+
+    def record(key):
+        def verify(self, block, drafts, pending):
+            logits = original(self, block, drafts, pending)
+            captured.setdefault(key, []).append((drafts.reveal_step > 0, logits))
+            return logits
+        return verify
+
+    ids, mask, _ = left_padded_batch([7, 2, 9], seed=2)
+    kwargs = dict(attention_mask=mask, pad_token_id=0, preset="simsd-dynamic")
+    monkeypatch.setattr(SimSDStrategy, "verify", record("compact"))
+    compact = _simsd(target, drafter, ids, **kwargs)
+    monkeypatch.setattr(simsd_module, "compact_paired_layout", full_layout)
+    monkeypatch.setattr(SimSDStrategy, "verify", record("full"))
+    assert torch.equal(_simsd(target, drafter, ids, **kwargs), compact)
+    assert len(captured["compact"]) == len(captured["full"]) >= 6
+    for (drafted, a), (_, b) in zip(captured["compact"], captured["full"]):
+        torch.testing.assert_close(a[drafted], b[drafted], atol=1e-5, rtol=1e-5)
+
+
 # -- self-draft and the lossless cases -----------------------------------------------------------------------------
 @pytest.mark.parametrize("rule", ["sequential", "low_confidence_static"])
 @pytest.mark.parametrize("layout", ["paired", "stacked"])
