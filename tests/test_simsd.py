@@ -142,8 +142,13 @@ def test_paired_layout_is_approximate_beyond_one_layer(target, drafter, monkeypa
     """Paper §4.3: on a deeper target the paired mask slots differ from the separate forwards (documented)."""
     captured = []
     original = SimSDStrategy.verify
-    monkeypatch.setattr(SimSDStrategy, "verify", lambda self, b, d, p: captured.append(
-        (b.start.clone(), d.tokens.clone(), d.reveal_step.clone(), original(self, b, d, p))) or captured[-1][3])
+
+    def capture(self, block, drafts, pending):
+        logits = original(self, block, drafts, pending)
+        captured.append((block.start.clone(), drafts.tokens.clone(), drafts.reveal_step.clone(), logits))
+        return logits
+
+    monkeypatch.setattr(SimSDStrategy, "verify", capture)
     out = _simsd(target, drafter, PROMPT, remasking_strategy="sequential")
     worst = 0.0
     for start, tokens, reveal, logits in captured:
