@@ -13,6 +13,7 @@ from ..outputs import BatchStats
 from ..runner import ModelRunner
 from ..sampling import Sampler
 from ..streaming import TokenStream
+from ..validation import invalid
 
 
 @dataclass
@@ -55,6 +56,27 @@ class DecodingSession:
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    def draft_sampler(self) -> Sampler:
+        """The separate drafter's sampler: the target's processors, mode and generator, the drafter's mask
+        token suppressed."""
+        s = self.sampler
+        return Sampler(s.logits_processor, do_sample=s.do_sample, suppress_token_ids=[self.draft_mask_token_id],
+                       generator=s.generator)
+
+    def resolve_acceptance(self, acceptance: str | None) -> str:
+        """The acceptance rule of a strategy with a separate drafter: `acceptance`, or by default "greedy_match"
+        without sampling and "rejection_sampling" with it.
+
+        Raises:
+            ValueError: "greedy_match" with `do_sample=True` (sampled drafts verified by argmax would not follow the
+                target's distribution).
+        """
+        if acceptance == "greedy_match" and self.sampler.do_sample:
+            raise invalid("acceptance", "greedy_match", "not be combined with do_sample=True (sampled drafts are "
+                          "verified with rejection sampling; greedy match would not follow the target's "
+                          "distribution)", "drop `acceptance`, or pass do_sample=False")
+        return acceptance or ("rejection_sampling" if self.sampler.do_sample else "greedy_match")
 
 
 class DecodingStrategy(ABC):

@@ -373,19 +373,26 @@ class BlockDiffusionStrategy(DecodingStrategy):
         Returns:
             `torch.Tensor` of shape `(N, B, V)`, float32 draft logits of each row's block.
         """
-        s, B = self.session, self.block_size
-        ids, positions, intra = block.tokens, block.positions, self.draft_mask(block)
+        s = self.session
+        for i in range(block.tokens.shape[0]):
+            s.stats.row(i).num_denoising_steps += 1
+        return self.forward_with_pending(s.target, block.tokens, block.positions, self.draft_mask(block), pending,
+                                         kind="draft")
+
+    def forward_with_pending(self, runner, ids: torch.Tensor, positions: torch.Tensor, intra: torch.Tensor,
+                             pending: tuple | None, *, kind: str, rows=None) -> torch.Tensor:
+        """`runner.forward` over `ids` `(N, q)` (read-only), storing the `pending` finished blocks first when given
+        (rows whose flag is false store padding); returns the logits of the `ids` part, `(N, q, V)`."""
         store_len, store_valid = 0, None
+        q = ids.shape[1]
         if pending is not None:
-            tokens, pending_positions, rows = pending
+            tokens, pending_positions, pending_rows = pending
             ids = torch.cat([tokens, ids], dim=1)
             positions = torch.cat([pending_positions, positions], dim=1)
             intra = concat_segments(self.store_mask(pending_positions), intra)
-            store_len, store_valid = B, rows[:, None].expand(-1, B)
-        for i in range(block.tokens.shape[0]):
-            s.stats.row(i).num_denoising_steps += 1
-        return s.target.forward(ids, positions, intra, kind="draft", store_len=store_len, store_valid=store_valid,
-                                logits_to_keep=B)
+            store_len, store_valid = self.block_size, pending_rows[:, None].expand(-1, self.block_size)
+        return runner.forward(ids, positions, intra, kind=kind, store_len=store_len, store_valid=store_valid,
+                              logits_to_keep=q, rows=rows)
 
     # -- Algorithm 2: one denoising step -----------------------------------------------------------------------
     def current_sub_block(self, block: BlockState) -> torch.Tensor:

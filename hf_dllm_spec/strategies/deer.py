@@ -32,7 +32,6 @@ import torch
 from ..configuration import DrafterConfig, check_int
 from ..drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter
 from ..masks import causal_mask, left_pad
-from ..sampling import Sampler
 from ..validation import check_choice, invalid
 from ..verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
 from .base import DecodingStrategy
@@ -116,12 +115,8 @@ class DeerStrategy(DecodingStrategy):
     def __init__(self, config: DeerConfig, session) -> None:
         super().__init__(config, session)
         s = session
-        if config.acceptance == "greedy_match" and s.sampler.do_sample:
-            raise invalid("acceptance", "greedy_match", "not be combined with do_sample=True (the output would "
-                          "not follow the target's distribution)", "drop `acceptance`, or pass do_sample=False")
-        self.acceptance = config.acceptance or ("rejection_sampling" if s.sampler.do_sample else "greedy_match")
-        self.draft_sampler = Sampler(s.sampler.logits_processor, do_sample=s.sampler.do_sample,
-                                     suppress_token_ids=[s.draft_mask_token_id], generator=s.sampler.generator)
+        self.acceptance = s.resolve_acceptance(config.acceptance)
+        self.draft_sampler = s.draft_sampler()
         self.drafter = OneStepDrafter(s.drafter, s.draft_mask_token_id, draft_attention=config.draft_attention,
                                       sep_token_id=config.sep_token_id, sep_position=config.sep_position)
 

@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..configuration import DrafterConfig, check_int
-from ..masks import concat_segments, full_mask, temporal_verify_mask
+from ..masks import full_mask, temporal_verify_mask
 from ..sampling import Sampler, entropy
 from ..unmasking import scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
@@ -282,12 +282,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
         if config.min_draft_len > self.block_size:
             raise invalid("min_draft_len", config.min_draft_len, f"be at most the block size ({self.block_size})",
                           f"pass min_draft_len={self.block_size} to let the target finish every partial block")
-        if config.acceptance == "greedy_match" and s.sampler.do_sample:
-            raise invalid("acceptance", "greedy_match", "not be combined with do_sample=True (drafts are sampled; "
-                          "verify them with rejection sampling)", "drop `acceptance`, or pass do_sample=False")
-        self.acceptance = config.acceptance or ("rejection_sampling" if s.sampler.do_sample else "greedy_match")
-        self.draft_sampler = Sampler(s.sampler.logits_processor, do_sample=s.sampler.do_sample,
-                                     suppress_token_ids=[s.draft_mask_token_id], generator=s.sampler.generator)
+        self.acceptance = s.resolve_acceptance(config.acceptance)
+        self.draft_sampler = s.draft_sampler()
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -366,20 +362,6 @@ class SimSDStrategy(BlockDiffusionStrategy):
         reveal_step = torch.where(target_only, 1, reveal_step)
         tokens = torch.where(target_only, s.mask_token_id, tokens)
         return Drafts(tokens, reveal_step, probs_at_reveal, drafting)
-
-    def forward_with_pending(self, runner, ids, positions, intra, pending, *, kind: str, rows=None) -> torch.Tensor:
-        """`runner.forward` over `ids` (read-only), storing the `pending` finished blocks first when given;
-        returns the logits of the `ids` part, `(N, q, V)`."""
-        store_len, store_valid = 0, None
-        q = ids.shape[1]
-        if pending is not None:
-            tokens, pending_positions, pending_rows = pending
-            ids = torch.cat([tokens, ids], dim=1)
-            positions = torch.cat([pending_positions, positions], dim=1)
-            intra = concat_segments(self.store_mask(pending_positions), intra)
-            store_len, store_valid = self.block_size, pending_rows[:, None].expand(-1, self.block_size)
-        return runner.forward(ids, positions, intra, kind=kind, store_len=store_len, store_valid=store_valid,
-                              logits_to_keep=q, rows=rows)
 
     # -- 2. verify -----------------------------------------------------------------------------------------------
     def verify(self, block: BlockState, drafts: Drafts, pending: tuple | None) -> torch.Tensor:
