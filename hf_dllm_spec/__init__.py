@@ -24,6 +24,7 @@ _EXPORTS = {
     "FastDLLMV2Config": "strategies.fast_dllm_v2",
     "DeerConfig": "strategies.deer",
     "SimSDConfig": "strategies.simsd",
+    "LLaDA2DecodingConfig": "strategies.llada2",
     "DeerCandidateGenerator": "candidate_generator",
     "deer_assisted_generate": "candidate_generator",
     "DecodingConfig": "configuration",
@@ -38,6 +39,8 @@ _EXPORTS = {
     "DllmGenerationMixin": "mixin",
     "dllm_generate": "generation",
     "EditRule": "editing",
+    "EditingConfig": "editing",
+    "ThresholdEditRule": "editing",
     "GenerateDllmOutput": "outputs",
     "SpecDecodingStats": "outputs",
     "export_checkpoint": "export",
@@ -47,7 +50,8 @@ __all__ = sorted([*_EXPORTS, "custom_generate", "register_auto_classes"])
 
 
 def register_auto_classes() -> None:
-    """Register the families with their own model classes (SDAR, Fast-dLLM v2) with `AutoConfig` / `AutoModelForCausalLM`.
+    """Register the families with their own model classes (SDAR, Fast-dLLM v2, LLaDA2) with `AutoConfig` /
+    `AutoModelForCausalLM`.
 
     The one place hf_dllm_spec touches the Auto classes; idempotent. See `model_patches.register_auto_classes`.
     """

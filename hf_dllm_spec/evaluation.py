@@ -168,18 +168,20 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
 
 def table(results: list[RunResult], baseline: RunResult, metric: str) -> str:
     """Markdown table, one row per strategy; speedups against `baseline` measured in the same process. rho is the
-    time of one drafter forward over one target forward (strategies with a separate drafter)."""
+    time of one drafter forward over one target forward (strategies with a separate drafter); edited is the share
+    of committed tokens replaced by token editing (LLaDA2.1)."""
     head = (f"| strategy | NFE | tokens/forward | wall s | speedup vs AR | NFE vs AR | {metric} | acceptance rate | "
-            "tau | rho | outside forwards |")
-    lines = [head, "|" + "---|" * 11]
+            "tau | rho | edited | outside forwards |")
+    lines = [head, "|" + "---|" * 12]
     for r in results:
         s, base = r.stats, baseline.stats
         acc_rate = "-" if s.num_draft_tokens == 0 else f"{s.acceptance_rate:.2f}"
         tau = "-" if s.num_drafts == 0 else f"{s.mean_acceptance_length:.2f}"
         rho = "-" if s.num_draft_model_forwards == 0 else f"{s.draft_target_time_ratio:.2f}"
+        edited = "-" if s.num_edited_tokens == 0 else f"{s.edit_rate:.1%}"
         lines.append(
             f"| {r.spec.label} | {s.nfe} | {s.tpf:.2f} | {s.wall_time_s:.2f} | "
             f"{base.wall_time_s / s.wall_time_s:.2f}x | {s.nfe / base.nfe:.0%} | "
-            f"{r.accuracy:.1f}% | {acc_rate} | {tau} | {rho} | {s.overhead_fraction:.0%} |"
+            f"{r.accuracy:.1f}% | {acc_rate} | {tau} | {rho} | {edited} | {s.overhead_fraction:.0%} |"
         )
     return "\n".join(lines)

@@ -133,6 +133,11 @@ class SpecDecodingStats:
         )
 
     @property
+    def edit_rate(self) -> float:
+        """Token edits (LLaDA2.1 T2T) per committed token, ``num_edited_tokens / num_committed_tokens`` (0 if none)."""
+        return self.num_edited_tokens / self.num_committed_tokens if self.num_committed_tokens else 0.0
+
+    @property
     def decode_forwards(self) -> int:
         """Forwards after prefill: ``nfe - num_prefill_forwards``."""
         return self.nfe - self.num_prefill_forwards

@@ -17,6 +17,7 @@ from .strategies.base import DecodingStrategy
 from .strategies.block_diffusion import ARStrategy, BlockDiffusionStrategy
 from .strategies.deer import DeerStrategy
 from .strategies.fast_dllm_v2 import FastDLLMV2Strategy
+from .strategies.llada2 import LLaDA2Strategy
 from .strategies.s2d2 import S2D2Strategy
 from .strategies.simsd import SimSDStrategy
 from .validation import check_choice
@@ -33,6 +34,7 @@ class DecodingStrategyName(str, Enum):
     FAST_DLLM_V2 = "fast_dllm_v2"
     DEER = "deer"
     SIMSD = "simsd"
+    LLADA2 = "llada2"
 
 
 def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy]:
@@ -47,7 +49,8 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     return strategy
 
 
-for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy, FastDLLMV2Strategy, DeerStrategy, SimSDStrategy):
+for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy, FastDLLMV2Strategy, DeerStrategy, SimSDStrategy,
+                  LLaDA2Strategy):
     register_strategy(_strategy)
 
 

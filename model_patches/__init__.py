@@ -1,7 +1,7 @@
 """Model-family adapters: one module per family, reached through :func:`get_patch`.
 
 Importing this package registers nothing. :func:`register_auto_classes` (also `hf_dllm_spec.register_auto_classes`)
-is the one place that registers the families with their own model classes (SDAR, Fast-dLLM v2) with `AutoConfig` /
+is the one place that registers the families with their own model classes (SDAR, Fast-dLLM v2, LLaDA2) with `AutoConfig` /
 `AutoModelForCausalLM` under their Hub `model_type`, so Hub checkpoints load without `trust_remote_code`.
 """
 
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from .base import ALIGNMENTS, FamilyPatch
 from .causal_lm import CausalLMPatch
+from .llada2 import LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDA2Patch
 from .fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM, Fast_dLLM_QwenModel, FastDLLMV2Patch
 from .qwen import QwenPatch
 from .sdar import SDARConfig, SDARForCausalLM, SDARPatch
 
-PATCHES: tuple[FamilyPatch, ...] = (SDARPatch(), FastDLLMV2Patch(), QwenPatch())
+PATCHES: tuple[FamilyPatch, ...] = (SDARPatch(), FastDLLMV2Patch(), LLaDA2Patch(), QwenPatch())
 #: Serves any other decoder-only transformers causal LM (autoregressive): `ar` and DEER targets.
 CAUSAL_LM_PATCH = CausalLMPatch()
 
@@ -56,5 +57,5 @@ def get_patch(model) -> FamilyPatch:
 
 
 __all__ = ["ALIGNMENTS", "CAUSAL_LM_PATCH", "CausalLMPatch", "FamilyPatch", "FastDLLMV2Patch", "Fast_dLLM_QwenConfig", "Fast_dLLM_QwenForCausalLM",
-           "Fast_dLLM_QwenModel", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
+           "Fast_dLLM_QwenModel", "LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM", "LLaDA2Patch", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
            "get_patch", "register_auto_classes"]

@@ -132,19 +132,36 @@ class BlockDiffusionObjective(Objective):
         return SDARForCausalLM(config)
 
     def loss(self, model, x, maskable, gen):
-        sizes = list(self.block_sizes)
-        block_size = sizes[int(torch.multinomial(torch.tensor(list(self.block_sizes.values())), 1, generator=gen))]
+        t, noise, noisy = self.mask_noise(x, maskable, gen)
+        hidden = self.noisy_hidden(model, noisy, x, gen)
+        return self.masked_loss(model, hidden, x, noise, t, maskable)
+
+    def mask_noise(self, x, maskable, gen):
+        """One t ~ U(1e-3, 1) per sequence; each maskable position masked with probability t.
+        Returns `(t (b,), noise (b, L) bool, noisy (b, L))`."""
         b, seq_len = x.shape
         t = torch.rand(b, generator=gen) * (1 - 1e-3) + 1e-3                         # (b,)
         noise = (torch.rand(b, seq_len, generator=gen) < t[:, None]) & maskable       # (b, L)
-        noisy = torch.where(noise, torch.full_like(x, MASK_ID), x)
+        return t, noise, torch.where(noise, torch.full_like(x, MASK_ID), x)
+
+    def noisy_hidden(self, model, noisy, x, gen):
+        """Hidden states of the noisy half of `[noisy | clean]` (shared positions, block-diffusion mask, a block
+        size drawn from `block_sizes`), `(b, L, H)`."""
+        sizes = list(self.block_sizes)
+        block_size = sizes[int(torch.multinomial(torch.tensor(list(self.block_sizes.values())), 1, generator=gen))]
+        b, seq_len = x.shape
         pos = torch.arange(seq_len).repeat(2)[None].expand(b, -1)
         hidden = model.model(input_ids=torch.cat([noisy, x], dim=1), position_ids=pos,
                              attention_mask=self.block_mask(seq_len, block_size).expand(b, -1, -1, -1)
                              ).last_hidden_state
-        logits = model.lm_head(hidden[:, :seq_len][noise]).float()                    # (N, V)
+        return hidden[:, :seq_len]
+
+    @staticmethod
+    def masked_loss(model, hidden, x, noise, t, maskable):
+        """Mask-to-token loss: cross-entropy at masked positions weighted 1/t, over the maskable count."""
+        logits = model.lm_head(hidden[noise]).float()                                 # (N, V)
         token_loss = torch.nn.functional.cross_entropy(logits, x[noise], reduction="none")
-        weights = (1.0 / t)[:, None].expand(b, seq_len)[noise]
+        weights = (1.0 / t)[:, None].expand_as(noise)[noise]
         return (token_loss * weights).sum() / maskable.sum().clamp_min(1)
 
     def record(self):
@@ -372,8 +389,56 @@ def teacher_stream(teacher, prompts: list[list[int]], max_new_tokens: int) -> tu
     return torch.tensor(ids, dtype=torch.long), torch.tensor(maskable, dtype=torch.bool)
 
 
+class LLaDA2Objective(BlockDiffusionObjective):
+    """LLaDA2.1's objectives on a small LLaDA2 MoE (Hub layout): block-diffusion mask-to-token (M2T) plus
+    token-to-token editing (T2T; LLaDA2.1 tech report §2).
+
+    The noisy half of `[noisy | clean]` is masked as for SDAR; then a share r ~ U(0, `edit_max_rate`) of the
+    positions left visible (per sequence) is replaced by random tokens. Loss = the M2T loss (1/t weighted, masked
+    positions) + the T2T loss: cross-entropy of the clean token at every visible maskable position of the noisy
+    half (corrupted ones learn the correction, the others to keep their token), over the maskable count. The
+    block size mix holds 32 (LLaDA2's trained block size) and 1 (the AR mode S2D2 verifies with).
+    """
+
+    name = "llada2"
+    block_sizes = {32: 0.5, 16: 0.1, 4: 0.2, 1: 0.2}
+    edit_max_rate = 0.25
+
+    def build_model(self, args, tokenizer, init_from):
+        from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
+
+        if init_from:
+            return LLaDA2MoeModelLM.from_pretrained(init_from, dtype=torch.float32, attn_implementation="sdpa")
+        base = {**small_qwen_kwargs(args, len(tokenizer)), "tie_word_embeddings": False}    # untied, as the Hub
+        base.pop("bos_token_id")
+        config = LLaDA2MoeConfig(**base, head_dim=args.hidden // 4, partial_rotary_factor=0.5,
+                                 num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, num_shared_experts=1,
+                                 moe_intermediate_size=args.hidden // 2, first_k_dense_replace=1,
+                                 routed_scaling_factor=2.5, initializer_range=0.02, block_size=32,
+                                 mask_token_id=MASK_ID, attn_implementation="sdpa")
+        return LLaDA2MoeModelLM(config)
+
+    def loss(self, model, x, maskable, gen):
+        t, noise, noisy = self.mask_noise(x, maskable, gen)
+        visible = maskable & ~noise
+        rate = torch.rand(x.shape[0], generator=gen) * self.edit_max_rate                  # (b,)
+        corrupt = visible & (torch.rand(x.shape, generator=gen) < rate[:, None])
+        random_tokens = torch.randint(len(SPECIALS), model.config.vocab_size, x.shape, generator=gen)
+        noisy = torch.where(corrupt, random_tokens, noisy)
+        hidden = self.noisy_hidden(model, noisy, x, gen)
+        m2t = self.masked_loss(model, hidden, x, noise, t, maskable)
+        logits = model.lm_head(hidden[visible]).float()
+        t2t = torch.nn.functional.cross_entropy(logits, x[visible], reduction="sum") / maskable.sum().clamp_min(1)
+        return m2t + t2t
+
+    def record(self):
+        return {"block_size_mix": self.block_sizes, "edit_max_rate": self.edit_max_rate,
+                "loss": "M2T (1/t weighted) + T2T (visible positions, random-token corruption)"}
+
+
 OBJECTIVES: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (AutoregressiveObjective, BlockDiffusionObjective, FastDLLMV2Objective, D2AObjective)
+    cls.name: cls for cls in (AutoregressiveObjective, BlockDiffusionObjective, FastDLLMV2Objective, D2AObjective,
+                              LLaDA2Objective)
 }
 
 

@@ -42,6 +42,25 @@ def qwen_model(sdar_model) -> Qwen3ForCausalLM:
     return model
 
 
+LLADA2_TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+                   moe_intermediate_size=16, n_group=2, topk_group=1, max_position_embeddings=256, rope_theta=10000.0,
+                   partial_rotary_factor=0.5, initializer_range=0.2, eos_token_id=None, pad_token_id=None,
+                   attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="session")
+def llada2_model():
+    """Tiny random LLaDA2 MoE (block size 4, mask 98; 8 experts in 2 groups, top-2 of 1 group, a shared expert)."""
+    from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
+
+    torch.manual_seed(0)
+    model = LLaDA2MoeModelLM(LLaDA2MoeConfig(block_size=4, mask_token_id=MASK_ID, **LLADA2_TINY)).eval()
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)     # the bias changes choices, as on the Hub
+    return model
+
+
 @pytest.fixture
 def prompt() -> torch.Tensor:
     """A 7-token prompt: one full block of 4 is prefilled, 3 tokens share the first generation block."""

@@ -6,6 +6,7 @@
     hf-dllm-spec main --batch-size 8                     # 8 left-padded prompts per generate call
     hf-dllm-spec main --model models/qwen2-tiny-ar       # an AR target: AR vs DEER with the bundled drafter
     hf-dllm-spec main --model models/sdar-large --draft-model models/sdar-tiny-arith   # SimSD vs the target alone
+    hf-dllm-spec main --model models/llada2-tiny         # LLaDA2.x decoder with / without editing, S2D2 on it
 
 (`./run.sh main ...` sets up the virtual environment and runs the same.) Loads the model with
 `AutoModelForCausalLM.from_pretrained` (no remote code) and decodes every prompt with
@@ -72,6 +73,14 @@ def specs(block_size: int, threshold: float, strategies: list[str], extra: dict,
         "simsd": StrategySpec(f"SimSD, B={block_size}", "simsd", {"block_size": block_size,
                                                                   "draft_block_size": block_size},
                               draft_model=draft_model),
+        "llada2.0": StrategySpec(f"LLaDA2.0 tau={threshold}, B={block_size} (no editing)", "llada2",
+                                 {"preset": "llada2.0", "block_size": block_size, "confidence_threshold": threshold}),
+        "llada2": StrategySpec(f"LLaDA2.1 tau={threshold} / edit 0.9, B={block_size}", "llada2",
+                               {"block_size": block_size, "confidence_threshold": threshold}),
+        "llada2-quality": StrategySpec(f"LLaDA2.1 quality 0.7 / edit 0.5, B={block_size}", "llada2",
+                                       {"preset": "llada2.1-quality", "block_size": block_size}),
+        "s2d2-llada2": StrategySpec(f"S2D2 llada2.1-mini-quality, B={block_size}", "s2d2",
+                                    {"preset": "llada2.1-mini-quality", "block_size": block_size, **extra}),
         "simsd-dynamic": StrategySpec(f"SimSD dynamic drafter 0.9, B={block_size}", "simsd",
                                       {"preset": "simsd-dynamic", "block_size": block_size,
                                        "draft_block_size": block_size}, draft_model=draft_model),
@@ -92,9 +101,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_model_argument(ap)
     ap.add_argument("--prompt", action="append", default=[], help="your own prompt (repeatable); skips the sets")
     ap.add_argument("--strategies", default=None,
-                    help="comma list of ar, static, dynamic, s2d2, fast_dllm_v2, deer, simsd, simsd-dynamic; default: "
-                         "ar,dynamic,s2d2 (ar,fast_dllm_v2,s2d2 on a Fast-dLLM v2 model, ar,deer on an AR model, "
-                         "ar,static,dynamic,simsd,simsd-dynamic with a diffusion --draft-model)")
+                    help="comma list of ar, static, dynamic, s2d2, fast_dllm_v2, deer, simsd, simsd-dynamic, llada2.0, "
+                         "llada2, llada2-quality, s2d2-llada2; default: ar,dynamic,s2d2 (ar,fast_dllm_v2,s2d2 on a "
+                         "Fast-dLLM v2 model, ar,llada2.0,llada2,llada2-quality,s2d2-llada2 on a LLaDA2 model, "
+                         "ar,deer on an AR model, ar,static,dynamic,simsd,simsd-dynamic with a diffusion --draft-model)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="default 32; with a SimSD --draft-model the target's trained block size")
     ap.add_argument("--draft-model", default=None, metavar="PATH",
@@ -121,6 +131,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     autoregressive = not patch.is_diffusion_lm
     simsd = args.draft_model is not None and not autoregressive
     default = "ar,fast_dllm_v2,s2d2" if fast_dllm else ("ar,deer" if autoregressive else "ar,dynamic,s2d2")
+    if patch.native_strategy == "llada2":
+        default = "ar,llada2.0,llada2,llada2-quality,s2d2-llada2"
     if simsd:
         default = "ar,static,dynamic,simsd,simsd-dynamic"
     strategies = args.strategies or default

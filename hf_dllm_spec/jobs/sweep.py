@@ -6,6 +6,7 @@
         --draft-model unaligned=models/sdar-tiny-arith   # DEER: k = 4, 8, 16, 32 per drafter, against AR
     hf-dllm-spec bench --model models/sdar-large --draft-model models/sdar-tiny-arith --block-sizes 4,8
                                                     # SimSD per block size, against the target alone
+    hf-dllm-spec bench --model models/llada2-tiny   # LLaDA2.x: editing on / off, S2D2 presets, against AR
 
 (`./run.sh bench ...` sets up the virtual environment and runs the same.)
 
@@ -76,6 +77,26 @@ def fast_dllm_v2_specs(thresholds: list[float]) -> list[StrategySpec]:
     out.append(StrategySpec("S2D2 always-verify+ARcache SB=8", "s2d2",
                             {"block_size": 32, "sub_block_size": 8, "min_ssd_span_length": 1, "cache_ver": True,
                              "fuse_cache_write": False, "confidence_threshold": 0.9}))
+    return out
+
+
+def llada2_specs(thresholds: list[float]) -> list[StrategySpec]:
+    """LLaDA2.x rows (S2D2 §5.1 Table 3, blocks of 32): AR; the family decoder per threshold without editing
+    (LLaDA2.0) and with editing (LLaDA2.1, tau_edit 0.9 and the "Quality" 0.7 / 0.5); the static 1-token rule;
+    S2D2 with the paper's LLaDA2.1 presets and with always-on verification, editing on."""
+    out = [StrategySpec("AR", "ar")]
+    for tau in thresholds:
+        out += [StrategySpec(f"LLaDA2.0 {tau} (no editing)", "llada2", {"preset": "llada2.0", "block_size": 32,
+                                                                       "confidence_threshold": tau}),
+                StrategySpec(f"LLaDA2.1 {tau} / edit 0.9", "llada2", {"block_size": 32, "confidence_threshold": tau})]
+    out += [StrategySpec("LLaDA2.1 quality 0.7 / 0.5", "llada2", {"preset": "llada2.1-quality", "block_size": 32}),
+            StrategySpec("LLaDA2.1 static (1 token/step) / edit 0.9", "llada2",
+                         {"preset": "llada2.1-static", "block_size": 32})]
+    for preset in ("quality", "conservative"):
+        out.append(StrategySpec(f"S2D2 llada2.1-mini-{preset}", "s2d2", {"preset": f"llada2.1-mini-{preset}"}))
+    out.append(StrategySpec("S2D2 always-verify, quality editing", "s2d2",
+                            {"preset": "llada2.1-mini-quality", "do_verify_policy": "mask_span_length",
+                             "min_ssd_span_length": 1}))
     return out
 
 
@@ -192,6 +213,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         specs = simsd_specs(drafters, block_sizes)
     elif patch.native_strategy == "fast_dllm_v2":
         specs = fast_dllm_v2_specs(thresholds)        # blocks of bd_size; --block-sizes does not apply
+    elif patch.native_strategy == "llada2":
+        specs = llada2_specs(thresholds)              # blocks of 32; --block-sizes does not apply
     else:
         specs = sweep_specs(block_sizes, thresholds)
     sets = {

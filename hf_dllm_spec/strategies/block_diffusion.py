@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from ..configuration import DecodingConfig, check_bool, check_int
-from ..editing import EditRule
+from ..editing import EditingConfig, EditRule
 from ..masks import block_causal_mask, concat_segments, full_mask, left_pad, partially_causal_draft_mask
 from ..sampling import entropy
 from ..unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
@@ -180,7 +180,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
 
     Source: S2D2 (arXiv 2603.25702) Algorithms 1-2; SDAR's `block_diffusion_generate` (JetAstra/SDAR).
     Subclasses change one denoising step (:meth:`denoise_step`); an :class:`~hf_dllm_spec.editing.EditRule` in
-    `edit_rule` re-decides committed tokens of the current block after every step.
+    `edit_rule` (built from the config when it is an :class:`~hf_dllm_spec.editing.EditingConfig` with
+    `editing_threshold`) re-decides committed tokens of the current block at every step.
     """
 
     name = "block_diffusion"
@@ -200,6 +201,12 @@ class BlockDiffusionStrategy(DecodingStrategy):
         # Right-shifted model, separate cache writes: a new block's first token is committed from the carry.
         self.first_from_carry = session.target.alignment == "right_shift" and not config.fuse_cache_write
         self._full_mask: torch.Tensor | None = None            # (B, B), built once
+        editing = isinstance(config, EditingConfig)
+        if editing and config.edit_rule() is not None:
+            self.edit_rule = config.edit_rule()
+        # LLaDA2.1: a fixed least number of commits per step instead of the steps_per_block schedule.
+        self.num_to_transfer = config.num_to_transfer if editing else None
+        self._edited: torch.Tensor | None = None                # (N,) bool, rows with an edit this step
 
     # -- Algorithm 1: the outer loop, every row at its own pace ------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -216,11 +223,11 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 done = torch.ones_like(block.start, dtype=torch.bool)   # block size 1: the carry decided it
             else:
                 # 1. one denoising forward for every row, storing last step's finished blocks on the way
-                masked_before = block.masked.clone() if self.edit_rule is not None else None
+                began_full = ~block.masked.any(dim=1) if self.edit_rule is not None else None
                 logits = self.draft_forward(block, pending)
-                # 2. commit (and edit) tokens; which rows finished their block
+                # 2. edit and commit tokens; which rows finished their block
                 self.denoise_step(block, logits)
-                done = self.finish_step(block, masked_before, logits)
+                done = self.finish_step(block, began_full)
                 block.step += 1
             done_rows = done.tolist()
             if s.stream is not None and self.edit_rule is None:
@@ -407,19 +414,29 @@ class BlockDiffusionStrategy(DecodingStrategy):
         return block.masked & self.current_sub_block(block)
 
     def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
-        """Draw tokens for every position and commit masked ones by the confidence rule."""
+        """Draw tokens for every position, edit committed ones (if editing), commit masked ones by the rule."""
         probs, tokens, confidence = self.propose(logits)
+        self.apply_edits(block, probs, tokens, confidence)
         self.commit_by_rule(block, probs, tokens, confidence)
 
     def propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This step's processed distribution `(N, B, V)`, chosen tokens and confidences `(N, B)`.
-
-        Kept for the edit rule (:meth:`finish_step`), which re-decides committed tokens from the same proposal.
-        """
+        """This step's processed distribution `(N, B, V)`, chosen tokens and confidences `(N, B)`."""
         probs = self.session.sampler.probs(logits)
         tokens, confidence = self.session.sampler.choose(probs)
-        self._last_proposal = (probs, tokens, confidence)
         return probs, tokens, confidence
+
+    def apply_edits(self, block: BlockState, probs: torch.Tensor, tokens: torch.Tensor,
+                    confidence: torch.Tensor) -> None:
+        """Token editing (LLaDA2.1 T2T) of committed, non-prompt positions of each row's block; no-op without an
+        edit rule. Runs before the step's commits (disjoint positions), so a verifier sees the edited block."""
+        if self.edit_rule is None:
+            return
+        editable = ~block.masked & ~block.fixed
+        edits = self.edit_rule(tokens=block.tokens, editable=editable, probs=probs, proposal=tokens,
+                               confidence=confidence) & editable & (tokens != block.tokens)
+        block.tokens = torch.where(edits, tokens, block.tokens)
+        self._edited = edits.any(dim=1)
+        self.session.stats.accumulate("num_edited_tokens", edits.sum(dim=1))
 
     def commit_by_rule(self, block: BlockState, probs: torch.Tensor, tokens: torch.Tensor,
                        confidence: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -427,9 +444,10 @@ class BlockDiffusionStrategy(DecodingStrategy):
         cfg = self.config
         masked = self.decodable(block)
         masked = masked if rows is None else masked & rows[:, None]
+        num_tokens = self.num_to_transfer if self.num_to_transfer is not None else \
+            scheduled_tokens(block.num_masks, self.steps_per_block, block.step)
         transfer = select_transfer(
-            cfg.remasking_strategy, masked=masked, confidence=confidence,
-            num_tokens=scheduled_tokens(block.num_masks, self.steps_per_block, block.step),
+            cfg.remasking_strategy, masked=masked, confidence=confidence, num_tokens=num_tokens,
             confidence_threshold=cfg.confidence_threshold, eb_threshold=cfg.eb_threshold,
             entropies=entropy(probs) if cfg.remasking_strategy == "entropy_bounded" else None,
         )
@@ -439,20 +457,16 @@ class BlockDiffusionStrategy(DecodingStrategy):
         self.session.stats.accumulate("num_fallback_tokens", committed)
         return committed
 
-    def finish_step(self, block: BlockState, masked_before: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
-        """Apply the edit rule (if any); return `(N,)` bool, the rows whose block is complete."""
+    def finish_step(self, block: BlockState, began_full: torch.Tensor | None) -> torch.Tensor:
+        """`(N,)` bool, the rows whose block is complete: no mask left, and with editing (`began_full` `(N,)`: the
+        step began without a mask) also no edit in a post step, or `max_post_steps` post steps taken."""
+        full = ~block.masked.any(dim=1)
         if self.edit_rule is None:
-            return ~block.masked.any(dim=1)
-        probs, proposal, confidence = self._last_proposal
-        editable = ~masked_before & ~block.fixed
-        edits = self.edit_rule(tokens=block.tokens, editable=editable, probs=probs, proposal=proposal,
-                               confidence=confidence) & editable & (proposal != block.tokens)
-        block.tokens = torch.where(edits, proposal, block.tokens)
-        self.session.stats.accumulate("num_edited_tokens", edits.sum(dim=1))
-        began_full = ~masked_before.any(dim=1)
+            return full
         block.post_steps += began_full.long()
-        fired = edits.any(dim=1)
-        return ~block.masked.any(dim=1) & ((began_full & ~fired) | (block.post_steps >= self.edit_rule.max_post_steps))
+        fired = self._edited if self._edited is not None else torch.zeros_like(full)
+        self._edited = None
+        return full & ((began_full & ~fired) | (block.post_steps >= self.edit_rule.max_post_steps))
 
 
 class ARStrategy(BlockDiffusionStrategy):

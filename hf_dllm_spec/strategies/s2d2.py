@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..configuration import check_bool, check_int
+from ..editing import EditingConfig
 from ..masks import causal_mask, verifier_2l_mask
 from ..routing import (
     ESTIMATORS,
@@ -51,16 +52,23 @@ from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, Block
 _SDAR_AR_CACHING = {"cache_ver": True, "draft_ver": True, "token_acceptance_estimator": "soft_entropy_negexp"}
 _FAST_DLLM_V2 = {"block_size": 32, "confidence_threshold": 0.9, "fuse_cache_write": False,
                  "token_acceptance_estimator": "soft_entropy_negexp"}
+# S2D2 §5.1 Table 3 (LLaDA2.1-mini) with the S2D2 README's routing; editing on, no editing-only post steps
+# (the S2D2 CLI's max_post_steps=0), one mask at least per unverified step.
+_LLADA21 = {"block_size": 32, "max_post_steps": 0, "num_to_transfer": 1, "do_verify_policy": "score_threshold",
+            "do_verify_score_type": "difference_static", "score_penalty_coef": 4.0}
 _FAST_DLLM_V2_HYSTERESIS = {"do_verify_policy": "score_hysteresis", "hysteresis_threshold_on": 1.0,
                             "hysteresis_threshold_off": -5.0, "do_verify_score_type": "difference_dynamic",
                             "score_penalty_coef": 1.0}
 
 
 @dataclass
-class S2D2Config(BlockDiffusionConfig):
+class S2D2Config(BlockDiffusionConfig, EditingConfig):
     """S2D2 self-speculative block diffusion (arXiv 2603.25702, Algorithms 3-4, Eq. 3-6, App. A.5-A.8).
 
-    Inherits the block-diffusion parameters (the fallback rule is `remasking_strategy`). Routing:
+    Inherits the block-diffusion parameters (the fallback rule is `remasking_strategy`) and LLaDA2.1's token
+    editing (`editing_threshold`, `max_post_steps`, `num_to_transfer`; off by default): edits are computed from
+    the draft before verification, the verifier reads the edited block, and they apply at every step (S2D2 §5 on
+    LLaDA2.1; `strategies.md` §5.7). Routing:
 
     Args:
         do_verify_policy (`str`, defaults to "mask_span_length"): one of "mask_span_length",
@@ -112,6 +120,12 @@ class S2D2Config(BlockDiffusionConfig):
         "fast-dllm-v2-config-b-sb8": {**_FAST_DLLM_V2, "sub_block_size": 8, **_FAST_DLLM_V2_HYSTERESIS},
         "fast-dllm-v2-config-c": {**_FAST_DLLM_V2, "sub_block_size": 32, "do_verify_policy": "mask_span_length",
                                   "min_ssd_span_length": 8},
+        # S2D2 §5.1 Table 3 (LLaDA2.1-mini): "Quality" tau_mask 0.7 / tau_edit 0.5 with tau_score 0, and
+        # "Conservative" 0.95 / 0.9 with tau_score -5; static score, c = 4.
+        "llada2.1-mini-quality": {**_LLADA21, "confidence_threshold": 0.7, "editing_threshold": 0.5,
+                                  "do_verify_score_threshold": 0.0},
+        "llada2.1-mini-conservative": {**_LLADA21, "confidence_threshold": 0.95, "editing_threshold": 0.9,
+                                       "do_verify_score_threshold": -5.0},
     }
 
     do_verify_policy: str = "mask_span_length"
@@ -138,6 +152,7 @@ class S2D2Config(BlockDiffusionConfig):
 
     def validate(self) -> None:
         super().validate()
+        EditingConfig.validate(self)
         check_choice("do_verify_policy", self.do_verify_policy, POLICIES)
         check_int("min_ssd_span_length", self.min_ssd_span_length, 1, "pass 1 to verify at every step")
         check_choice("do_verify_score_type", self.do_verify_score_type, SCORE_TYPES)
@@ -211,6 +226,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
     def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
         """Algorithm 3, one step for every row: draft, route, then verify the span or fall back to the rule."""
         draft_probs, draft_tokens, confidence = self.propose(logits)         # (N, B, V), (N, B), (N, B)
+        self.apply_edits(block, draft_probs, draft_tokens, confidence)      # LLaDA2.1: the verifier sees edits
         start, end = first_masked_span(block.masked)
         if self.sub_block_size < self.block_size:                           # C_t ends with its sub-block
             end = torch.minimum(end, (start // self.sub_block_size + 1) * self.sub_block_size)

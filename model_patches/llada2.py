@@ -1,0 +1,524 @@
+"""LLaDA2.0 / LLaDA2.1 (inclusionAI, Hub `inclusionAI/LLaDA2.*`): an MoE block-diffusion model, without remote code.
+
+Registered under the Hub `model_type` `"llada2_moe"` with the Hub class names (`LLaDA2MoeConfig`,
+`LLaDA2MoeModel`, `LLaDA2MoeModelLM`), built from transformers' own pieces: the RMSNorm, the partial rotary
+embedding, the routed experts (`@use_experts_implementation`: `grouped_mm` / `batched_mm` dispatch, no host
+synchronisation and no Python loop over experts), the group-limited sigmoid router and the MLP of GLM-4-MoE,
+whose MoE maths is LLaDA2's (source: `../shared/reference/families.md` §4; the LLaDA2.0 / 2.1 Hub modeling).
+
+- Attention: one fused `query_key_value` projection split [q | k | v] by heads, q/k RMSNorm over `head_dim`
+  before RoPE (a config without `use_qk_norm` means true, as the Hub modeling applies it unconditionally),
+  rotate-half RoPE on the first `partial_rotary_factor * head_dim` dims, output projection `dense`.
+- MLP: dense SwiGLU in the first `first_k_dense_replace` layers, then MoE: scores = sigmoid(h W^T) in fp32;
+  `expert_bias` is added for the choice only; the top-2 sum of each of `n_group` groups keeps `topk_group`
+  groups; top-`num_experts_per_tok` experts inside them; weights = unbiased scores normalised to sum 1, times
+  `routed_scaling_factor`; plus the shared expert(s).
+- Logits in fp32 (`LLaDA2MoeModelLM.forward` upcasts, as the Hub).
+- Attention masks: a 4D mask is used as given (float: additive; bool: True = attend, turned into a hard additive
+  mask 0 / dtype min: the 2.1 Hub `generate` adds a 1/0 bf16 mask instead, so its block causality is not
+  enforced; families.md §4.5); any query / key length (read-only cache forwards, the S2D2 2L layout). No mask,
+  or a 2D padding mask, means bidirectional attention over cache + input (the Hub code crashes without one).
+- Loading: Hub safetensors by their own names (`model.word_embeddings`, `attention.query_key_value`, ...).
+  Per-expert weights `mlp.experts.{e}.{gate,up,down}_proj.weight` are fused into `mlp.experts.gate_up_proj`
+  / `down_proj` and `mlp.gate.expert_bias` is read into the router's bias by a checkpoint conversion mapping
+  (registered with transformers by the classes' `from_pretrained` / `save_pretrained`); `save_pretrained`
+  reverses it, so saved checkpoints are in the Hub layout.
+- Tokens: the Hub config has no mask id. `config.mask_token_id` (set by `from_pretrained` from the tokenizer
+  files' `<|mask|>` when found) else 156895 with a warning (families.md §4.4); EOS 156892 from the config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+from transformers.integrations.moe import use_experts_implementation
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.glm4_moe.modeling_glm4_moe import (
+    Glm4MoeExperts,
+    Glm4MoeMLP,
+    Glm4MoeRMSNorm,
+    Glm4MoeRotaryEmbedding,
+    Glm4MoeTopkRouter,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from hf_dllm_spec.export import ShimsConfigMixin
+from hf_dllm_spec.mixin import DllmGenerationMixin
+
+from .base import FamilyPatch
+
+logger = logging.getLogger(__name__)
+
+#: Hub token ids (families.md §4.4): the mask (no config field names it) and the end of text.
+HUB_MASK_TOKEN_ID = 156895
+HUB_EOS_TOKEN_ID = 156892
+#: The block size every LLaDA2.x checkpoint is trained with (the Hub configs do not state it).
+HUB_BLOCK_SIZE = 32
+MASK_TOKEN = "<|mask|>"
+
+
+class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
+    """LLaDA2.x config with the Hub keys (`inclusionAI/LLaDA2.1-mini` `config.json`).
+
+    Args:
+        vocab_size, hidden_size, intermediate_size (dense layers), num_hidden_layers, num_attention_heads,
+        num_key_value_heads, head_dim, hidden_act, rms_norm_eps, max_position_embeddings, initializer_range,
+        tie_word_embeddings, pad_token_id, eos_token_id: as in any transformers decoder config.
+        rope_theta (`float`, defaults to 600000.0) and partial_rotary_factor (`float`, defaults to 0.5): RoPE
+            base and the rotated share of each head; stored in `rope_parameters` for transformers' rotary code.
+        use_qkv_bias (`bool`, defaults to False): bias of `query_key_value`; use_bias (`bool`, defaults to
+            False): bias of `dense`.
+        use_qk_norm (`bool`, defaults to True): q/k RMSNorm (a Hub config without the key means true).
+        num_experts (`int`, 256), num_experts_per_tok (`int`, 8), num_shared_experts (`int`, 1),
+        moe_intermediate_size (`int`, 512), first_k_dense_replace (`int`, 1), n_group (`int`, 8),
+        topk_group (`int`, 4), routed_scaling_factor (`float`, 2.5), norm_topk_prob (`bool`, True): the MoE.
+        mask_token_id (`int`, *optional*): the mask token (not in the Hub configs; see the module docstring).
+        block_size (`int`, *optional*): trained block size (not in the Hub configs: 32 is assumed).
+    Hub keys the Hub modeling never reads (`score_function`, `moe_router_enable_expert_bias`, `router_dtype`,
+    `rotary_dim`, `use_rmsnorm`, `norm_head`, `norm_softmax`, `using_split_qkv_in_self_attention`, ...) are kept
+    as plain attributes for round trips and have no effect (families.md §8).
+    """
+
+    model_type = "llada2_moe"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    # transformers' GLM-4-MoE pieces read these names.
+    attribute_map = {"num_local_experts": "num_experts", "n_shared_experts": "num_shared_experts",
+                     "attention_bias": "use_qkv_bias"}
+
+    def __init__(self, vocab_size: int = 157184, hidden_size: int = 2048, intermediate_size: int = 5120,
+                 num_hidden_layers: int = 20, num_attention_heads: int = 16, num_key_value_heads: int = 4,
+                 head_dim: int | None = 128, hidden_act: str = "silu", rms_norm_eps: float = 1e-6,
+                 max_position_embeddings: int = 16384, initializer_range: float = 0.006,
+                 rope_theta: float = 600000.0, partial_rotary_factor: float = 0.5,
+                 rope_parameters: dict | None = None, use_qkv_bias: bool = False, use_bias: bool = False,
+                 use_qk_norm: bool = True, attention_dropout: float = 0.0, num_experts: int = 256,
+                 num_experts_per_tok: int = 8, num_shared_experts: int | None = 1, moe_intermediate_size: int = 512,
+                 first_k_dense_replace: int = 1, n_group: int = 8, topk_group: int = 4,
+                 routed_scaling_factor: float = 2.5, norm_topk_prob: bool = True, use_cache: bool = True,
+                 tie_word_embeddings: bool = False, pad_token_id: int | None = HUB_EOS_TOKEN_ID,
+                 eos_token_id: int | list[int] | None = HUB_EOS_TOKEN_ID, mask_token_id: int | None = None,
+                 block_size: int | None = None, **kwargs):
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act, self.rms_norm_eps, self.initializer_range = hidden_act, rms_norm_eps, initializer_range
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta, self.partial_rotary_factor = rope_theta, partial_rotary_factor
+        self.rope_parameters = rope_parameters or {"rope_type": "default", "rope_theta": rope_theta,
+                                                   "partial_rotary_factor": partial_rotary_factor}
+        self.use_qkv_bias, self.use_bias, self.use_qk_norm = use_qkv_bias, use_bias, use_qk_norm
+        self.attention_dropout = attention_dropout
+        self.num_experts, self.num_experts_per_tok = num_experts, num_experts_per_tok
+        self.num_shared_experts, self.moe_intermediate_size = num_shared_experts, moe_intermediate_size
+        self.first_k_dense_replace, self.n_group, self.topk_group = first_k_dense_replace, n_group, topk_group
+        self.routed_scaling_factor, self.norm_topk_prob = routed_scaling_factor, norm_topk_prob
+        self.use_cache = use_cache
+        self.mask_token_id, self.block_size = mask_token_id, block_size
+        self.tie_word_embeddings = tie_word_embeddings
+        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+        super().__init__(**kwargs)
+        if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
+            raise ValueError(f"`num_experts` (={num_experts}) must be a multiple of `n_group` (={n_group}) with at "
+                             "least 2 experts per group (a group is scored by its top-2 sum); pass matching values.")
+        if not 1 <= topk_group <= n_group or num_experts_per_tok > topk_group * (num_experts // n_group):
+            raise ValueError(f"`topk_group` (={topk_group}) must be in [1, n_group={n_group}] and keep at least "
+                             f"`num_experts_per_tok` (={num_experts_per_tok}) experts; pass matching values.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """`PreTrainedConfig.to_dict`; unset `mask_token_id` / `block_size` are left out, as in the Hub configs."""
+        out = super().to_dict()
+        for key in ("mask_token_id", "block_size"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
+
+
+class LLaDA2MoeAttention(nn.Module):
+    """GQA with a fused `query_key_value`, q/k RMSNorm before partial RoPE, and the `dense` output projection."""
+
+    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim ** -0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False
+        self.query_key_value = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
+                                         bias=config.use_qkv_bias)
+        self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.use_bias)
+        self.use_qk_norm = config.use_qk_norm
+        if self.use_qk_norm:
+            self.query_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.key_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None, past_key_values: DynamicCache | None = None, **kwargs):
+        b, q_len, _ = hidden_states.shape
+        qkv = self.query_key_value(hidden_states).view(b, q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+        if self.use_qk_norm:
+            query, key = self.query_layernorm(query), self.key_layernorm(key)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention(self, query, key, value, attention_mask, scaling=self.scaling,
+                                 dropout=0.0 if not self.training else self.attention_dropout, is_causal=False,
+                                 **kwargs)
+        return self.dense(out.reshape(b, q_len, -1).contiguous()), weights
+
+
+@use_experts_implementation
+class LLaDA2MoeExperts(Glm4MoeExperts):
+    """Routed experts as two 3D weights (`gate_up_proj` `(E, 2I, H)`, `down_proj` `(E, H, I)`); transformers picks
+    the kernel (`config._experts_implementation`: "grouped_mm" by default, "batched_mm", or "eager")."""
+
+
+class LLaDA2MoeSparseMoeBlock(nn.Module):
+    """Router (`gate`, GLM-4-MoE's group-limited sigmoid router), routed experts and shared experts."""
+
+    def __init__(self, config: LLaDA2MoeConfig):
+        super().__init__()
+        self.gate = Glm4MoeTopkRouter(config)
+        self.experts = LLaDA2MoeExperts(config)
+        shared = config.num_shared_experts or 0
+        self.shared_experts = (Glm4MoeMLP(config, intermediate_size=config.moe_intermediate_size * shared)
+                               if shared else None)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        _, weights, experts = self.gate(hidden_states)
+        out = self.experts(hidden_states.reshape(-1, shape[-1]), experts, weights).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return out
+
+
+class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: LLaDA2MoeConfig, layer_idx: int):
+        super().__init__()
+        self.attention = LLaDA2MoeAttention(config, layer_idx)
+        self.mlp = LLaDA2MoeSparseMoeBlock(config) if layer_idx >= config.first_k_dense_replace else Glm4MoeMLP(config)
+        self.input_layernorm = Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+        attn, _ = self.attention(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+                                 past_key_values=past_key_values, **kwargs)
+        hidden_states = hidden_states + attn
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LLaDA2MoePreTrainedModel(PreTrainedModel):
+    config_class = LLaDA2MoeConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LLaDA2MoeDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained` with the Hub-layout conversion registered (per-expert weights fused)."""
+        register_conversion_mapping()
+        return super().from_pretrained(*args, **kwargs)
+
+    def save_pretrained(self, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained` in the Hub layout (per-expert weights, `mlp.gate.expert_bias`)."""
+        register_conversion_mapping()
+        return super().save_pretrained(*args, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, Glm4MoeTopkRouter):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            nn.init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, Glm4MoeExperts):
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            nn.init.normal_(module.down_proj, mean=0.0, std=std)
+
+
+def additive_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, config, inputs_embeds, past_key_values):
+    """The 4D mask the attention adds: a float 4D mask as given, a bool 4D mask as 0 / dtype min, a 2D padding
+    mask or None as bidirectional attention (transformers' `create_bidirectional_mask`)."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if attention_mask.dtype == torch.bool:
+            return torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill(
+                ~attention_mask, torch.finfo(dtype).min)
+        if attention_mask.dtype != dtype:       # e.g. an fp32 finfo.min would become -inf in bf16
+            return attention_mask.to(dtype).clamp(min=torch.finfo(dtype).min)
+        return attention_mask
+    return create_bidirectional_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                     past_key_values=past_key_values)
+
+
+class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
+    """The LLaDA2 decoder stack (Hub `LLaDA2MoeModel`)."""
+
+    def __init__(self, config: LLaDA2MoeConfig):
+        super().__init__(config)
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([LLaDA2MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Glm4MoeRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.word_embeddings = value
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                **kwargs) -> MoeModelOutputWithPast:
+        """Args as transformers' decoders; `attention_mask` `(N, 1, q, cache_len + q)` float (additive) or bool
+        (True = attend), a 2D padding mask, or None (bidirectional). Returns the last hidden states `(N, q, H)`.
+
+        Raises:
+            ValueError: unless exactly one of `input_ids` / `inputs_embeds` is given.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("LLaDA2MoeModel.forward: pass exactly one of `input_ids` and `inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past)[None]
+        mask = additive_mask(attention_mask, inputs_embeds.dtype, self.config, inputs_embeds, past_key_values)
+        hidden = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                           past_key_values=past_key_values, **kwargs)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=past_key_values)
+
+
+class LLaDA2MoeModelLM(DllmGenerationMixin, LLaDA2MoePreTrainedModel):
+    """LLaDA2.x LM (the Hub class name, not "...ForCausalLM"): logits in fp32, `generate(decoding_strategy=...)`.
+
+    `generate(ids, max_new_tokens=...)` runs the family decoder (threshold decoding with LLaDA2.1 token editing,
+    `decoding_strategy="llada2"`) with a KV cache; the Hub call `generate(inputs, gen_length=..., block_length=...,
+    steps=..., threshold=..., editing_threshold=..., max_post_steps=..., eos_early_stop=..., eos_id=...,
+    mask_id=..., temperature=..., top_p=..., top_k=...)` keeps working and returns, as the Hub, only the generated
+    tokens up to the first EOS (see :func:`map_hub_generate_kwargs`).
+
+    >>> model = AutoModelForCausalLM.from_pretrained("inclusionAI/LLaDA2.1-mini", dtype=torch.bfloat16)  # doctest: +SKIP
+    >>> out = model.generate(ids, gen_length=256, block_length=32, threshold=0.7, editing_threshold=0.5)  # doctest: +SKIP
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}
+
+    def __init__(self, config: LLaDA2MoeConfig):
+        super().__init__(config)
+        self.model = LLaDA2MoeModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+        """`LLaDA2MoeModel.forward`, then the head on the last `logits_to_keep` rows (0 = all), in fp32.
+
+        `labels` `(N, q)` gives the position-aligned cross-entropy (logits at i against token i, -100 ignored),
+        the Hub's loss convention.
+        """
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden).float()
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                               ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, then `config.mask_token_id` from the tokenizer files (`<|mask|>`) if
+        unset (the Hub configs do not carry it)."""
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if getattr(model.config, "mask_token_id", None) is None:
+            model.config.mask_token_id = mask_token_from_tokenizer_files(pretrained_model_name_or_path)
+        return model
+
+    def generate(self, *args, **kwargs):
+        """`DllmGenerationMixin.generate` with the Hub keywords mapped (see :func:`map_hub_generate_kwargs`)."""
+        kwargs, hub_call = map_hub_generate_kwargs(kwargs)
+        out = super().generate(*args, **kwargs)
+        if not hub_call:
+            return out
+        prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        return hub_output(out, prompt.shape[1], kwargs.get("eos_token_id", self.config.eos_token_id),
+                          self.config.pad_token_id)
+
+
+def mask_token_from_tokenizer_files(name_or_path: str | os.PathLike) -> int | None:
+    """The id of `<|mask|>` in a local checkpoint's `tokenizer.json` / `tokenizer_config.json`, or `None`."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = os.path.join(str(name_or_path), name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        entries = ({t.get("content"): t.get("id") for t in data.get("added_tokens", [])} if name == "tokenizer.json"
+                   else {v.get("content"): int(k) for k, v in data.get("added_tokens_decoder", {}).items()})
+        if entries.get(MASK_TOKEN) is not None:
+            return int(entries[MASK_TOKEN])
+    return None
+
+
+#: Hub `generate` keyword -> hf_dllm_spec parameter (`None`: handled by :func:`map_hub_generate_kwargs`).
+HUB_GENERATE_KEYWORDS: dict[str, str | None] = {
+    "gen_length": "max_new_tokens",
+    "block_length": "block_size",
+    "steps": "steps_per_block",
+    "threshold": "confidence_threshold",
+    "eos_id": "eos_token_id",
+    "mask_id": "mask_token_id",
+    "temperature": None,
+    "eos_early_stop": None,
+    "minimal_topk": None,
+}
+
+
+def map_hub_generate_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Translate the Hub `LLaDA2MoeModelLM.generate` keywords (families.md §4.7) into this library's parameters.
+
+    `gen_length` -> `max_new_tokens`, `block_length` -> `block_size`, `steps` -> `steps_per_block` (clamped to
+    the block size, as the Hub loop never runs more steps than masks), `threshold` -> `confidence_threshold`,
+    `eos_id` -> `eos_token_id`, `mask_id` -> `mask_token_id`; `temperature=0` means greedy (`do_sample=False`,
+    `top_p` / `top_k` dropped) and `temperature > 0` sampling; `editing_threshold`, `max_post_steps` and
+    `num_to_transfer` are this library's names already. `eos_early_stop` is accepted: decoding always stops
+    after the block holding EOS, which gives the Hub's output either way (the Hub truncates at the first EOS);
+    `minimal_topk` (the Hub's cap `steps <= gen_length // minimal_topk`) only accepts 1.
+
+    Returns:
+        `(kwargs, hub_call)`: `hub_call` is True when `gen_length` was given; then `generate` returns what the
+        Hub returns (the generated tokens only, cut after the first EOS; see :func:`hub_output`).
+
+    Raises:
+        ValueError: a negative `temperature`; `minimal_topk` other than 1; a Hub keyword together with the name
+            it maps to (e.g. `threshold` and `confidence_threshold`).
+    """
+    out = dict(kwargs)
+    hub_call = "gen_length" in out
+    out.pop("eos_early_stop", None)
+    if out.get("minimal_topk", 1) != 1:
+        raise ValueError(f"`minimal_topk` (={out['minimal_topk']!r}) must be 1; the step count is `steps` "
+                         "(`steps_per_block`), drop `minimal_topk`.")
+    out.pop("minimal_topk", None)
+    for hub, ours in HUB_GENERATE_KEYWORDS.items():
+        if ours is not None and hub in out:
+            if ours in out:
+                raise ValueError(f"`{hub}` (={out[hub]!r}) and `{ours}` (={out[ours]!r}) name the same parameter; "
+                                 f"pass only one of them (`{hub}` is the Hub keyword, `{ours}` this library's).")
+            out[ours] = out.pop(hub)
+    if "steps_per_block" in out and "block_size" in out and out["steps_per_block"] is not None:
+        out["steps_per_block"] = min(int(out["steps_per_block"]), int(out["block_size"]))
+    if "temperature" in out and "do_sample" not in out:
+        temperature = out["temperature"]
+        if isinstance(temperature, (int, float)) and temperature < 0:
+            raise ValueError(f"`temperature` (={temperature!r}) must be >= 0; pass 0 for greedy decoding or a "
+                             "positive temperature to sample.")
+        if isinstance(temperature, (int, float)) and temperature == 0:
+            for key in ("temperature", "top_p", "top_k"):
+                out.pop(key, None)
+            out["do_sample"] = False
+        else:
+            out["do_sample"] = True
+    return out, hub_call
+
+
+def hub_output(sequences: torch.Tensor, prompt_length: int, eos_token_id, pad_token_id) -> torch.Tensor:
+    """What the Hub `generate` returns: the generated part of `sequences` `(N, P + n)`, cut after the first EOS
+    (inclusive); rows of a batch are right-padded with `pad_token_id` to the longest, `(N, n')`."""
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    generated = sequences[:, prompt_length:]
+    is_eos = torch.isin(generated, torch.tensor(eos, device=generated.device)) if eos else \
+        torch.zeros_like(generated, dtype=torch.bool)
+    after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0             # strictly after the first EOS
+    lengths = (~after).sum(dim=1)
+    width = int(lengths.max()) if generated.shape[0] else 0
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    return generated[:, :width].masked_fill(after[:, :width], pad)
+
+
+def _conversion_mapping() -> list:
+    """Hub layout <-> this module: per-expert weights fused (as transformers' qwen2_moe mapping) and the router
+    bias renamed; reversed by `save_pretrained`."""
+    return [
+        WeightConverter(source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+                        target_patterns="mlp.experts.gate_up_proj", operations=[MergeModulelist(dim=0), Concatenate(dim=1)]),
+        WeightConverter(source_patterns="mlp.experts.*.down_proj.weight", target_patterns="mlp.experts.down_proj",
+                        operations=[MergeModulelist(dim=0)]),
+        WeightRenaming(r"\.mlp\.gate\.expert_bias", ".mlp.gate.e_score_correction_bias"),
+    ]
+
+
+def register_conversion_mapping() -> None:
+    """Register the Hub-layout conversion for `model_type` "llada2_moe" with transformers (idempotent); done by
+    `from_pretrained` / `save_pretrained` of the LLaDA2 classes, so importing this module registers nothing."""
+    register_checkpoint_conversion_mapping(LLaDA2MoeConfig.model_type, _conversion_mapping(), overwrite=True)
+
+
+class LLaDA2Patch(FamilyPatch):
+    family = "LLaDA2"
+    model_types = ("llada2_moe",)
+    alignment = "position"
+    native_strategy = "llada2"
+    auto_classes = ((LLaDA2MoeConfig, LLaDA2MoeModelLM),)
+    base_model_classes = ((LLaDA2MoeConfig, LLaDA2MoeModel),)
+
+    def mask_token_id(self, model: PreTrainedModel, override: int | None = None) -> int | None:
+        """`override`, `config.mask_token_id` or `generation_config.mask_token_id`; else, for a model with the
+        Hub vocabulary, the Hub id 156895 with a warning (the Hub configs carry no mask id)."""
+        found = super().mask_token_id(model, override)
+        if found is None and self.vocab_size(model) > HUB_MASK_TOKEN_ID:
+            logger.warning("LLaDA2: no mask token id in the config or the tokenizer files; using the Hub id %d. "
+                           "Pass mask_token_id=... to generate to choose another.", HUB_MASK_TOKEN_ID)
+            return HUB_MASK_TOKEN_ID
+        return found
+
+    def trained_block_size(self, model: PreTrainedModel) -> int | None:
+        """`config.block_size` if set, else 32 (every LLaDA2.x checkpoint; the Hub configs do not state it)."""
+        return super().trained_block_size(model) or HUB_BLOCK_SIZE
+
+
+__all__ = ["HUB_EOS_TOKEN_ID", "HUB_MASK_TOKEN_ID", "LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM",
+           "LLaDA2Patch"]
