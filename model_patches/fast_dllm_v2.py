@@ -24,8 +24,6 @@ LLM", arXiv 2509.26328). Its Hub remote code pins transformers 4.53.1; here the 
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
@@ -34,11 +32,10 @@ from hf_dllm_spec.export import ShimsConfigMixin
 from hf_dllm_spec.mixin import DllmGenerationMixin
 
 from .base import FamilyPatch
+from .hub_generate import MaskTokenFromFilesMixin, hub_temperature, rename_hub_keywords
 
 #: The mask token's string in the Fast-dLLM v2 tokenizers (an additional special token).
 MASK_TOKEN = "|<MASK>|"
-#: Files of a checkpoint directory that may name `|<MASK>|` with its id, in the order they are read.
-_TOKENIZER_FILES = ("tokenizer.json", "added_tokens.json", "tokenizer_config.json")
 
 
 class Fast_dLLM_QwenConfig(ShimsConfigMixin, Qwen2Config):  # noqa: N801 (the Hub class name)
@@ -67,45 +64,16 @@ class Fast_dLLM_QwenConfig(ShimsConfigMixin, Qwen2Config):  # noqa: N801 (the Hu
         return out
 
 
-def mask_token_from_files(name_or_path: str | os.PathLike, **hub_kwargs) -> int | None:
-    """The id of `|<MASK>|` in the tokenizer files of a checkpoint (local directory or Hub id), or `None`.
-
-    Reads `tokenizer.json` (`added_tokens`), `added_tokens.json` and `tokenizer_config.json`
-    (`added_tokens_decoder`) as JSON; loads no tokenizer. Hub files come through transformers' `cached_file`
-    (`hub_kwargs`: `revision`, `cache_dir`, `local_files_only`, ...); a missing file is skipped.
-    """
-    from transformers.utils import cached_file
-
-    for name in _TOKENIZER_FILES:
-        path = cached_file(str(name_or_path), name, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False, **hub_kwargs)
-        if path is None:
-            continue
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if name == "tokenizer.json":
-            entries = {t.get("content"): t.get("id") for t in data.get("added_tokens", [])}
-        elif name == "added_tokens.json":
-            entries = data
-        else:
-            entries = {v.get("content"): int(k) for k, v in data.get("added_tokens_decoder", {}).items()}
-        if entries.get(MASK_TOKEN) is not None:
-            return int(entries[MASK_TOKEN])
-    return None
-
-
 #: The Hub `generate`'s default `top_p` when it samples (`temperature > 0`).
 HUB_TOP_P = 0.95
-#: Hub `generate` keyword -> hf_dllm_spec parameter (`None`: handled by :func:`map_hub_generate_kwargs`).
-HUB_GENERATE_KEYWORDS: dict[str, str | None] = {
+#: Hub `generate` keyword -> hf_dllm_spec parameter (`temperature`, `top_p` and `use_block_cache`: see
+#: :func:`map_hub_generate_kwargs`).
+HUB_GENERATE_KEYWORDS: dict[str, str] = {
     "threshold": "confidence_threshold",
     "small_block_size": "sub_block_size",
     "block_size": "block_size",
     "mask_id": "mask_token_id",
     "stop_token": "eos_token_id",
-    "temperature": None,
-    "top_p": None,
-    "use_block_cache": None,
 }
 
 
@@ -131,25 +99,7 @@ def map_hub_generate_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             "first position reads its own logit; S2D2 §5.1 disables it too). Drop `use_block_cache`; decoding "
             "with the exact block cache is the default."
         )
-    for hub, ours in HUB_GENERATE_KEYWORDS.items():
-        if ours is not None and hub in out and hub != ours:
-            if ours in out:
-                raise ValueError(f"`{hub}` (={out[hub]!r}) and `{ours}` (={out[ours]!r}) name the same parameter; "
-                                 f"pass only one of them (`{hub}` is the Hub keyword, `{ours}` this library's).")
-            out[ours] = out.pop(hub)
-    if "temperature" in out and "do_sample" not in out:
-        temperature = out["temperature"]
-        if isinstance(temperature, (int, float)) and temperature < 0:
-            raise ValueError(f"`temperature` (={temperature!r}) must be >= 0; pass 0 for greedy decoding or a "
-                             "positive temperature to sample.")
-        if isinstance(temperature, (int, float)) and temperature == 0:
-            out.pop("temperature")
-            out.pop("top_p", None)
-            out["do_sample"] = False
-        else:
-            out["do_sample"] = True
-            out.setdefault("top_p", HUB_TOP_P)
-    return out
+    return hub_temperature(rename_hub_keywords(out, HUB_GENERATE_KEYWORDS), default_top_p=HUB_TOP_P)
 
 
 class Fast_dLLM_QwenModel(Qwen2Model):  # noqa: N801 (the Hub class name)
@@ -158,7 +108,7 @@ class Fast_dLLM_QwenModel(Qwen2Model):  # noqa: N801 (the Hub class name)
     config_class = Fast_dLLM_QwenConfig
 
 
-class Fast_dLLM_QwenForCausalLM(DllmGenerationMixin, Qwen2ForCausalLM):  # noqa: N801 (the Hub class name)
+class Fast_dLLM_QwenForCausalLM(MaskTokenFromFilesMixin, DllmGenerationMixin, Qwen2ForCausalLM):  # noqa: N801 (the Hub class name)
     """Fast-dLLM v2 causal LM: transformers' Qwen2 modeling with `generate(decoding_strategy=...)`.
 
     `generate(ids, max_new_tokens=...)` runs the family's sub-block threshold decoder; the Hub keywords
@@ -170,16 +120,7 @@ class Fast_dLLM_QwenForCausalLM(DllmGenerationMixin, Qwen2ForCausalLM):  # noqa:
     """
 
     config_class = Fast_dLLM_QwenConfig
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, then `config.mask_token_id` from the tokenizer files if unset."""
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        if getattr(model.config, "mask_token_id", None) is None:
-            hub_kwargs = {k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token", "subfolder")
-                          if k in kwargs}
-            model.config.mask_token_id = mask_token_from_files(pretrained_model_name_or_path, **hub_kwargs)
-        return model
+    hub_mask_token = MASK_TOKEN
 
     def generate(self, *args, **kwargs):
         """`DllmGenerationMixin.generate` with the Hub keywords mapped (see :func:`map_hub_generate_kwargs`)."""

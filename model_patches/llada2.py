@@ -29,9 +29,7 @@ whose MoE maths is LLaDA2's (source: `../shared/reference/families.md` §4; the 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Any
 
 import torch
@@ -58,6 +56,7 @@ from hf_dllm_spec.export import ShimsConfigMixin
 from hf_dllm_spec.mixin import DllmGenerationMixin
 
 from .base import FamilyPatch
+from .hub_generate import MaskTokenFromFilesMixin, hub_temperature, rename_hub_keywords
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +319,7 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=past_key_values)
 
 
-class LLaDA2MoeModelLM(DllmGenerationMixin, LLaDA2MoePreTrainedModel):
+class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePreTrainedModel):
     """LLaDA2.x LM (the Hub class name, not "...ForCausalLM"): logits in fp32, `generate(decoding_strategy=...)`.
 
     `generate(ids, max_new_tokens=...)` runs the family decoder (threshold decoding with LLaDA2.1 token editing,
@@ -334,6 +333,7 @@ class LLaDA2MoeModelLM(DllmGenerationMixin, LLaDA2MoePreTrainedModel):
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}
+    hub_mask_token = MASK_TOKEN       # `from_pretrained` reads it from the tokenizer files (not in the Hub configs)
 
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__(config)
@@ -368,15 +368,6 @@ class LLaDA2MoeModelLM(DllmGenerationMixin, LLaDA2MoePreTrainedModel):
                                                ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, then `config.mask_token_id` from the tokenizer files (`<|mask|>`) if
-        unset (the Hub configs do not carry it)."""
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        if getattr(model.config, "mask_token_id", None) is None:
-            model.config.mask_token_id = mask_token_from_tokenizer_files(pretrained_model_name_or_path)
-        return model
-
     def generate(self, *args, **kwargs):
         """`DllmGenerationMixin.generate` with the Hub keywords mapped (see :func:`map_hub_generate_kwargs`)."""
         kwargs, hub_call = map_hub_generate_kwargs(kwargs)
@@ -388,32 +379,15 @@ class LLaDA2MoeModelLM(DllmGenerationMixin, LLaDA2MoePreTrainedModel):
                           self.config.pad_token_id)
 
 
-def mask_token_from_tokenizer_files(name_or_path: str | os.PathLike) -> int | None:
-    """The id of `<|mask|>` in a local checkpoint's `tokenizer.json` / `tokenizer_config.json`, or `None`."""
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        path = os.path.join(str(name_or_path), name)
-        if not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        entries = ({t.get("content"): t.get("id") for t in data.get("added_tokens", [])} if name == "tokenizer.json"
-                   else {v.get("content"): int(k) for k, v in data.get("added_tokens_decoder", {}).items()})
-        if entries.get(MASK_TOKEN) is not None:
-            return int(entries[MASK_TOKEN])
-    return None
-
-
-#: Hub `generate` keyword -> hf_dllm_spec parameter (`None`: handled by :func:`map_hub_generate_kwargs`).
-HUB_GENERATE_KEYWORDS: dict[str, str | None] = {
+#: Hub `generate` keyword -> hf_dllm_spec parameter (`temperature`, `eos_early_stop`, `minimal_topk`: see
+#: :func:`map_hub_generate_kwargs`).
+HUB_GENERATE_KEYWORDS: dict[str, str] = {
     "gen_length": "max_new_tokens",
     "block_length": "block_size",
     "steps": "steps_per_block",
     "threshold": "confidence_threshold",
     "eos_id": "eos_token_id",
     "mask_id": "mask_token_id",
-    "temperature": None,
-    "eos_early_stop": None,
-    "minimal_topk": None,
 }
 
 
@@ -443,26 +417,10 @@ def map_hub_generate_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], boo
         raise ValueError(f"`minimal_topk` (={out['minimal_topk']!r}) must be 1; the step count is `steps` "
                          "(`steps_per_block`), drop `minimal_topk`.")
     out.pop("minimal_topk", None)
-    for hub, ours in HUB_GENERATE_KEYWORDS.items():
-        if ours is not None and hub in out:
-            if ours in out:
-                raise ValueError(f"`{hub}` (={out[hub]!r}) and `{ours}` (={out[ours]!r}) name the same parameter; "
-                                 f"pass only one of them (`{hub}` is the Hub keyword, `{ours}` this library's).")
-            out[ours] = out.pop(hub)
-    if "steps_per_block" in out and "block_size" in out and out["steps_per_block"] is not None:
+    out = rename_hub_keywords(out, HUB_GENERATE_KEYWORDS)
+    if out.get("steps_per_block") is not None and out.get("block_size") is not None:
         out["steps_per_block"] = min(int(out["steps_per_block"]), int(out["block_size"]))
-    if "temperature" in out and "do_sample" not in out:
-        temperature = out["temperature"]
-        if isinstance(temperature, (int, float)) and temperature < 0:
-            raise ValueError(f"`temperature` (={temperature!r}) must be >= 0; pass 0 for greedy decoding or a "
-                             "positive temperature to sample.")
-        if isinstance(temperature, (int, float)) and temperature == 0:
-            for key in ("temperature", "top_p", "top_k"):
-                out.pop(key, None)
-            out["do_sample"] = False
-        else:
-            out["do_sample"] = True
-    return out, hub_call
+    return hub_temperature(out), hub_call
 
 
 def hub_output(sequences: torch.Tensor, prompt_length: int, eos_token_id, pad_token_id) -> torch.Tensor:

@@ -29,8 +29,8 @@ from model_patches.fast_dllm_v2 import (
     Fast_dLLM_QwenConfig,
     Fast_dLLM_QwenForCausalLM,
     map_hub_generate_kwargs,
-    mask_token_from_files,
 )
+from model_patches.hub_generate import mask_token_from_files
 
 MASK = 98
 BD = 8
@@ -268,7 +268,7 @@ def test_mask_token_from_each_tokenizer_file(tmp_path, source):
         (tmp_path / source).write_text(json.dumps(files[source]))
     else:           # files without the token
         (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 3, "content": "<|im_end|>"}]}))
-    assert mask_token_from_files(tmp_path) == (77 if source is not None else None)
+    assert mask_token_from_files(tmp_path, MASK_TOKEN) == (77 if source is not None else None)
 
 
 # -- 2. logits equal the reference forward, with and without a cache ----------------------------------------------
