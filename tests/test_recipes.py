@@ -157,3 +157,47 @@ def test_depth_growth_preserves_the_logits_then_trains_every_layer():
     assert expansion_plan(2, 6) == [(0, False), (0, True), (0, True), (1, False), (1, True), (1, True)]
     with pytest.raises(ValueError, match="--grow-layers"):
         expansion_plan(4, 6)
+
+
+def test_llada2_loss_equals_explicit_m2t_plus_t2t():
+    """M2T on masked positions (1/t weighted) + T2T on every visible maskable position (random-token corruption
+    of some), over the maskable count; questions are never masked, corrupted or a target."""
+    from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
+    from recipes.objectives import LLaDA2Objective
+
+    torch.manual_seed(0)
+    model = LLaDA2MoeModelLM(LLaDA2MoeConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=8, initializer_range=0.2, pad_token_id=None, eos_token_id=None,
+        attn_implementation="sdpa")).eval()
+    objective = LLaDA2Objective(SimpleNamespace())
+    objective.block_sizes = {4: 1.0}
+    objective.edit_max_rate = 0.9                                   # corrupt often, so the case is exercised
+    b, seq_len = 2, 8
+    x = torch.randint(3, 40, (b, seq_len))
+    maskable = torch.ones(b, seq_len, dtype=torch.bool)
+    maskable[:, :2] = False
+    loss = objective.loss(model, x, maskable, torch.Generator().manual_seed(3))
+
+    gen = torch.Generator().manual_seed(3)                          # the same draws, explicitly
+    t = torch.rand(b, generator=gen) * (1 - 1e-3) + 1e-3
+    noise = (torch.rand(b, seq_len, generator=gen) < t[:, None]) & maskable
+    rate = torch.rand(b, generator=gen) * 0.9
+    corrupt = maskable & ~noise & (torch.rand(b, seq_len, generator=gen) < rate[:, None])
+    random_tokens = torch.randint(3, 40, (b, seq_len), generator=gen)
+    assert corrupt.any() and noise.any()
+    total = torch.tensor(0.0)
+    allowed = bd_training_mask(seq_len, 4)
+    additive = torch.zeros(2 * seq_len, 2 * seq_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    for row in range(b):
+        noisy = torch.where(noise[row], torch.tensor(2), torch.where(corrupt[row], random_tokens[row], x[row]))
+        logits = model(input_ids=torch.cat([noisy, x[row]])[None], position_ids=torch.arange(seq_len).repeat(2)[None],
+                       attention_mask=additive[None, None]).logits[0]
+        for i in range(seq_len):
+            ce = torch.nn.functional.cross_entropy(logits[i][None], x[row, i][None])
+            if noise[row, i]:
+                total = total + ce / t[row]
+            elif maskable[row, i]:
+                total = total + ce
+    assert torch.allclose(loss, total / maskable.sum(), atol=1e-5)
