@@ -397,7 +397,9 @@ class LLaDA2Objective(BlockDiffusionObjective):
     positions left visible (per sequence) is replaced by random tokens. Loss = the M2T loss (1/t weighted, masked
     positions) + the T2T loss: cross-entropy of the clean token at every visible maskable position of the noisy
     half (corrupted ones learn the correction, the others to keep their token), over the maskable count. The
-    block size mix holds 32 (LLaDA2's trained block size) and 1 (the AR mode S2D2 verifies with).
+    block size mix holds 32 (LLaDA2's trained block size) and 1 (the AR mode S2D2 verifies with). `--init-from`
+    an SDAR checkpoint upcycles it first, function-preserving (`recipes.upcycle`); without it the model starts
+    from scratch (8 experts in 2 groups, top-2 of 1 group, one shared expert).
     """
 
     name = "llada2"
@@ -406,7 +408,15 @@ class LLaDA2Objective(BlockDiffusionObjective):
 
     def build_model(self, args, tokenizer, init_from):
         from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
+        from model_patches.sdar import SDARForCausalLM
 
+        from .upcycle import sdar_to_llada2
+
+        source_type = json.loads((pathlib.Path(init_from) / "config.json").read_text())["model_type"] if init_from else None
+        if source_type == "sdar":                                        # upcycle a trained SDAR model
+            self.upcycled_from = init_from
+            sdar = SDARForCausalLM.from_pretrained(init_from, dtype=torch.float32, attn_implementation="sdpa")
+            return sdar_to_llada2(sdar, moe_intermediate_size=args.hidden // 2, num_shared_experts=2)
         if init_from:
             return LLaDA2MoeModelLM.from_pretrained(init_from, dtype=torch.float32, attn_implementation="sdpa")
         base = {**small_qwen_kwargs(args, len(tokenizer)), "tie_word_embeddings": False}    # untied, as the Hub
@@ -433,7 +443,8 @@ class LLaDA2Objective(BlockDiffusionObjective):
 
     def record(self):
         return {"block_size_mix": self.block_sizes, "edit_max_rate": self.edit_max_rate,
-                "loss": "M2T (1/t weighted) + T2T (visible positions, random-token corruption)"}
+                "loss": "M2T (1/t weighted) + T2T (visible positions, random-token corruption)",
+                "upcycled_from": getattr(self, "upcycled_from", None)}
 
 
 OBJECTIVES: dict[str, type[Objective]] = {

@@ -201,3 +201,23 @@ def test_llada2_loss_equals_explicit_m2t_plus_t2t():
             elif maskable[row, i]:
                 total = total + ce
     assert torch.allclose(loss, total / maskable.sum(), atol=1e-5)
+
+
+def test_sdar_to_llada2_upcycling_preserves_the_logits():
+    """The converted MoE (fused QKV, dense slices as experts, zero router) computes the SDAR model's logits."""
+    from hf_dllm_spec.masks import block_causal_mask
+    from model_patches.sdar import SDARConfig, SDARForCausalLM
+    from recipes.upcycle import sdar_to_llada2
+
+    torch.manual_seed(0)
+    sdar = SDARForCausalLM(SDARConfig(**{**SMALL, "intermediate_size": 48}, head_dim=8, mask_token_id=39)).eval()
+    moe = sdar_to_llada2(sdar, moe_intermediate_size=8, num_shared_experts=2).eval()     # 32 / 8 = 4 slices
+    assert moe.config.num_experts == 8 and moe.config.num_experts_per_tok == 4 and moe.config.first_k_dense_replace == 1
+    x = torch.randint(3, 39, (2, 12))
+    positions = torch.arange(12)[None].expand(2, -1)
+    allowed = block_causal_mask(positions, 4)[:, None]                                # (2, 1, 12, 12) bool
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    causal = torch.zeros(2, 1, 12, 12).masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(),
+                                                   torch.finfo(torch.float32).min)
+    assert torch.allclose(moe(x, attention_mask=additive).logits, sdar(x, attention_mask=additive).logits, atol=1e-5)
+    assert torch.allclose(moe(x, attention_mask=causal).logits, sdar(x).logits, atol=1e-5)    # SDAR's default: causal
