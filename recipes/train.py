@@ -4,6 +4,8 @@
     python -m recipes.train --objective ar --out models/qwen2-tiny-ar ...                   (AR Qwen2)
     python -m recipes.train --objective fast_dllm_v2 --init-from models/qwen2-tiny-ar \\
         --out models/fast-dllm-v2-tiny ...                                                 (Fast-dLLM v2)
+    python -m recipes.train --objective llada2 --init-from models/sdar-tiny-arith \
+        --out models/llada2-tiny ...                                                       (LLaDA2 MoE, editing)
 
 Each model card (`models/*/README.md`) lists the exact commands of its stages. Objectives live in
 `recipes.objectives`. Steps: (1) a byte-level BPE tokenizer (8,192 tokens, digits split one by one) trained with
