@@ -202,8 +202,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
         self.first_from_carry = session.target.alignment == "right_shift" and not config.fuse_cache_write
         self._full_mask: torch.Tensor | None = None            # (B, B), built once
         editing = isinstance(config, EditingConfig)
-        if editing and config.edit_rule() is not None:
-            self.edit_rule = config.edit_rule()
+        rule = config.edit_rule() if editing else None
+        if rule is not None:
+            self.edit_rule = rule
         # LLaDA2.1: a fixed least number of commits per step instead of the steps_per_block schedule.
         self.num_to_transfer = config.num_to_transfer if editing else None
         self._edited: torch.Tensor | None = None                # (N,) bool, rows with an edit this step
