@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
+from transformers import initialization as init
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 from transformers.integrations.moe import use_experts_implementation
@@ -252,11 +253,11 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         std = self.config.initializer_range
         if isinstance(module, Glm4MoeTopkRouter):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            nn.init.zeros_(module.e_score_correction_bias)
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, Glm4MoeExperts):
-            nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            nn.init.normal_(module.down_proj, mean=0.0, std=std)
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
 
 
 def additive_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, config, inputs_embeds, past_key_values):
