@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .configuration import DecodingConfig, check_int
-from .validation import check_range
+from .validation import check_range, invalid
 
 
 class EditRule:
@@ -89,6 +89,11 @@ class EditingConfig(DecodingConfig):
         if self.num_to_transfer is not None:
             check_int("num_to_transfer", self.num_to_transfer, 1, "pass 1 (LLaDA2.1 default), or None for the "
                       "steps_per_block schedule")
+            # Mixed into block-diffusion configs, which own `steps_per_block`: the two would silently compete.
+            if getattr(self, "steps_per_block", None) is not None:
+                raise invalid("steps_per_block", self.steps_per_block, f"not be combined with `num_to_transfer` "
+                              f"(={self.num_to_transfer}), which replaces the steps schedule (LLaDA2.1)",
+                              "drop `steps_per_block`, or pass num_to_transfer=None (preset 'llada2.0') to use it")
 
     def edit_rule(self) -> EditRule | None:
         """The :class:`ThresholdEditRule` these parameters describe, or `None` without editing."""

@@ -7,7 +7,7 @@ synchronisation and no Python loop over experts), the group-limited sigmoid rout
 whose MoE maths is LLaDA2's (source: `../shared/reference/families.md` §4; the LLaDA2.0 / 2.1 Hub modeling).
 
 - Attention: one fused `query_key_value` projection split [q | k | v] by heads, q/k RMSNorm over `head_dim`
-  before RoPE (a config without `use_qk_norm` means true, as the Hub modeling applies it unconditionally),
+  before RoPE (always, as the Hub modeling, whatever `use_qk_norm` says),
   rotate-half RoPE on the first `partial_rotary_factor * head_dim` dims, output projection `dense`.
 - MLP: dense SwiGLU in the first `first_k_dense_replace` layers, then MoE: scores = sigmoid(h W^T) in fp32;
   `expert_bias` is added for the choice only; the top-2 sum of each of `n_group` groups keeps `topk_group`
@@ -80,7 +80,8 @@ class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
             base and the rotated share of each head; stored in `rope_parameters` for transformers' rotary code.
         use_qkv_bias (`bool`, defaults to False): bias of `query_key_value`; use_bias (`bool`, defaults to
             False): bias of `dense`.
-        use_qk_norm (`bool`, defaults to True): q/k RMSNorm (a Hub config without the key means true).
+        use_qk_norm (`bool`, defaults to True): kept for round trips; q/k RMSNorm is always applied, as by the Hub
+            modeling (the 2.0-era config class writes False for checkpoints that have and use the norms).
         num_experts (`int`, 256), num_experts_per_tok (`int`, 8), num_shared_experts (`int`, 1),
         moe_intermediate_size (`int`, 512), first_k_dense_replace (`int`, 1), n_group (`int`, 8),
         topk_group (`int`, 4), routed_scaling_factor (`float`, 2.5), norm_topk_prob (`bool`, True): the MoE.
@@ -161,18 +162,17 @@ class LLaDA2MoeAttention(nn.Module):
         self.query_key_value = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
                                          bias=config.use_qkv_bias)
         self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.use_bias)
-        self.use_qk_norm = config.use_qk_norm
-        if self.use_qk_norm:
-            self.query_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.key_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        # Always, as the Hub modeling: the 2.0-era config class defaults `use_qk_norm` to False (and re-saved
+        # configs carry it) while every checkpoint has and applies the norms (families.md §4.1).
+        self.query_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.key_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, past_key_values: DynamicCache | None = None, **kwargs):
         b, q_len, _ = hidden_states.shape
         qkv = self.query_key_value(hidden_states).view(b, q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
-        if self.use_qk_norm:
-            query, key = self.query_layernorm(query), self.key_layernorm(key)
+        query, key = self.query_layernorm(query), self.key_layernorm(key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
@@ -327,7 +327,9 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
     `decoding_strategy="llada2"`) with a KV cache; the Hub call `generate(inputs, gen_length=..., block_length=...,
     steps=..., threshold=..., editing_threshold=..., max_post_steps=..., eos_early_stop=..., eos_id=...,
     mask_id=..., temperature=..., top_p=..., top_k=...)` keeps working and returns, as the Hub, only the generated
-    tokens up to the first EOS (see :func:`map_hub_generate_kwargs`).
+    tokens up to the first EOS (see :func:`map_hub_generate_kwargs`). LLaDA2.0 and 2.1 share the `model_type`; a
+    LLaDA2.0 checkpoint is not trained for editing: decode it with `preset="llada2.0"` (or store that choice with
+    `LLaDA2DecodingConfig(...).save_to_generation_config(model.generation_config)`).
 
     >>> model = AutoModelForCausalLM.from_pretrained("inclusionAI/LLaDA2.1-mini", dtype=torch.bfloat16)  # doctest: +SKIP
     >>> out = model.generate(ids, gen_length=256, block_length=32, threshold=0.7, editing_threshold=0.5)  # doctest: +SKIP
@@ -376,8 +378,13 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
         if not hub_call:
             return out
         prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        return hub_output(out, prompt.shape[1], kwargs.get("eos_token_id", self.config.eos_token_id),
-                          self.config.pad_token_id)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        trimmed = hub_output(sequences, prompt.shape[1], kwargs.get("eos_token_id", self.config.eos_token_id),
+                             self.config.pad_token_id)
+        if isinstance(out, torch.Tensor):
+            return trimmed
+        out.sequences = trimmed            # return_dict_in_generate=True: the statistics stay as computed
+        return out
 
 
 #: Hub `generate` keyword -> hf_dllm_spec parameter (`temperature`, `eos_early_stop`, `minimal_topk`: see
@@ -396,7 +403,8 @@ def map_hub_generate_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], boo
     """Translate the Hub `LLaDA2MoeModelLM.generate` keywords (families.md §4.7) into this library's parameters.
 
     `gen_length` -> `max_new_tokens`, `block_length` -> `block_size`, `steps` -> `steps_per_block` (clamped to
-    the block size, as the Hub loop never runs more steps than masks), `threshold` -> `confidence_threshold`,
+    the block size) with LLaDA2.0 decoding (`preset="llada2.0"` or `num_to_transfer=None`), else dropped, as the
+    LLaDA2.1 loop ignores it, `threshold` -> `confidence_threshold`,
     `eos_id` -> `eos_token_id`, `mask_id` -> `mask_token_id`; `temperature=0` means greedy (`do_sample=False`,
     `top_p` / `top_k` dropped) and `temperature > 0` sampling; `editing_threshold`, `max_post_steps` and
     `num_to_transfer` are this library's names already. `eos_early_stop` is accepted: decoding always stops
@@ -418,6 +426,9 @@ def map_hub_generate_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], boo
         raise ValueError(f"`minimal_topk` (={out['minimal_topk']!r}) must be 1; the step count is `steps` "
                          "(`steps_per_block`), drop `minimal_topk`.")
     out.pop("minimal_topk", None)
+    llada20 = out.get("preset") == "llada2.0" or ("num_to_transfer" in out and out["num_to_transfer"] is None)
+    if not llada20:
+        out.pop("steps", None)             # the LLaDA2.1 loop ignores `steps` (num_to_transfer decides)
     out = rename_hub_keywords(out, HUB_GENERATE_KEYWORDS)
     if out.get("steps_per_block") is not None and out.get("block_size") is not None:
         out["steps_per_block"] = min(int(out["steps_per_block"]), int(out["block_size"]))

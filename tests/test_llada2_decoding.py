@@ -30,7 +30,6 @@ def reference_llada2(model, prompt: torch.Tensor, gen_length: int, *, threshold:
     for b in range(P // B, num_blocks):
         lo, hi = b * B, (b + 1) * B
         in_prompt = torch.arange(lo, hi) < P
-        masks = int((~in_prompt).sum())
         post, step = 0, 0
         while True:
             old = x[lo:hi].clone()
@@ -46,9 +45,9 @@ def reference_llada2(model, prompt: torch.Tensor, gen_length: int, *, threshold:
             logits = model(x[:hi][None], attention_mask=mask[None, None]).logits[0, lo:hi]
             logits[:, MASK_ID] = float("-inf")
             conf, x0 = logits.softmax(-1).max(-1)
-            if num_to_transfer is None:                       # LLaDA2.0: the steps schedule
-                n_steps = min(steps, masks)
-                k = masks // n_steps + int(min(step, n_steps - 1) < masks % n_steps)
+            if num_to_transfer is None:                       # LLaDA2.0: the schedule of a whole block
+                n_steps = min(steps, B)
+                k = B // n_steps + int(min(step, n_steps - 1) < B % n_steps)
             else:
                 k = num_to_transfer
             k = min(k, int(active.sum()))
@@ -92,6 +91,26 @@ def test_decoder_equals_reference_hub_loop(llada2_model, params, use_cache):
     assert generated(out, len(PROMPT)) == expected
     if not preset_off and params["editing_threshold"] < 0.3:
         assert out.spec_stats.num_edited_tokens > 0        # the case exercises editing
+
+
+@pytest.mark.parametrize("length", [6, 9])
+def test_llada20_schedule_is_the_whole_blocks_with_a_prompt_tail(llada2_model, length):
+    """LLaDA2.0 sizes k by `block_length` / `steps` even where a prompt tail shares the block (2 masks, 2 steps:
+    the Hub commits both at once, a schedule over the masks would take one per step)."""
+    prompt = torch.arange(5, 5 + length)
+    out = llada2_model.generate(prompt[None], decoding_strategy="llada2", preset="llada2.0", block_size=B,
+                                max_new_tokens=10, steps_per_block=2, confidence_threshold=0.99)
+    expected = reference_llada2(llada2_model, prompt, 10, threshold=0.99, editing_threshold=None, max_post_steps=0,
+                                num_to_transfer=None, steps=2)
+    assert out[0, length:].tolist() == expected
+
+
+def test_s2d2_post_steps_never_verify_an_empty_span(llada2_model):
+    out = llada2_model.generate(PROMPT[None], decoding_strategy="s2d2", block_size=B, max_new_tokens=16,
+                                do_verify_policy="contextual_bandit_ucb", max_post_steps=3, return_dict_in_generate=True,
+                                **EDITING)
+    stats = out.spec_stats       # a verify forward over an empty span would count no draft
+    assert stats.num_verify_forwards == stats.num_drafts > 0 and stats.num_edited_tokens > 0
 
 
 def test_cached_decoder_equals_uncached_when_sampling(llada2_model):
@@ -204,7 +223,15 @@ def test_hub_generate_call_keeps_working(llada2_model):
     assert cut[0].tolist() == free[0, :first + 1].tolist()
 
 
+def test_hub_call_with_return_dict_trims_the_sequences(llada2_model):
+    out = llada2_model.generate(PROMPT[None], gen_length=8, block_length=B, steps=B, eos_id=None,
+                                return_dict_in_generate=True)
+    plain = llada2_model.generate(PROMPT[None], gen_length=8, block_length=B, steps=B, eos_id=None)
+    assert torch.equal(out.sequences, plain) and out.spec_stats.nfe > 0
+
+
 @pytest.mark.parametrize("kwargs,name", [
+    ({"steps_per_block": 2}, "steps_per_block"),
     ({"editing_threshold": 1.5}, "editing_threshold"),
     ({"editing_threshold": 0.0}, "editing_threshold"),
     ({"max_post_steps": -1}, "max_post_steps"),

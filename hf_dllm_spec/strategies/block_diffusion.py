@@ -445,10 +445,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
         cfg = self.config
         masked = self.decodable(block)
         masked = masked if rows is None else masked & rows[:, None]
-        num_tokens = self.num_to_transfer if self.num_to_transfer is not None else \
-            scheduled_tokens(block.num_masks, self.steps_per_block, block.step)
         transfer = select_transfer(
-            cfg.remasking_strategy, masked=masked, confidence=confidence, num_tokens=num_tokens,
+            cfg.remasking_strategy, masked=masked, confidence=confidence, num_tokens=self.tokens_per_step(block),
             confidence_threshold=cfg.confidence_threshold, eb_threshold=cfg.eb_threshold,
             entropies=entropy(probs) if cfg.remasking_strategy == "entropy_bounded" else None,
         )
@@ -457,6 +455,13 @@ class BlockDiffusionStrategy(DecodingStrategy):
         committed = transfer.sum(dim=1)
         self.session.stats.accumulate("num_fallback_tokens", committed)
         return committed
+
+    def tokens_per_step(self, block: BlockState) -> torch.Tensor | int:
+        """k, the least commits of this step (clamped to the masks left by the rule): `num_to_transfer` (LLaDA2.1),
+        else entry `step` of the `steps_per_block` schedule over the block's masks (SDAR), `(N,)` or an int."""
+        if self.num_to_transfer is not None:
+            return self.num_to_transfer
+        return scheduled_tokens(block.num_masks, self.steps_per_block, block.step)
 
     def finish_step(self, block: BlockState, began_full: torch.Tensor | None) -> torch.Tensor:
         """`(N,)` bool, the rows whose block is complete: no mask left, and with editing (`began_full` `(N,)`: the

@@ -231,7 +231,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
         if self.sub_block_size < self.block_size:                           # C_t ends with its sub-block
             end = torch.minimum(end, (start // self.sub_block_size + 1) * self.sub_block_size)
         contexts = self.routing_contexts(block, draft_probs, confidence, start, end)
-        decisions = [policy.decide(ctx) for policy, ctx in zip(self.policies, contexts)]
+        # A row without a mask (an editing-only post step) has nothing to verify: its policy is not consulted.
+        routed = [ctx.span_length > 0 for ctx in contexts]
+        decisions = [r and policy.decide(ctx) for policy, ctx, r in zip(self.policies, contexts, routed)]
         verify = torch.tensor(decisions, device=block.tokens.device)
         committed = torch.zeros_like(block.start)
         if any(decisions):
@@ -240,8 +242,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
         if not all(decisions):
             committed = committed + self.commit_by_rule(block, draft_probs, draft_tokens, confidence, rows=~verify)
         if any(policy.needs_feedback for policy in self.policies):
-            for policy, count, decided in zip(self.policies, committed.tolist(), decisions):
-                policy.observe(count, decided)
+            for policy, count, decided, r in zip(self.policies, committed.tolist(), decisions, routed):
+                if r:
+                    policy.observe(count, decided)
 
     def routing_contexts(self, block: BlockState, draft_probs: torch.Tensor, confidence: torch.Tensor,
                          start: torch.Tensor, end: torch.Tensor) -> list[RoutingContext]:
