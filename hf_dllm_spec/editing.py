@@ -58,7 +58,7 @@ class ThresholdEditRule(EditRule):
         self.editing_threshold, self.max_post_steps = editing_threshold, max_post_steps
 
     def __call__(self, *, tokens, editable, probs, proposal, confidence):
-        return editable & (proposal != tokens) & (confidence > self.editing_threshold)
+        return confidence > self.editing_threshold       # the loop keeps editable positions whose proposal differs
 
 
 @dataclass

@@ -405,6 +405,7 @@ class LLaDA2Objective(BlockDiffusionObjective):
     name = "llada2"
     block_sizes = {32: 0.5, 16: 0.1, 4: 0.2, 1: 0.2}
     edit_max_rate = 0.25
+    upcycled_from: str | None = None          # the SDAR checkpoint `build_model` upcycled, recorded in the log
 
     def build_model(self, args, tokenizer, init_from):
         from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
@@ -444,7 +445,7 @@ class LLaDA2Objective(BlockDiffusionObjective):
     def record(self):
         return {"block_size_mix": self.block_sizes, "edit_max_rate": self.edit_max_rate,
                 "loss": "M2T (1/t weighted) + T2T (visible positions, random-token corruption)",
-                "upcycled_from": getattr(self, "upcycled_from", None)}
+                "upcycled_from": self.upcycled_from}
 
 
 OBJECTIVES: dict[str, type[Objective]] = {

@@ -9,8 +9,8 @@ expert, the rest `S` slices of `moe_intermediate_size`; the experts of each of t
 (expert e and e + S are copies), `num_experts_per_tok` = S and `topk_group` = 1. With a zero router every expert
 scores sigmoid(0) = 1/2, the first group wins the tie and all S slices are chosen with weight
 `routed_scaling_factor` / S each, so scaling each slice's down projection by S / `routed_scaling_factor` makes the
-MoE compute exactly the dense MLP: the converted model's logits equal the source's (tested). A small random router
-then breaks the ties and training specialises the experts (`python -m recipes.train --objective llada2
+MoE compute exactly the dense MLP: the converted model's logits equal the source's (tested). Training then breaks
+the router's ties and specialises the experts (`python -m recipes.train --objective llada2
 --init-from <SDAR checkpoint>`).
 """
 
@@ -21,14 +21,13 @@ import torch
 
 @torch.no_grad()
 def sdar_to_llada2(sdar, *, moe_intermediate_size: int, num_shared_experts: int, first_k_dense_replace: int = 1,
-                   routed_scaling_factor: float = 2.5, router_std: float = 0.0):
-    """A `LLaDA2MoeModelLM` computing the same logits as `sdar` (an `SDARForCausalLM`) when `router_std` is 0.
+                   routed_scaling_factor: float = 2.5):
+    """A `LLaDA2MoeModelLM` computing the same logits as `sdar` (an `SDARForCausalLM`); its router starts at zero.
 
     Args:
         moe_intermediate_size (`int`): neurons per expert; the source's `intermediate_size` minus the shared part
             must be a positive multiple of it.
         num_shared_experts (`int`): the shared expert takes `num_shared_experts * moe_intermediate_size` neurons.
-        router_std (`float`): std of the router's initial weights (0 = exact copy of the source's function).
 
     Raises:
         ValueError: if the neurons do not split into slices, or the source is not an SDAR model.
@@ -82,6 +81,6 @@ def sdar_to_llada2(sdar, *, moe_intermediate_size: int, num_shared_experts: int,
             hi = lo + moe_intermediate_size
             moe.experts.gate_up_proj[e].copy_(torch.cat([mlp.gate_proj.weight[lo:hi], mlp.up_proj.weight[lo:hi]]))
             moe.experts.down_proj[e].copy_(mlp.down_proj.weight[:, lo:hi] * scale)
-        moe.gate.weight.normal_(0.0, router_std) if router_std > 0 else moe.gate.weight.zero_()
+        moe.gate.weight.zero_()
         moe.gate.e_score_correction_bias.zero_()
     return model
