@@ -379,8 +379,9 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
             return out
         prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        trimmed = hub_output(sequences, prompt.shape[1], kwargs.get("eos_token_id", self.config.eos_token_id),
-                             self.config.pad_token_id)
+        # The stop ids decoding used: the call's, else the family's resolution (generation config, then config).
+        eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else LLaDA2Patch().stop_token_ids(self, None)
+        trimmed = hub_output(sequences, prompt.shape[1], eos, self.config.pad_token_id)
         if isinstance(out, torch.Tensor):
             return trimmed
         out.sequences = trimmed            # return_dict_in_generate=True: the statistics stay as computed
