@@ -97,7 +97,7 @@ class DeerCandidateGenerator(CandidateGenerator):
         self.seen = input_ids.shape[1]
         probs = self.sampler.probs(self.drafter.draft([new], k))                       # (1, k, V)
         tokens, _ = self.sampler.choose(probs)
-        return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), probs.log()
+        return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), probs.log().to(input_ids.device)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         """k stays fixed (DEER drafts a whole block per cycle)."""

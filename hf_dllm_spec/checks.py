@@ -16,6 +16,8 @@ from transformers import DynamicCache, GenerationConfig
 
 from .configuration import check_int
 from .masks import left_padded_valid
+from .placement import execution_device
+from .quantization import check_quantized_model
 from .validation import invalid
 
 #: Float options of `GenerationConfig` the sampler reads; NaN or infinity is refused.
@@ -48,13 +50,18 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
         kwargs (`dict`): keyword arguments of `generate`.
 
     Raises:
-        ValueError: the model on the meta device; `input_ids` not a 2D integer tensor `(N, P)`;
+        ValueError: the model on the meta device (weights never loaded; an accelerate-offloaded model runs on its
+            execution device and passes); a quantized transformers assistant model that cannot decode
+            (:func:`hf_dllm_spec.quantization.check_quantized_model`; the target and `draft_model` are checked
+            where decoding starts, every entry point included); `input_ids` not a 2D integer tensor `(N, P)`;
             `max_new_tokens` / `max_length` not an integer >= 1.
     """
-    if model.device.type == "meta":
+    if execution_device(model).type == "meta":
         raise invalid("model", f"<{type(model).__name__} on the meta device>",
                       "hold real weights to decode", "load it with `from_pretrained` (or `to_empty` and load a "
                       "state dict) before calling generate")
+    if kwargs.get("assistant_model") is not None:
+        check_quantized_model(kwargs["assistant_model"], "assistant_model")
     ids = _input_ids_of(args, kwargs)
     if ids is not None:
         if not isinstance(ids, torch.Tensor):

@@ -24,10 +24,9 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from .jobs import add_model_argument, check_model
+from .jobs import DTYPES, add_model_argument, check_model
 
 PARAM_PREFIX = "strategy_param:"
-DTYPES = ("float32", "bfloat16", "float16")
 _RAW = argparse.RawDescriptionHelpFormatter
 
 

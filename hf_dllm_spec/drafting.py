@@ -94,6 +94,7 @@ class OneStepDrafter:
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the rows `index` `(M,)` int64, in that order."""
+        index = index.to(self.runner.device)
         self.runner.select_rows(index)
         self.lengths = self.lengths[index]
         self.context = [self.context[i] for i in index.tolist()]

@@ -166,13 +166,23 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
     return result
 
 
+def efficiency(stats, baseline) -> float:
+    """Wall-clock speedup over `baseline` divided by the forward-count ratio (baseline NFE / NFE): 1.0 when every
+    saved forward saves its share of time; below 1 when forwards are wider (verify, denoise) or time outside
+    forwards grows. Both `SpecDecodingStats` of the same prompts, measured in one process."""
+    if not stats.wall_time_s or not stats.nfe:
+        return float("nan")
+    return (baseline.wall_time_s / stats.wall_time_s) * (stats.nfe / baseline.nfe)
+
+
 def table(results: list[RunResult], baseline: RunResult, metric: str) -> str:
-    """Markdown table, one row per strategy; speedups against `baseline` measured in the same process. rho is the
-    time of one drafter forward over one target forward (strategies with a separate drafter); edited is the share
-    of committed tokens replaced by token editing (LLaDA2.1)."""
-    head = (f"| strategy | NFE | tokens/forward | wall s | speedup vs AR | NFE vs AR | {metric} | acceptance rate | "
-            "tau | rho | edited | outside forwards |")
-    lines = [head, "|" + "---|" * 12]
+    """Markdown table, one row per strategy; speedups against `baseline` measured in the same process. Efficiency
+    is the speedup over the forward-count ratio (:func:`efficiency`); rho is the time of one drafter forward over
+    one target forward (strategies with a separate drafter); edited is the share of committed tokens replaced by
+    token editing (LLaDA2.1); outside forwards is the share of the wall time spent outside model forwards."""
+    head = (f"| strategy | NFE | tokens/forward | wall s | speedup vs AR | NFE vs AR | efficiency | {metric} | "
+            "acceptance rate | tau | rho | edited | outside forwards |")
+    lines = [head, "|" + "---|" * 13]
     for r in results:
         s, base = r.stats, baseline.stats
         acc_rate = "-" if s.num_draft_tokens == 0 else f"{s.acceptance_rate:.2f}"
@@ -181,7 +191,7 @@ def table(results: list[RunResult], baseline: RunResult, metric: str) -> str:
         edited = "-" if s.num_edited_tokens == 0 else f"{s.edit_rate:.1%}"
         lines.append(
             f"| {r.spec.label} | {s.nfe} | {s.tpf:.2f} | {s.wall_time_s:.2f} | "
-            f"{base.wall_time_s / s.wall_time_s:.2f}x | {s.nfe / base.nfe:.0%} | "
+            f"{base.wall_time_s / s.wall_time_s:.2f}x | {s.nfe / base.nfe:.0%} | {efficiency(s, base):.2f} | "
             f"{r.accuracy:.1f}% | {acc_rate} | {tau} | {rho} | {edited} | {s.overhead_fraction:.0%} |"
         )
     return "\n".join(lines)

@@ -37,6 +37,8 @@ from .checks import (check_call, check_generation_config, check_generator, check
 from .configuration import DecodingConfig, check_int
 from .outputs import BatchStats, GenerateDllmOutput
 from .registry import get_strategy, resolve_config, strategy_parameter_names
+from .placement import execution_device
+from .quantization import check_quantized_model
 from .runner import DRAFT_MODEL_SPAN, ModelRunner
 from .sampling import Sampler
 from .strategies import DecodingSession
@@ -189,7 +191,9 @@ def dllm_generate(
         mask_token_id (`int`, *optional*): overrides the target's mask token.
         strategy_config (`DecodingConfig`, *optional*): a config object of the chosen strategy.
         preset (`str`, *optional*): a named configuration, e.g. "sdar-8b-config-a" for S2D2.
-        draft_model (`PreTrainedModel`, *optional*): the drafter of strategies that use one (SimSD, DEER).
+        draft_model (`PreTrainedModel`, *optional*): the drafter of strategies that use one (SimSD, DEER). It
+            keeps its own device, dtype and `device_map` (accelerate offload): token ids go to its execution
+            device and its block logits come back to the target's; caches never move (docs/placement.md).
         assistant_model (`PreTrainedModel`, *optional*): transformers' name for it; an alias of `draft_model`.
         draft_mask_token_id (`int`, *optional*): overrides the drafter's mask token.
         **kwargs: strategy parameters (see the config classes) and the model kwargs transformers prepared.
@@ -281,7 +285,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     check_generation_config(generation_config)
     lengths = prompt_lengths(input_ids, kwargs.get("attention_mask"))
     check_model_kwargs(input_ids, kwargs, lengths)
-    check_generator(generator, model.device)
+    device = execution_device(model)         # not `model.device`: "meta" under accelerate offload
+    check_generator(generator, device)
     batch_size = input_ids.shape[0]
     if streamer is not None and batch_size > 1:
         raise invalid("streamer", type(streamer).__name__, "be used with batch size 1 (transformers' streamers "
@@ -291,6 +296,9 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     patch = model_patches.get_patch(model)
     drafter_patch = model_patches.get_patch(draft_model) if draft_model is not None else None
     strategy_cls.check_models(model, patch, draft_model, drafter_patch)
+    check_quantized_model(model, "model")
+    if draft_model is not None:
+        check_quantized_model(draft_model, "draft_model")
     alignment = patch.alignment_of(model)
     resolved_mask = patch.mask_token_id(model, mask_token_id)
     needs_mask = strategy_cls.requires_mask_token and not (strategy_cls.name == "ar" and alignment == "right_shift")
@@ -345,7 +353,6 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
         if draft_mask is not None:
             check_mask_not_in_prompt(input_ids, lengths, draft_mask, owner="drafter's")
 
-    device = model.device
     timer = ForwardTimer(device)
     stats = BatchStats(batch_size)
     use_cache = generation_config.use_cache is not False          # None (unset) means the default: cached

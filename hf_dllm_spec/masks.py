@@ -92,20 +92,30 @@ def partially_causal_draft_mask(block_size: int, first_masked: torch.Tensor) -> 
     return torch.where(prefix_row, col <= row, torch.ones_like(prefix_row))
 
 
-def verifier_2l_mask(length: int, device: torch.device | str | None = None) -> torch.Tensor:
+def verifier_2l_mask(length: int, device: torch.device | str | None = None, span_start: int = 0) -> torch.Tensor:
     """S2D2 Eq. 3: M_ver = [[A_L, 0], [A_L^<, I_L]] over the input [drafted block | MASK copy].
 
     First half row i (a drafted or committed token) sees first-half j <= i; second-half row i (a MASK at the
     same position as i) sees first-half j < i and itself. The logits of second-half row i are then exactly the
     block-size-1 (AR mode) prediction for position i given everything to its left (position-aligned models).
 
+    With `span_start` = S > 0 the MASK copies cover positions S..L-1 only (the span-width verifier: the copies
+    of positions before the span are never read, and the first half ends where the span ends, so the caller
+    passes L = the span end). Each kept copy sees exactly what it sees in the full layout, so its logits are
+    the same; the width is L + (L - S) instead of 2B.
+
+    Args:
+        length (`int`): L, the first half's length (B for the full layout, the span end for the narrow one).
+        span_start (`int`, defaults to 0): S, the first position with a MASK copy, 0 <= S < L.
+
     Returns:
-        `torch.Tensor` of shape `(2 * length, 2 * length)`, bool.
+        `torch.Tensor` of shape `(2L - S, 2L - S)`, bool.
     """
-    mask = torch.zeros(2 * length, 2 * length, dtype=torch.bool, device=device)
+    copies = length - span_start
+    mask = torch.zeros(length + copies, length + copies, dtype=torch.bool, device=device)
     mask[:length, :length] = causal_mask(length, device)
-    mask[length:, :length] = causal_mask(length, device).tril(-1)
-    mask[length:, length:] = torch.eye(length, dtype=torch.bool, device=device)
+    mask[length:, :length] = causal_mask(length, device).tril(-1)[span_start:]
+    mask[length:, length:] = torch.eye(copies, dtype=torch.bool, device=device)
     return mask
 
 

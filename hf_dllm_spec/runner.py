@@ -31,6 +31,7 @@ import torch
 
 from .masks import to_additive
 from .outputs import BatchStats
+from .placement import execution_device
 from .timing import ForwardTimer
 
 
@@ -72,8 +73,8 @@ class ModelRunner:
         self.model, self.patch, self.stats, self.use_cache = model, patch, stats, use_cache
         self.timer_span = timer_span
         self.alignment = patch.alignment_of(model)
-        self.device = model.device
-        self.dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+        self.device = execution_device(model)                     # not `model.device` (meta when offloaded)
+        self.dtype = model.dtype if model.dtype.is_floating_point else torch.float32     # per model: its masks
         self.timer = timer if timer is not None else ForwardTimer(self.device)
         if use_cache:
             self.cache = cache if cache is not None else patch.new_cache(model)
@@ -240,9 +241,13 @@ class ModelRunner:
 
     # -- batch membership ---------------------------------------------------------------------------------------
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep only the rows `index` `(M,)` int64, in that order (finished rows stop costing compute)."""
+        """Keep only the rows `index` `(M,)` int64, in that order (finished rows stop costing compute); `index`
+        may live on any device (each cache layer reads it on its own: a `device_map` may spread the layers)."""
+        index = index.to(self.device)
         if self.use_cache:
-            self.cache.batch_select_indices(index)
+            for layer in self.cache.layers:
+                keys = getattr(layer, "keys", None)
+                layer.batch_select_indices(index if keys is None else index.to(keys.device))
         self.valid = self.valid[index]
         if self.carry is not None:
             self.carry = self.carry[index]
@@ -260,7 +265,8 @@ class ModelRunner:
                 for layer in self.cache.layers:
                     if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                         continue
-                    idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+                    idx = order.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
+                                                                               layer.keys.shape[-1])
                     layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
             else:
                 self._ids, self._pos = self._ids.gather(1, order), self._pos.gather(1, order)

@@ -117,9 +117,8 @@ class Sampler:
 
     def __post_init__(self) -> None:
         check_logits_processors(self.logits_processor)
-        self._suppress = None
-        if self.suppress_token_ids:
-            self._suppress = SuppressTokensLogitsProcessor(self.suppress_token_ids, device="cpu")
+        # The suppression SuppressTokensLogitsProcessor would apply, as one `index_fill` (no vocabulary-wide isin).
+        self._suppress = torch.tensor(sorted(set(self.suppress_token_ids)), dtype=torch.long)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Processed distribution per position.
@@ -135,10 +134,10 @@ class Sampler:
         shape = logits.shape
         scores = logits.float().reshape(-1, shape[-1])
         dummy_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
-        if self._suppress is not None:
-            if self._suppress.suppress_tokens.device != scores.device:
-                self._suppress.suppress_tokens = self._suppress.suppress_tokens.to(scores.device)
-            scores = self._suppress(dummy_ids, scores)
+        if self._suppress.numel():
+            if self._suppress.device != scores.device:
+                self._suppress = self._suppress.to(scores.device)
+            scores = scores.index_fill(-1, self._suppress, -float("inf"))
         for proc in self.logits_processor:
             scores = proc(dummy_ids, scores)
         return torch.softmax(scores, dim=-1).reshape(shape)

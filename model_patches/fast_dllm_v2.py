@@ -20,6 +20,10 @@ LLM", arXiv 2509.26328). Its Hub remote code pins transformers 4.53.1; here the 
 - `conplemenrary_mask` (sic), a training flag of the Hub config, is kept and written back as spelled.
 - `generate()` without `decoding_strategy` runs the family's decoder (`decoding_strategy="fast_dllm_v2"`), and
   accepts the Hub `generate` keywords (:data:`HUB_GENERATE_KEYWORDS`).
+- Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): every
+  `nn.Linear` of the decoder (q/k/v with bias, o, the MLP) is quantized; the output head `lm_head` (tied on the
+  1.5B, its own on the 7B) stays unquantized, in the load dtype (`Fast_dLLM_QwenForCausalLM._keep_in_fp32_modules`).
+  Rules: `hf_dllm_spec.quantization`.
 """
 
 from __future__ import annotations
@@ -121,6 +125,10 @@ class Fast_dLLM_QwenForCausalLM(MaskTokenFromFilesMixin, DllmGenerationMixin, Qw
 
     config_class = Fast_dLLM_QwenConfig
     hub_mask_token = MASK_TOKEN
+    # The output head stays unquantized, also when `llm_int8_skip_modules` replaces transformers' default skips
+    # (see `model_patches.sdar.SDARForCausalLM`). Anchored: "lm_head" would also be the float16 dtype plan of the
+    # untied 7B head (float32 head, float16 hidden states: a dtype error); "lm_head$" names the module only.
+    _keep_in_fp32_modules = ["lm_head$"]
 
     def generate(self, *args, **kwargs):
         """`DllmGenerationMixin.generate` with the Hub keywords mapped (see :func:`map_hub_generate_kwargs`)."""

@@ -25,6 +25,17 @@ whose MoE maths is LLaDA2's (source: `../shared/reference/families.md` §4; the 
   reverses it, so saved checkpoints are in the Hub layout.
 - Tokens: the Hub config has no mask id. `config.mask_token_id` (set by `from_pretrained` from the tokenizer
   files' `<|mask|>` when found) else 156895 with a warning (families.md §4.4); EOS 156892 from the config.
+- Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): bitsandbytes
+  replaces exact `nn.Linear` modules only (transformers' `replace_with_bnb_linear`), so only the attention
+  (`query_key_value`, `dense`), the shared experts and the dense first layer(s)' MLP are quantized. The routed
+  experts are two 3D parameters (`gate_up_proj` `(E, 2I, H)`, `down_proj` `(E, H, I)`) and the router `mlp.gate`
+  (GLM-4-MoE's `Glm4MoeTopkRouter`) holds a `weight` parameter: neither is a linear layer, so neither is
+  quantized; the experts stay in the load dtype, and the router weight and `e_score_correction_bias` (the Hub's
+  `expert_bias`) in float32 for any 16-bit load (`_keep_in_fp32_modules_strict`; the router maths is fp32, as in
+  the Hub modeling; families.md §4.10). `lm_head` stays unquantized, in the load dtype (`_keep_in_fp32_modules`).
+  On LLaDA2.1-mini (families.md §4.1: 20 layers, hidden 2048, 256 experts of 512, vocab 157184; 16.3B
+  parameters) the quantized layers hold about 0.30B parameters (1.9%): the experts (15.3B) and the embedding and
+  head (0.64B) stay in the load dtype, so bitsandbytes saves little memory on this family.
 """
 
 from __future__ import annotations
@@ -235,7 +246,11 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+    # Router weight and selection bias in float32 for any 16-bit load (as transformers' own MoE routers; the router
+    # upcasts to fp32 anyway, so a bf16 checkpoint gives the same scores). "mlp.gate.weight" is searched in parameter
+    # names: it matches the router's weight, not `mlp.gate_proj.weight`. Neither is a linear layer: bitsandbytes
+    # never quantizes them.
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "mlp.gate.weight"]
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -336,6 +351,10 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}
+    # `lm_head` stays unquantized, also when `llm_int8_skip_modules` replaces transformers' default skips (see
+    # `model_patches.sdar.SDARForCausalLM`). Anchored: "lm_head" would also be the float16 dtype plan and load the
+    # (untied) head in float32 beside float16 hidden states; "lm_head$" names the module only.
+    _keep_in_fp32_modules = ["lm_head$"]
     hub_mask_token = MASK_TOKEN       # `from_pretrained` reads it from the tokenizer files (not in the Hub configs)
 
     def __init__(self, config: LLaDA2MoeConfig):

@@ -15,6 +15,10 @@ needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SD
 - The Hub config asks for `attn_implementation: "flex_attention"` (with flash-attn kernels in the remote
   code). The explicit float 4D masks of the decoding loop need SDPA or eager; the config value is kept as
   `hub_attn_implementation` and SDPA is used unless `from_pretrained(attn_implementation=...)` says otherwise.
+- Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): every
+  `nn.Linear` of the decoder (q/k/v/o projections, the MLP) is quantized; the output head `lm_head` stays
+  unquantized, in the load dtype (`SDARForCausalLM._keep_in_fp32_modules`); embeddings and norms are not linear
+  layers and are never quantized. Rules: `hf_dllm_spec.quantization`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ class SDARForCausalLM(DllmGenerationMixin, Qwen3ForCausalLM):
     """
 
     config_class = SDARConfig
+    # The output head stays unquantized. transformers skips it on its own (`get_keys_to_not_convert`: tied and
+    # output embeddings) unless `llm_int8_skip_modules` is given, which replaces those defaults (a head tied to
+    # the embedding then fails in bitsandbytes); every quantizer adds this list to its skip list. Anchored: the
+    # list is also the float16 dtype plan (searched in parameter names), where "lm_head" would load an untied
+    # head in float32 beside float16 hidden states; "lm_head$" names the module only (no parameter is upcast).
+    _keep_in_fp32_modules = ["lm_head$"]
 
 
 class SDARPatch(FamilyPatch):

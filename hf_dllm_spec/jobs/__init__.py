@@ -21,6 +21,17 @@ def add_model_argument(parser: argparse.ArgumentParser, help: str = "checkpoint 
                         help=f"{help}; default: the bundled model models/sdar-tiny-arith")
 
 
+#: `--dtype` choices: the model's parameter and activation dtype (bfloat16 is the fast CPU path).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """`--dtype {float32,bfloat16,float16}`, the dtype models load in (default float32); logits the acceptance
+    tests read are float32 whatever it is."""
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="dtype the models load in (default float32; bfloat16 is faster on CPU)")
+
+
 def check_model(parser: argparse.ArgumentParser, model: str) -> None:
     """Stop with a usage error when the bundled model is asked for but the install has no source checkout."""
     if model == str(DEFAULT_MODEL) and not pathlib.Path(model).is_dir():

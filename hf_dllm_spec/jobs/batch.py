@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..evaluation import RESULTS_DIR, StrategySpec, arithmetic_prompts, humaneval_prompts, load
-from . import add_model_argument, job_main
+from . import add_dtype_argument, add_model_argument, job_main
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -75,6 +75,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_model_argument(ap)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    add_dtype_argument(ap)
     ap.add_argument("--out", default=str(RESULTS_DIR), help="results folder; default: benchmarks/results")
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bars (they only show on a terminal, on stderr)")
@@ -82,14 +83,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     """The batch benchmark; `argv` (the job's own arguments) is recorded in batch.md as the command."""
-    tokenizer, model = load(args.model)
+    tokenizer, model = load(args.model, dtype=getattr(torch, args.dtype))
     tokenizer.padding_side = "left"
     sets = {
         "held-out arithmetic": ([p.text for p in arithmetic_prompts(args.model, args.batch_size)], 48),
         "HumanEval prompts": ([p.text for p in humaneval_prompts(args.batch_size)], 64),
     }
     compare(model, tokenizer, sets["held-out arithmetic"][0][:2], SPECS[0], 8, 1)          # warm-up
-    machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, fp32, greedy"
+    machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {args.dtype}, greedy"
     md = [f"# Batch benchmark\n\nCommand: `./run.sh bench-batch {' '.join(argv or [])}`".rstrip() + "  ",
           f"Machine: {machine}  ", f"Date: {time.strftime('%Y-%m-%d')}\n",
           f"Batch of {args.batch_size} left-padded prompts vs {args.batch_size} sequential batch-1 calls, same "

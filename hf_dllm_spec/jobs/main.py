@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import ast
 
+import torch
+
 from ..evaluation import Prompt, StrategySpec, arithmetic_prompts, humaneval_prompts, load, run as run_spec, table
-from . import DEFAULT_MODEL, add_model_argument, job_main
+from . import DEFAULT_MODEL, add_dtype_argument, add_model_argument, job_main
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -118,6 +120,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra S2D2 parameter")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (left-padded batch)")
+    add_dtype_argument(ap)
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bars (they only show on a terminal, on stderr)")
 
@@ -125,7 +128,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     import model_patches
 
-    tokenizer, model = load(args.model)
+    dtype = getattr(torch, args.dtype)
+    tokenizer, model = load(args.model, dtype=dtype)
     patch = model_patches.get_patch(model)
     fast_dllm = patch.native_strategy == "fast_dllm_v2"
     autoregressive = not patch.is_diffusion_lm
@@ -137,7 +141,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         default = "ar,static,dynamic,simsd,simsd-dynamic"
     strategies = args.strategies or default
     draft_path = args.draft_model or (str(DEFAULT_DRAFTER) if autoregressive and "deer" in strategies else None)
-    draft_model = load(draft_path)[1] if draft_path else None
+    draft_model = load(draft_path, dtype=dtype)[1] if draft_path else None
     block_size = args.block_size or ((patch.trained_block_size(model) or 4) if simsd else 32)
     strategy_specs = specs(block_size, args.threshold, strategies.split(","), parse_set(args.set),
                            SUB_BLOCKS if fast_dllm else None, draft_model, args.draft_block_size)
@@ -151,7 +155,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         }
     print(f"model: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
           f"{patch.family}, trained block size {patch.trained_block_size(model)}, "
-          f"mask id {patch.mask_token_id(model)})")
+          f"mask id {patch.mask_token_id(model)}, {args.dtype})")
     for name, (prompts, max_new, metric) in sets.items():
         results = [run_spec(model, tokenizer, prompts, spec, max_new_tokens=max_new, seed=args.seed,
                             batch_size=args.batch_size, progress=args.progress) for spec in strategy_specs]

@@ -29,7 +29,7 @@ import time
 import torch
 
 from ..evaluation import RESULTS_DIR, StrategySpec, arithmetic_prompts, humaneval_prompts, load, run as run_spec, table
-from . import add_model_argument, job_main
+from . import add_dtype_argument, add_model_argument, job_main
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -189,6 +189,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "block size)")
     ap.add_argument("--out", default=str(RESULTS_DIR), help="results folder; default: benchmarks/results")
     ap.add_argument("--seed", type=int, default=0)
+    add_dtype_argument(ap)
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bars (they only show on a terminal, on stderr)")
 
@@ -197,14 +198,15 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     """The sweep; `argv` (the job's own arguments) is recorded in sweep.md as the command."""
     import model_patches
 
-    tokenizer, model = load(args.model)
+    dtype = getattr(torch, args.dtype)
+    tokenizer, model = load(args.model, dtype=dtype)
     thresholds = [float(t) for t in args.thresholds.split(",")]
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
     patch = model_patches.get_patch(model)
     drafters = {}
     for item in args.draft_model:
         name, _, path = item.rpartition("=")
-        drafters[name or pathlib.Path(path).name] = load(path)[1]
+        drafters[name or pathlib.Path(path).name] = load(path, dtype=dtype)[1]
     if not patch.is_diffusion_lm:
         if not drafters:
             raise SystemExit("an AR --model is benchmarked with DEER: pass --draft-model [NAME=]PATH (repeatable)")
@@ -226,7 +228,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = (f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-               f"fp32, batch 1, greedy")
+               f"{args.dtype}, batch 1, greedy")
     md = [f"# Benchmark sweep\n\nCommand: `./run.sh bench {' '.join(argv or [])}`".rstrip() + "  ",
           f"Machine: {machine}  ", f"Date: {time.strftime('%Y-%m-%d')}\n"]
     raw: dict = {}

@@ -21,8 +21,10 @@ class DecodingSession:
     """Everything a strategy needs for one `generate` call, resolved and validated before any forward.
 
     Attributes:
-        prompts (`list[torch.Tensor]`): each row's prompt without padding, `(P_n,)` int64.
-        target (`ModelRunner`): the model whose output is decoded (the self-drafting model of S2D2).
+        prompts (`list[torch.Tensor]`): each row's prompt without padding, `(P_n,)` int64, on `target.device`.
+        target (`ModelRunner`): the model whose output is decoded (the self-drafting model of S2D2). The loop's
+            tensors (blocks, probabilities, counters, the sampler's draws) live on its execution device
+            (`target.device`, see :func:`~hf_dllm_spec.placement.execution_device`).
         sampler (`Sampler`): logits -> distributions and tokens; holds the generator.
         stats (`BatchStats`): per-row counters, updated in place.
         mask_token_id (`int`): the target's mask token (0 as a placeholder input where none is needed: AR
@@ -30,7 +32,8 @@ class DecodingSession:
         stop_token_ids (`list[int]`): a row stops after the block in which one of them is committed.
         max_new_tokens (`int`): budget in tokens per row (whole blocks are decoded, the caller trims).
         drafter (`ModelRunner`, *optional*): a separate drafter model (SimSD, DEER), with its own cache, family
-            patch and alignment.
+            patch, alignment, device and dtype: a strategy moves the token ids (and row indices) it feeds to
+            `drafter.device` and the drafter's block logits back to `target.device`; neither cache ever moves.
         draft_mask_token_id (`int`, *optional*): the drafter's mask token (a mask id of one family can be a real
             token of another: never shared).
         stop_check (`callable`, *optional*): `(prompt index, generated (n,)) -> bool`, the caller's stopping

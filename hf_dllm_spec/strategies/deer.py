@@ -162,7 +162,9 @@ class DeerStrategy(DecodingStrategy):
         k, per_row = self.num_drafts()
         n = self.last.shape[0]
         if k:
-            draft_probs = self.draft_sampler.probs(self.drafter.draft(self.new_tokens, k))      # (N, k, V)
+            # The drafter keeps its own device: it reads the ids there, its block logits come back here.
+            draft_logits = self.drafter.draft(self.new_tokens, k).to(self.last.device)           # (N, k, V)
+            draft_probs = self.draft_sampler.probs(draft_logits)
             draft_ids, _ = self.draft_sampler.choose(draft_probs)                               # (N, k)
         else:
             draft_probs = torch.zeros(n, 0, 1, device=self.last.device)

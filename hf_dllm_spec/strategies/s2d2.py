@@ -212,11 +212,14 @@ class S2D2Strategy(BlockDiffusionStrategy):
     config_class = S2D2Config
     paper = "Fast Decoding for Diffusion LLMs via Training-Free Self-Speculation, arXiv:2603.25702"
     lossless = False
+    #: Verify with the span-width layout (True) or the full 2B / B layout of Eq. 3 (False: the slow reference the
+    #: narrow one is tested against; same tokens and forwards).
+    narrow_verifier: bool = True
 
     def __init__(self, config: S2D2Config, session) -> None:
         super().__init__(config, session)
         self.policies = [build_policy(config) for _ in range(session.batch_size)]
-        self._verify_mask: torch.Tensor | None = None          # (2B, 2B) Eq. 3 pattern, built once
+        self._verify_masks: dict[tuple[int, int], torch.Tensor] = {}     # Eq. 3 patterns by (span end, start)
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -237,8 +240,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
         verify = torch.tensor(decisions, device=block.tokens.device)
         committed = torch.zeros_like(block.start)
         if any(decisions):
+            spans = [(c.span_start, c.span_start + c.span_length) for c, d in zip(contexts, decisions) if d]
             committed = committed + self.verify_spans(block, draft_probs, draft_tokens, start, end, decisions,
-                                                      min(c.span_start for c, d in zip(contexts, decisions) if d))
+                                                      min(a for a, _ in spans), max(b for _, b in spans))
         if not all(decisions):
             committed = committed + self.commit_by_rule(block, draft_probs, draft_tokens, confidence, rows=~verify)
         if any(policy.needs_feedback for policy in self.policies):
@@ -295,38 +299,44 @@ class S2D2Strategy(BlockDiffusionStrategy):
                 for row in packed]
 
     def verify_spans(self, block: BlockState, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                     start: torch.Tensor, end: torch.Tensor, decisions: list[bool], first_start: int) -> torch.Tensor:
+                     start: torch.Tensor, end: torch.Tensor, decisions: list[bool], first_start: int,
+                     last_end: int) -> torch.Tensor:
         """One verifier forward for the batch and acceptance over each verifying row's span.
 
         x~ = block with every mask filled by its draft; cache read-only. Rows that do not verify ride along in
-        the forward and are ignored.
+        the forward and are ignored. The forward is no wider than the spans need (:attr:`narrow_verifier`): with
+        S = `first_start` and E = `last_end` (the least span start and the greatest span end of the verifying
+        rows) a position-aligned model reads `[x~[:E] | MASK copies of S..E-1]`, width E + (E - S) instead of
+        2B, and a right-shifted one `x~[:E]` instead of B; the logits read are those of the full layout (each
+        kept query sees the same keys), so the tokens are the same (tested against the full layout).
 
         Returns:
             `torch.Tensor` of shape `(N,)`, int64, tokens committed per row (0 for rows that do not verify).
         """
         s, B = self.session, self.block_size
-        filled = torch.where(block.masked, draft_tokens, block.tokens)
-        keep = B - first_start
+        first, last = (first_start, last_end) if self.narrow_verifier else (0, B)
+        filled = torch.where(block.masked, draft_tokens, block.tokens)[:, :last]
+        positions = block.positions[:, :last]
+        keep = last - first
         if s.target.alignment == "position":       # Eq. 3: read the MASK copies
-            ids = torch.cat([filled, torch.full_like(filled, s.mask_token_id)], dim=1)
-            positions = torch.cat([block.positions, block.positions], dim=1)
-            if self._verify_mask is None:
-                self._verify_mask = verifier_2l_mask(B, ids.device)
-            intra = self._verify_mask
+            ids = torch.cat([filled, torch.full_like(filled[:, first:], s.mask_token_id)], dim=1)
+            positions = torch.cat([positions, positions[:, first:]], dim=1)
+            intra = self._verify_masks.get((last, first))
+            if intra is None:
+                intra = self._verify_masks[last, first] = verifier_2l_mask(last, ids.device, span_start=first)
         else:                                      # right shift: row r - 1 of a causal pass predicts r
-            ids, positions, intra = filled, block.positions, causal_mask(B, filled.device)
+            ids, intra = filled, causal_mask(last, filled.device)
         logits = s.target.forward(ids, positions, intra, kind="verify", logits_to_keep=keep, rows=decisions)
         rows = torch.tensor([i for i, d in enumerate(decisions) if d], device=filled.device)     # (M,)
         lengths = (end - start)[rows]
         width = int(lengths.max())
-        idx = (start[rows, None] + torch.arange(width, device=rows.device)[None]).clamp(max=B - 1)   # (M, L)
+        idx = (start[rows, None] + torch.arange(width, device=rows.device)[None]).clamp(max=last - 1)  # (M, L)
         span_tokens = draft_tokens[rows].gather(1, idx)
-        target_probs = s.sampler.probs(logits[rows].gather(1, (idx - first_start)[..., None].expand(
-            -1, -1, logits.shape[-1])))                                                   # (M, L, V)
+        target_probs = s.sampler.probs(logits[rows[:, None], idx - first])                 # (M, L, V)
         if self.acceptance == "greedy_match":
             result = greedy_match(span_tokens, target_probs, num_drafts=lengths)
         else:
-            span_draft_probs = draft_probs[rows].gather(1, idx[..., None].expand(-1, -1, draft_probs.shape[-1]))
+            span_draft_probs = draft_probs[rows[:, None], idx]
             result = rejection_sample(span_tokens, span_draft_probs, target_probs, num_drafts=lengths,
                                       gamma=self.config.ssd_ratio_tempering_factor,
                                       allow_resample=self.config.allow_resample, generator=s.sampler.generator)

@@ -291,7 +291,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
         lengths = torch.tensor([p.shape[0] for p in s.prompts], device=s.target.device)
         aligned = (lengths // B) * B
         self.prefill(aligned)
-        self.prefill(aligned, s.drafter)
+        self.prefill(aligned.to(s.drafter.device), s.drafter)            # the drafter's ids on its own device
         block = self.first_blocks(aligned)
         blocks_done = [s.prompts[0].new_empty(0) for _ in range(s.batch_size)]    # full blocks, per prompt
         generated = [g.clone() for g in blocks_done]
@@ -334,8 +334,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
         while bool(undecided.any()):
             ids = torch.where(undecided, s.draft_mask_token_id, tokens)
             still = undecided.any(dim=1)
-            logits = self.forward_with_pending(s.drafter, ids, block.positions, full_mask(self.block_size, ids.device),
-                                               pending, kind="draft", rows=still)
+            logits = self.drafter_forward(ids, block.positions, full_mask(self.block_size, ids.device), pending,
+                                          kind="draft", rows=still)
             pending = None
             probs = self.draft_sampler.probs(logits)
             chosen, confidence = self.draft_sampler.choose(probs)
@@ -354,14 +354,28 @@ class SimSDStrategy(BlockDiffusionStrategy):
                                                                                probs_at_reveal)
             s.stats.accumulate("num_denoising_steps", still.long())
         if pending is not None:                       # nothing drafted this cycle: store the blocks on their own
-            self.forward_with_pending(s.drafter, block.tokens, block.positions,
-                                      full_mask(self.block_size, block.tokens.device), pending, kind="cache_write")
+            self.drafter_forward(block.tokens, block.positions, full_mask(self.block_size, block.tokens.device),
+                                 pending, kind="cache_write")
         if probs_at_reveal is None:
             probs_at_reveal = torch.zeros(*tokens.shape, 1, device=tokens.device)
         target_only = block.undecided & ~drafting[:, None]
         reveal_step = torch.where(target_only, 1, reveal_step)
         tokens = torch.where(target_only, s.mask_token_id, tokens)
         return Drafts(tokens, reveal_step, probs_at_reveal, drafting)
+
+    def drafter_forward(self, ids: torch.Tensor, positions: torch.Tensor, intra: torch.Tensor, pending: tuple | None,
+                        *, kind: str, rows=None) -> torch.Tensor:
+        """:meth:`forward_with_pending` on the drafter, which keeps its own device and dtype: `ids` / `positions`
+        `(N, q)`, `intra` and the `pending` blocks go to the drafter's execution device, the logits `(N, q, V)`
+        float32 come back to the target's (where they are sampled and compared); no-ops on one device. The
+        drafter's cache stays where its layers run."""
+        s = self.session
+        device = s.drafter.device
+        if pending is not None:
+            pending = tuple(t.to(device) for t in pending)
+        logits = self.forward_with_pending(s.drafter, ids.to(device), positions.to(device), intra.to(device), pending,
+                                           kind=kind, rows=rows)
+        return logits.to(s.target.device)
 
     # -- 2. verify -----------------------------------------------------------------------------------------------
     def verify(self, block: BlockState, drafts: Drafts, pending: tuple | None) -> torch.Tensor:
