@@ -21,6 +21,7 @@ from tqdm import tqdm
 from recipes.arithmetic import extract_answer, format_prompt
 
 from .outputs import SpecDecodingStats
+from .placement import execution_device
 
 #: The source checkout (an editable install): the bundled model and the benchmark results live there.
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -140,13 +141,15 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
     # transformers' own classes (an AR Qwen2 model) reach the strategies through `custom_generate`
     entry = {} if isinstance(model, DllmGenerationMixin) else {"custom_generate": dllm_generate}
     tokenizer.padding_side = "left"
+    device = execution_device(model)                     # ids and the generator where the forwards run
     bar = tqdm(total=len(prompts), desc=spec.label, unit="prompt", leave=False, disable=None if progress else True)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        enc = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True)
+        enc = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True).to(device)
         out = model.generate(enc.input_ids, attention_mask=enc.attention_mask,
                              decoding_strategy=spec.decoding_strategy, max_new_tokens=max_new_tokens,
-                             return_dict_in_generate=True, generator=torch.Generator().manual_seed(seed + start),
+                             return_dict_in_generate=True,
+                             generator=torch.Generator(device).manual_seed(seed + start),
                              **entry, **spec.params,
                              **({"draft_model": spec.draft_model} if spec.draft_model is not None else {}))
         result.stats.merge(out.spec_stats)

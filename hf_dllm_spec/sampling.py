@@ -131,6 +131,32 @@ class Sampler:
             `torch.Tensor` of the same shape, float32: softmax of the processed logits. Called p (draft) or q
             (verifier) in S2D2 Algorithm 3.
         """
+        return torch.softmax(self.scores(logits), dim=-1)
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy choice without the full distribution: the argmax of the processed logits and its probability.
+
+        What :meth:`choose` returns on :meth:`probs` when not sampling (up to float rounding of the probability),
+        from one max and one log-sum-exp over the vocabulary instead of a softmax written out, an argmax over it
+        and a gather; for the steps whose consumers read only the chosen token and its confidence.
+
+        Args:
+            logits (`torch.Tensor` of shape `(..., V)`): raw logits, any float dtype.
+
+        Returns:
+            `(token_ids, confidence)`: int64 and float32 of shape `(...)`.
+
+        Raises:
+            ValueError: when sampling (`do_sample=True`): a draw needs the distribution.
+        """
+        if self.do_sample:
+            raise ValueError("Sampler.greedy: the sampler draws tokens (`do_sample=True`); use probs() + choose().")
+        scores = self.scores(logits)
+        best, token_ids = scores.max(dim=-1)
+        return token_ids, torch.exp(best - torch.logsumexp(scores, dim=-1))
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed logits (suppression, then the processors in order), float32, same shape as `logits`."""
         shape = logits.shape
         scores = logits.float().reshape(-1, shape[-1])
         dummy_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
@@ -140,7 +166,7 @@ class Sampler:
             scores = scores.index_fill(-1, self._suppress, -float("inf"))
         for proc in self.logits_processor:
             scores = proc(dummy_ids, scores)
-        return torch.softmax(scores, dim=-1).reshape(shape)
+        return scores.reshape(shape)
 
     def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick one token per position and report its probability (the confidence).

@@ -208,6 +208,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
         # LLaDA2.1: a fixed least number of commits per step instead of the steps_per_block schedule.
         self.num_to_transfer = config.num_to_transfer if editing else None
         self._edited: torch.Tensor | None = None                # (N,) bool, rows with an edit this step
+        # Greedy steps whose consumers read only each position's token and confidence skip the full distribution.
+        self.full_probs = (session.sampler.do_sample or config.remasking_strategy == "entropy_bounded"
+                           or self.edit_rule is not None)
 
     # -- Algorithm 1: the outer loop, every row at its own pace ------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -420,8 +423,12 @@ class BlockDiffusionStrategy(DecodingStrategy):
         self.apply_edits(block, probs, tokens, confidence)
         self.commit_by_rule(block, probs, tokens, confidence)
 
-    def propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This step's processed distribution `(N, B, V)`, chosen tokens and confidences `(N, B)`."""
+    def propose(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """This step's processed distribution `(N, B, V)`, chosen tokens and confidences `(N, B)`; the
+        distribution is None where :attr:`full_probs` is False (greedy, and nothing reads it:
+        :meth:`Sampler.greedy`)."""
+        if not self.full_probs:
+            return None, *self.session.sampler.greedy(logits)
         probs = self.session.sampler.probs(logits)
         tokens, confidence = self.session.sampler.choose(probs)
         return probs, tokens, confidence

@@ -221,6 +221,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
         self.policies = [build_policy(config) for _ in range(session.batch_size)]
         self._verify_masks: dict[tuple[int, int], torch.Tensor] = {}     # Eq. 3 patterns by (span end, start)
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
+        policy = self.policies[0]
+        self.full_probs = (self.full_probs or self.acceptance == "stochastic" or policy.needs_score
+                           or policy.needs_entropy)
 
     def select_rows(self, index: torch.Tensor) -> None:
         super().select_rows(index)
@@ -332,10 +335,11 @@ class S2D2Strategy(BlockDiffusionStrategy):
         width = int(lengths.max())
         idx = (start[rows, None] + torch.arange(width, device=rows.device)[None]).clamp(max=last - 1)  # (M, L)
         span_tokens = draft_tokens[rows].gather(1, idx)
-        target_probs = s.sampler.probs(logits[rows[:, None], idx - first])                 # (M, L, V)
-        if self.acceptance == "greedy_match":
-            result = greedy_match(span_tokens, target_probs, num_drafts=lengths)
+        target_logits = logits[rows[:, None], idx - first]                                 # (M, L, V)
+        if self.acceptance == "greedy_match":       # the argmax only: no softmax over the vocabulary
+            result = greedy_match(span_tokens, s.sampler.scores(target_logits), num_drafts=lengths)
         else:
+            target_probs = s.sampler.probs(target_logits)
             span_draft_probs = draft_probs[rows[:, None], idx]
             result = rejection_sample(span_tokens, span_draft_probs, target_probs, num_drafts=lengths,
                                       gamma=self.config.ssd_ratio_tempering_factor,
