@@ -19,12 +19,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 GREEDY = dict(eos_token_id=None, pad_token_id=0, max_new_tokens=12)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +79,18 @@ def test_acceptance_reads_float32_probabilities_of_bf16_logits():
     expected = expected / expected.sum(-1, keepdim=True)
     torch.testing.assert_close(probs, expected)
     assert torch.all(probs[..., 7] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_without_the_distribution_equals_choose_on_probs(dtype):
+    """`Sampler.greedy` (max + log-sum-exp) picks the token `choose(probs(...))` picks, with its probability; the
+    mask id stays suppressed; a sampling sampler refuses it."""
+    logits = (torch.randn(3, 8, 500, generator=gen(1)) * 4).to(dtype)
+    logits[0, 0, 7] = 100.0                                  # the suppressed id would win
+    sampler = Sampler(LogitsProcessorList(), do_sample=False, suppress_token_ids=[7])
+    tokens, confidence = sampler.greedy(logits)
+    expected_tokens, expected_confidence = sampler.choose(sampler.probs(logits))
+    assert tokens.tolist() == expected_tokens.tolist() and tokens[0, 0] != 7
+    torch.testing.assert_close(confidence, expected_confidence, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="do_sample"):
+        Sampler(LogitsProcessorList(), do_sample=True, suppress_token_ids=[]).greedy(logits)

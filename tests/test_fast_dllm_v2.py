@@ -45,13 +45,7 @@ def _ids(n: int) -> torch.Tensor:
     return torch.tensor([PROMPTS[n]])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards run ~10x faster on one intra-op thread (thread wake-ups dominate on a busy CPU); restored."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
