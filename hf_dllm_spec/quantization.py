@@ -115,7 +115,8 @@ def activation_dtype(model: torch.nn.Module) -> torch.dtype | None:
 def check_quantized_model(model: torch.nn.Module, role: str = "model") -> None:
     """Raise `ValueError` if a (bitsandbytes-)quantized model cannot decode as loaded; unquantized models pass.
 
-    Called before any forward for the target (`role="model"`) and the drafter (`role="draft_model"`) by
+    Called before any forward for the target (`role="model"`) and the drafter (`role="draft_model"`) where
+    decoding starts (`hf_dllm_spec.generation`, every entry point), and for a transformers `assistant_model` by
     :func:`hf_dllm_spec.checks.check_call`. The refused combinations and their sources are listed in the module
     docstring.
 
