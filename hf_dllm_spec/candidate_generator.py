@@ -27,6 +27,7 @@ import model_patches
 from .configuration import check_int
 from .drafting import OneStepDrafter
 from .outputs import BatchStats
+from .quantization import check_quantized_model
 from .runner import ModelRunner
 from .sampling import Sampler
 from .validation import invalid
@@ -53,7 +54,8 @@ class DeerCandidateGenerator(CandidateGenerator):
         stats (`BatchStats`): drafter forwards ("draft") of this generator.
 
     Raises:
-        ValueError: the drafter has no mask token; a bad `num_draft_tokens`.
+        ValueError: the drafter has no mask token; a bad `num_draft_tokens`; a quantized drafter that cannot decode
+            (:func:`hf_dllm_spec.quantization.check_quantized_model`).
     """
 
     def __init__(self, draft_model, *, num_draft_tokens: int = 32, logits_processor: LogitsProcessorList | None = None,
@@ -61,6 +63,7 @@ class DeerCandidateGenerator(CandidateGenerator):
                  draft_attention: str = "causal_prefix", sep_token_id: int | None = None,
                  sep_position: str = "after_masks", generator: torch.Generator | None = None) -> None:
         check_int("num_draft_tokens", num_draft_tokens, 1, "pass e.g. 16")
+        check_quantized_model(draft_model, "assistant_model")
         patch = model_patches.get_patch(draft_model)
         mask = patch.mask_token_id(draft_model, mask_token_id)
         if mask is None:
@@ -95,9 +98,10 @@ class DeerCandidateGenerator(CandidateGenerator):
             return input_ids, None
         new = input_ids[0, self.seen:]
         self.seen = input_ids.shape[1]
-        probs = self.sampler.probs(self.drafter.draft([new], k))                       # (1, k, V)
+        # The drafter keeps its own device: its logits come back to the target's, where the draw happens.
+        probs = self.sampler.probs(self.drafter.draft([new], k).to(input_ids.device))   # (1, k, V)
         tokens, _ = self.sampler.choose(probs)
-        return torch.cat([input_ids, tokens.to(input_ids.device)], dim=1), probs.log().to(input_ids.device)
+        return torch.cat([input_ids, tokens], dim=1), probs.log()
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         """k stays fixed (DEER drafts a whole block per cycle)."""

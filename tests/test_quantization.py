@@ -226,6 +226,10 @@ def test_8bit_weights_with_float32_activations_are_refused_as_target_and_drafter
         models("sdar-large").generate(ids, decoding_strategy="simsd", draft_model=int8_fp32, max_new_tokens=8)
     with pytest.raises(ValueError, match=r"`assistant_model` \(=.*float32 activations"):
         models("sdar-large").generate(ids, decoding_strategy="simsd", assistant_model=int8_fp32, max_new_tokens=8)
+    from hf_dllm_spec.candidate_generator import DeerCandidateGenerator
+
+    with pytest.raises(ValueError, match=r"`assistant_model` \(=.*float32 activations"):
+        DeerCandidateGenerator(int8_fp32, num_draft_tokens=4)        # transformers' assisted-decoding path
 
 
 def test_16bit_8bit_and_float32_4bit_compute_are_accepted(models, prompts, caplog):
