@@ -468,7 +468,11 @@ class BlockDiffusionStrategy(DecodingStrategy):
         else entry `step` of the `steps_per_block` schedule over the block's masks (SDAR), `(N,)` or an int."""
         if self.num_to_transfer is not None:
             return self.num_to_transfer
-        return scheduled_tokens(block.num_masks, self.steps_per_block, block.step)
+        return scheduled_tokens(self.scheduled_masks(block), self.steps_per_block, block.step)
+
+    def scheduled_masks(self, block: BlockState) -> torch.Tensor:
+        """`(N,)` the masks the `steps_per_block` schedule spreads over: the block's masks (SDAR)."""
+        return block.num_masks
 
     def finish_step(self, block: BlockState, began_full: torch.Tensor | None) -> torch.Tensor:
         """`(N,)` bool, the rows whose block is complete: no mask left, and with editing (`began_full` `(N,)`: the

@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 import torch
 
 from ..editing import EditingConfig
-from ..unmasking import scheduled_tokens
 from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
 
 
@@ -67,10 +66,8 @@ class LLaDA2Strategy(BlockDiffusionStrategy):
     config_class = LLaDA2DecodingConfig
     paper = "LLaDA2.1 tech report §2 (Eq. 1-3); inclusionAI LLaDA2.1 Hub generate"
 
-    def tokens_per_step(self, block: BlockState) -> torch.Tensor | int:
-        """LLaDA2.1: `num_to_transfer`. LLaDA2.0 (`num_to_transfer=None`): entry `step` of the schedule of a whole
-        block (`block_size` over `steps_per_block`, the Hub's `_get_num_transfer_tokens(block_length, steps)`), also
-        in a first block that holds a prompt tail (SDAR sizes it by the block's masks)."""
-        if self.num_to_transfer is not None:
-            return self.num_to_transfer
-        return scheduled_tokens(torch.full_like(block.num_masks, self.block_size), self.steps_per_block, block.step)
+    def scheduled_masks(self, block: BlockState) -> torch.Tensor:
+        """LLaDA2.0 (`num_to_transfer=None`) schedules a whole block (`block_size` over `steps_per_block`, the Hub's
+        `_get_num_transfer_tokens(block_length, steps)`), also a first block that holds a prompt tail (SDAR sizes
+        it by the block's masks)."""
+        return torch.full_like(block.num_masks, self.block_size)
