@@ -251,7 +251,8 @@ def test_tensor_parallel_sdar_equals_the_plain_model(tmp_path):
     script = tmp_path / "tp.py"
     script.write_text(_TP_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank="))
     assert done.returncode == 0, done.stderr[-2000:]
