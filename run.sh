@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine (CPU):
 #   ./run.sh main [args]   set up .venv if needed, then run the main job on the bundled model
-#   ./run.sh test [args]   set up .venv if needed, then run the test suite
+#   ./run.sh test [args]   set up .venv if needed, then run the test suite (newest transformers pip resolves)
+#   ./run.sh test-oldest [args]  set up .venv-oldest (the oldest transformers pyproject.toml allows), then run
+#                          the fast part of the suite there (-m "not slow"); CI runs both
 #   ./run.sh bench [args]  set up .venv if needed, then run the benchmark sweep
 #   ./run.sh bench-batch [args]  batch of 8 vs 8 sequential calls, tokens/s
 #   ./run.sh cli [args]    any subcommand of the installed console script (generate, export, ...)
@@ -9,32 +11,43 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-PY=.venv/bin/python
-CLI=.venv/bin/hf-dllm-spec
+TORCH_PIN="torch==2.13.0"
+# The lower bound of the transformers requirement in pyproject.toml: the oldest version the project supports.
+OLDEST_TRANSFORMERS=$(sed -n 's/^ *"transformers>=\([0-9.]*\).*/\1/p' pyproject.toml)
 
+# setup VENV [PIN ...]: create VENV with the CPU torch wheel and the package (editable, with the dev extra),
+# under the given extra pins; once (a marker file records it).
 setup() {
-  if [ ! -f .venv/.hf-dllm-spec-ready ]; then
-    python3 -m venv .venv
-    "$PY" -m pip install -q --upgrade pip
+  local venv=$1; shift
+  if [ ! -f "$venv/.hf-dllm-spec-ready" ]; then
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip
     # The CPU torch wheel first, so that nothing later pulls a multi-GB CUDA build.
-    "$PY" -m pip install -q torch==2.13.0
-    echo "torch==2.13.0" > .venv/constraints.txt
-    "$PY" -m pip install -q -c .venv/constraints.txt -e ".[dev]"
-    touch .venv/.hf-dllm-spec-ready
+    "$venv/bin/python" -m pip install -q "$TORCH_PIN"
+    printf '%s\n' "$TORCH_PIN" "$@" > "$venv/constraints.txt"
+    "$venv/bin/python" -m pip install -q -c "$venv/constraints.txt" -e ".[dev]"
+    touch "$venv/.hf-dllm-spec-ready"
   fi
   # A venv set up before the console script existed: reinstall the package once to get it.
-  if [ ! -x "$CLI" ]; then
-    "$PY" -m pip install -q -c .venv/constraints.txt -e ".[dev]"
+  if [ ! -x "$venv/bin/hf-dllm-spec" ]; then
+    "$venv/bin/python" -m pip install -q -c "$venv/constraints.txt" -e ".[dev]"
   fi
+  "$venv/bin/python" -c 'import transformers, sys; print(f"{sys.argv[1]}: transformers {transformers.__version__}")' \
+    "$venv" >&2
 }
 
 cmd=${1:-main}
 shift || true
-setup
+case "$cmd" in
+  test-oldest)
+    setup .venv-oldest "transformers==$OLDEST_TRANSFORMERS"
+    exec .venv-oldest/bin/python -m pytest -q -m "not slow" "$@" ;;
+esac
+setup .venv
 case "$cmd" in
   setup) ;;
-  main|bench|bench-batch) exec "$CLI" "$cmd" "$@" ;;
-  cli) exec "$CLI" "$@" ;;
-  test) exec "$PY" -m pytest -q "$@" ;;
-  *) echo "usage: ./run.sh {main|test|bench|bench-batch|cli|setup} [args]" >&2; exit 2 ;;
+  main|bench|bench-batch) exec .venv/bin/hf-dllm-spec "$cmd" "$@" ;;
+  cli) exec .venv/bin/hf-dllm-spec "$@" ;;
+  test) exec .venv/bin/python -m pytest -q "$@" ;;
+  *) echo "usage: ./run.sh {main|test|test-oldest|bench|bench-batch|cli|setup} [args]" >&2; exit 2 ;;
 esac

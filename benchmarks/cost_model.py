@@ -16,7 +16,7 @@ Three phases (docs/performance.md states the equations):
    `benchmarks/results/*/sweep.md`) runs on the bundled trained models with greedy decoding over N held-out
    arithmetic prompts. A standard PyTorch forward pre-hook (`register_forward_pre_hook(..., with_kwargs=True)`)
    on each model records every forward's query width q (`input_ids.shape[1]`), context length
-   (`past_key_values.get_seq_length()` before the forward), `logits_to_keep` and kind (prefill / draft / verify /
+   (the cache's `get_seq_length()` before the forward), `logits_to_keep` and kind (prefill / draft / verify /
    cache_write, read from the library's `ModelRunner.forward` frame), per model role (target / drafter). The
    library is not changed. Tokens, NFE, acceptance and the measured outside-forward seconds per step are kept.
 2. TIME: models of real shapes (configs written from `shared/reference/families.md`) are built with random
@@ -370,7 +370,7 @@ class ForwardRecorder:
     """Records every forward of the models it is attached to, with standard forward pre-hooks.
 
     Each record is `(role, kind, q, ctx, keep)`: model role, forward kind, query width `input_ids.shape[1]`,
-    context `past_key_values.get_seq_length()` before the forward (0 without a cache) and `logits_to_keep`
+    context: the cache's `get_seq_length()` before the forward (0 without a cache) and `logits_to_keep`
     (0 = all). Batch size 1 is assumed (the COUNT phase runs one prompt per call).
     """
 
@@ -379,12 +379,14 @@ class ForwardRecorder:
         self._handles: list = []
 
     def attach(self, model: torch.nn.Module, role: str) -> None:
+        from model_patches.compat import find_cache
+
         def hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None:
                 raise ValueError("ForwardRecorder: a forward without `input_ids`; the COUNT phase reads the query "
                                  "width from them. Run the library's decoding loop (it passes input_ids).")
-            cache = kwargs.get("past_key_values")
+            cache = find_cache(kwargs)
             ctx = int(cache.get_seq_length()) if cache is not None else 0
             keep = int(kwargs.get("logits_to_keep") or 0)
             self.records[(role, _runner_kind(), int(ids.shape[1]), ctx, keep)] += 1
@@ -667,7 +669,7 @@ def time_forward(model, q: int, ctx: int, keep: int, *, reps: int, warmup: int, 
     if ctx:
         patch.forward(model, ids[:, :ctx], position_ids=torch.arange(ctx, device=device)[None],
                       attention_mask=to_additive(torch.ones(1, ctx, ctx, dtype=torch.bool, device=device), dtype),
-                      past_key_values=cache, logits_to_keep=1)
+                      cache=cache, logits_to_keep=1)
     query, pos = ids[:, ctx:], torch.arange(ctx, ctx + q, device=device)[None]
     visible = torch.ones(1, q, ctx + q, dtype=torch.bool, device=device)
     cuda = device.type == "cuda"
@@ -681,7 +683,7 @@ def time_forward(model, q: int, ctx: int, keep: int, *, reps: int, warmup: int, 
         else:
             t0, c0 = time.perf_counter(), time.process_time()
         patch.forward(model, query, position_ids=pos, attention_mask=to_additive(visible, dtype),
-                      past_key_values=step_cache, logits_to_keep=keep)
+                      cache=step_cache, logits_to_keep=keep)
         if ctx:
             step_cache.crop(-q)
         if cuda:

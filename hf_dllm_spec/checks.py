@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig
 
+from model_patches.compat import CACHE_KWARG, CACHE_NAMES, find_cache
+
 from .configuration import check_int
 from .masks import left_padded_valid
 from .placement import execution_device
@@ -27,9 +29,10 @@ FLOAT_GENERATION_OPTIONS = ("temperature", "top_p", "min_p", "typical_p", "epsil
 #: Generation options that need one output per prompt and greedy or sampled decoding of one hypothesis.
 _SINGLE_HYPOTHESIS = ("num_beams", "num_return_sequences", "num_beam_groups")
 
-#: Model kwargs transformers prepares that the decoding loop reads or may ignore (it builds its own masks).
-KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
-                      "cache_position"}
+#: Model kwargs transformers prepares that the decoding loop reads or may ignore (it builds its own masks); the
+#: cache under the name of every supported transformers version (`model_patches.compat.CACHE_NAMES`).
+KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position",
+                      *CACHE_NAMES}
 
 
 def _input_ids_of(args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -144,17 +147,18 @@ def check_model_kwargs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], le
     """Model kwargs transformers prepared: only a mask, consistent positions and an empty dynamic cache.
 
     Raises:
-        ValueError: unknown model kwargs, `position_ids` that do not follow the attention mask, a cache that is
-            not a `DynamicCache`.
+        ValueError: unknown model kwargs, `position_ids` that do not follow the attention mask, a cache (under the
+            name of any supported transformers version, :data:`model_patches.compat.CACHE_NAMES`) that is not a
+            `DynamicCache`, or two caches under both names.
     """
     unknown = sorted(set(model_kwargs) - KNOWN_MODEL_KWARGS)
     if unknown:
         raise invalid("model_kwargs", unknown, "be empty for hf_dllm_spec strategies",
                       "drop these arguments (the decoding loop builds its own inputs)")
-    cache = model_kwargs.get("past_key_values")
+    cache = find_cache(model_kwargs)
     if cache is not None and type(cache) is not DynamicCache:
-        raise invalid("past_key_values", type(cache).__name__, "be an empty DynamicCache (or unset): the decoding "
-                      "loop stores, reads and crops blocks", "drop `cache_implementation` / `past_key_values`")
+        raise invalid(CACHE_KWARG, type(cache).__name__, "be an empty DynamicCache (or unset): the decoding "
+                      "loop stores, reads and crops blocks", f"drop `cache_implementation` / `{CACHE_KWARG}`")
     position_ids = model_kwargs.get("position_ids")
     if position_ids is not None:
         real = left_padded_valid(lengths, input_ids.shape[1], input_ids.device)

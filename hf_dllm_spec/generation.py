@@ -31,6 +31,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList
 
 import model_patches
+from model_patches.compat import find_cache
 
 from .checks import (check_call, check_generation_config, check_generator, check_mask_not_in_prompt,
                      check_model_kwargs, check_tokens, prompt_lengths)
@@ -369,7 +370,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     session = DecodingSession(
         prompts=prompts,
         target=ModelRunner(model, patch, stats, batch_size=batch_size, use_cache=use_cache, timer=timer,
-                           cache=kwargs.get("past_key_values") if use_cache else None),
+                           cache=find_cache(kwargs) if use_cache else None),
         sampler=Sampler(logits_processor if logits_processor is not None else LogitsProcessorList(),
                         do_sample=bool(generation_config.do_sample), suppress_token_ids=suppress,
                         generator=generator),

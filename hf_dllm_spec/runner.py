@@ -3,7 +3,7 @@
 `ModelRunner.forward` takes the query tokens of `N` rows, their positions and a bool pattern among them. The
 first `store_len` query tokens persist (their rows must not see the rest of the query, so their K/V are final);
 the rest is read-only: the forward runs with the cache, then the cache is cropped back (transformers 5.x
-`DynamicCache.crop(-k)` drops the last k tokens).
+`DynamicCache.crop(-k)` drops the last k tokens; :func:`model_patches.compat.crop`).
 
 Rows store different amounts (different prompt lengths, blocks finishing at different steps, different
 accepted lengths), yet the cache has one length `T` for the whole batch. Each row therefore carries a validity
@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from model_patches.compat import CACHE_KWARG, crop
 
 from .masks import to_additive
 from .outputs import BatchStats
@@ -80,7 +82,7 @@ class ModelRunner:
             self.cache = cache if cache is not None else patch.new_cache(model)
             if self.cache.get_seq_length() != 0:
                 raise ValueError(
-                    f"`past_key_values` holds {self.cache.get_seq_length()} tokens; hf_dllm_spec starts from an "
+                    f"`{CACHE_KWARG}` holds {self.cache.get_seq_length()} tokens; hf_dllm_spec starts from an "
                     "empty cache. Pass the full prompt and no cache."
                 )
         n = batch_size
@@ -156,10 +158,10 @@ class ModelRunner:
                 mask = torch.cat([self.valid[:, None, :].expand(n, q, -1), intra], dim=-1)
                 raw = self.patch.forward(
                     self.model, input_ids, position_ids=position_ids, attention_mask=to_additive(mask, self.dtype),
-                    past_key_values=self.cache, logits_to_keep=keep_raw,
+                    cache=self.cache, logits_to_keep=keep_raw,
                 )
                 if q - s:
-                    self.cache.crop(-(q - s))
+                    crop(self.cache, q - s)
             else:
                 raw = self._forward_recompute(input_ids, position_ids, intra, keep_raw)
                 self._append(input_ids[:, :s], position_ids[:, :s], intra[:, :s, :s])
@@ -197,7 +199,7 @@ class ModelRunner:
         common = int(num_discard.min()) if num_discard.numel() else 0
         if common:
             if self.use_cache:
-                self.cache.crop(-common)
+                crop(self.cache, common)
             self.valid = self.valid[:, :-common]
             self._ids, self._pos = self._ids[:, :self.stored_len], self._pos[:, :self.stored_len]
             self._visible = self._visible[:, :self.stored_len, :self.stored_len]
@@ -286,7 +288,7 @@ class ModelRunner:
         return self.patch.forward(
             self.model, torch.cat([self._ids, input_ids], dim=1),
             position_ids=torch.cat([self._pos, position_ids], dim=1),
-            attention_mask=to_additive(full, self.dtype), past_key_values=None, logits_to_keep=keep_raw,
+            attention_mask=to_additive(full, self.dtype), cache=None, logits_to_keep=keep_raw,
         )
 
     def _append(self, ids: torch.Tensor, pos: torch.Tensor, intra: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 
 A `FamilyPatch` is stateless. It resolves the mask token, stop ids and trained block size from a loaded
 model, states the prediction alignment, and runs one forward with an explicit float 4D mask, explicit
-`position_ids` and a `DynamicCache` (transformers 5.x). This package never imports the decoding code
+`position_ids` and a `DynamicCache` (transformers 5.x; the cache keyword of each version comes from
+:mod:`model_patches.compat`). This package never imports the decoding code
 (`hf_dllm_spec.generation`, the strategies): the library reaches a patch through :func:`model_patches.get_patch`,
 and model classes reach `generate` through the lazy `hf_dllm_spec.mixin`.
 """
@@ -13,6 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from .compat import cache_kwarg
 
 #: Prediction alignments. "position": logits at i predict the token at i (SDAR, LLaDA2).
 #: "right_shift": logits at i - 1 predict the token at i (Fast-dLLM v2, Open-dCoder, AR models).
@@ -122,7 +125,7 @@ class FamilyPatch:
         *,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        past_key_values: DynamicCache | None,
+        cache: DynamicCache | None,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """One forward with explicit layout.
@@ -132,7 +135,7 @@ class FamilyPatch:
             position_ids (`torch.Tensor` of shape `(N, q)`, int64): may repeat (RoPE copies, S2D2 2L layout).
             attention_mask (`torch.Tensor` of shape `(N, 1, q, cache_len + q)`): additive float mask in the
                 model's dtype (0 = attend, finfo.min = blocked), used as given.
-            past_key_values (`DynamicCache` or `None`): appended to with the q new K/V; the caller crops what
+            cache (`DynamicCache` or `None`): appended to with the q new K/V; the caller crops what
                 must not persist ("read without extending" = forward, then `crop(-q)`).
             logits_to_keep (`int`, defaults to 0): compute logits only for the last n rows (0 = all).
 
@@ -144,8 +147,8 @@ class FamilyPatch:
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            use_cache=past_key_values is not None,
+            use_cache=cache is not None,
+            **cache_kwarg(cache),
             logits_to_keep=logits_to_keep,
         )
         return out.logits.float()

@@ -68,6 +68,7 @@ from hf_dllm_spec.export import ShimsConfigMixin
 from hf_dllm_spec.mixin import DllmGenerationMixin
 
 from .base import FamilyPatch
+from .compat import CACHE_NAMES, accepts_cache_names, cache_field, cache_kwarg, output_cache
 from .hub_generate import MaskTokenFromFilesMixin, hub_temperature, rename_hub_keywords
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
     """
 
     model_type = "llada2_moe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = list(CACHE_NAMES)
     # transformers' GLM-4-MoE pieces read these names.
     attribute_map = {"num_local_experts": "num_experts", "n_shared_experts": "num_shared_experts",
                      "attention_bias": "use_qkv_bias"}
@@ -179,7 +180,7 @@ class LLaDA2MoeAttention(nn.Module):
         self.key_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None, past_key_values: DynamicCache | None = None, **kwargs):
+                attention_mask: torch.Tensor | None, cache: DynamicCache | None = None, **kwargs):
         b, q_len, _ = hidden_states.shape
         qkv = self.query_key_value(hidden_states).view(b, q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
@@ -187,8 +188,8 @@ class LLaDA2MoeAttention(nn.Module):
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention(self, query, key, value, attention_mask, scaling=self.scaling,
                                  dropout=0.0 if not self.training else self.attention_dropout, is_causal=False,
@@ -230,9 +231,9 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
         attn, _ = self.attention(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
-                                 past_key_values=past_key_values, **kwargs)
+                                 cache=cache, **kwargs)
         hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -242,7 +243,7 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LLaDA2MoeDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = list(CACHE_NAMES)
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
@@ -275,7 +276,7 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
 
 
-def additive_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, config, inputs_embeds, past_key_values):
+def additive_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, config, inputs_embeds, cache):
     """The 4D mask the attention adds: a float 4D mask as given, a bool 4D mask as 0 / dtype min, a 2D padding
     mask or None as bidirectional attention (transformers' `create_bidirectional_mask`)."""
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -286,7 +287,7 @@ def additive_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, confi
             return attention_mask.to(dtype).clamp(min=torch.finfo(dtype).min)
         return attention_mask
     return create_bidirectional_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                     past_key_values=past_key_values)
+                                     **cache_kwarg(cache))
 
 
 class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
@@ -307,12 +308,14 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
     def set_input_embeddings(self, value):
         self.word_embeddings = value
 
+    @accepts_cache_names
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 **kwargs) -> MoeModelOutputWithPast:
         """Args as transformers' decoders; `attention_mask` `(N, 1, q, cache_len + q)` float (additive) or bool
         (True = attend), a 2D padding mask, or None (bidirectional). Returns the last hidden states `(N, q, H)`.
+        The KV cache arrives as `cache` (transformers >= 5.24) or `past_key_values` (earlier versions).
 
         Raises:
             ValueError: unless exactly one of `input_ids` / `inputs_embeds` is given.
@@ -321,18 +324,18 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
             raise ValueError("LLaDA2MoeModel.forward: pass exactly one of `input_ids` and `inputs_embeds`.")
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past)[None]
-        mask = additive_mask(attention_mask, inputs_embeds.dtype, self.config, inputs_embeds, past_key_values)
+        mask = additive_mask(attention_mask, inputs_embeds.dtype, self.config, inputs_embeds, cache)
         hidden = inputs_embeds
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
-                           past_key_values=past_key_values, **kwargs)
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=past_key_values)
+                           cache=cache, **kwargs)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden), **cache_field(cache))
 
 
 class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePreTrainedModel):
@@ -369,8 +372,9 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    @accepts_cache_names
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
         """`LLaDA2MoeModel.forward`, then the head on the last `logits_to_keep` rows (0 = all), in fp32.
@@ -379,7 +383,7 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
         the Hub's loss convention.
         """
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                         cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
@@ -388,7 +392,7 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
         if labels is not None:
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_field(output_cache(out)))
 
     def generate(self, *args, **kwargs):
         """`DllmGenerationMixin.generate` with the Hub keywords mapped (see :func:`map_hub_generate_kwargs`)."""

@@ -22,6 +22,7 @@ from hf_dllm_spec.outputs import BatchStats
 from hf_dllm_spec.runner import ModelRunner
 from hf_dllm_spec.strategies.deer import DeerConfig, DeerStrategy
 from model_patches import get_patch
+from model_patches.compat import output_cache
 from model_patches.sdar import SDARConfig, SDARForCausalLM
 
 PROMPT = torch.tensor([[5, 17, 42, 8, 23, 61, 4]])
@@ -147,7 +148,7 @@ def test_target_cache_equals_fresh_prefill_after_every_cycle(drafter, monkeypatc
         for i, prompt_index in enumerate(self.session.stats.active):
             # committed so far, minus the last token (the next cycle feeds it with the drafts)
             tokens = torch.cat([prompts[prompt_index], self.generated[prompt_index], committed[i]])[:-1]
-            fresh = target(tokens[None], use_cache=True).past_key_values
+            fresh = output_cache(target(tokens[None], use_cache=True))
             for layer, fresh_layer in zip(runner.cache.layers, fresh.layers):
                 kept = layer.keys[i][:, runner.valid[i]]
                 torch.testing.assert_close(kept, fresh_layer.keys[0], atol=1e-5, rtol=1e-5)

@@ -11,6 +11,7 @@ from hf_dllm_spec.outputs import BatchStats
 from hf_dllm_spec.reference import reference_block_diffusion_generate
 from hf_dllm_spec.runner import ModelRunner
 from model_patches import get_patch
+from model_patches.compat import output_cache
 
 ATOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -62,7 +63,7 @@ def test_partially_causal_draft_and_ar_cache_give_causal_kv(sdar_model):
                    kind="draft", store_len=B)
     out = sdar_model(input_ids=seq[None], use_cache=True)       # stock causal forward
     n = prefix + j
-    for ours, ref in zip(runner.cache.layers, out.past_key_values.layers):
+    for ours, ref in zip(runner.cache.layers, output_cache(out).layers):
         torch.testing.assert_close(ours.keys[..., :n, :], ref.keys[..., :n, :], **ATOL)
         torch.testing.assert_close(ours.values[..., :n, :], ref.values[..., :n, :], **ATOL)
     # Without Eq. 4 the decoded prefix sees the masks after it, and its K/V differ from the causal ones.
@@ -71,7 +72,7 @@ def test_partially_causal_draft_and_ar_cache_give_causal_kv(sdar_model):
                     store_len=prefix)
     runner2.forward(block[None], torch.arange(prefix, prefix + B)[None], torch.ones(B, B, dtype=torch.bool),
                     kind="draft", store_len=B)
-    assert (runner2.cache.layers[1].values[..., prefix:n, :] - out.past_key_values.layers[1].values[..., prefix:n, :]).abs().max() > 1e-4
+    assert (runner2.cache.layers[1].values[..., prefix:n, :] - output_cache(out).layers[1].values[..., prefix:n, :]).abs().max() > 1e-4
 
 
 def test_runner_cache_equals_recompute(sdar_model):

@@ -24,6 +24,7 @@ from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionStrategy
 from hf_dllm_spec.strategies.fast_dllm_v2 import FastDLLMV2Config
 from hf_dllm_spec.strategies.s2d2 import S2D2Strategy
 from model_patches import get_patch
+from model_patches.compat import cache_kwarg
 from model_patches.fast_dllm_v2 import (
     MASK_TOKEN,
     Fast_dLLM_QwenConfig,
@@ -296,10 +297,10 @@ def test_cached_logits_equal_reference_forward(model, pattern):
     with torch.no_grad():
         first = model(input_ids=SEQ[None, :prefix], position_ids=positions[None, :prefix],
                       attention_mask=to_additive(allowed[None, :prefix, :prefix], torch.float32),
-                      past_key_values=cache, use_cache=True).logits[0]
+                      **cache_kwarg(cache), use_cache=True).logits[0]
         second = model(input_ids=SEQ[None, prefix:], position_ids=positions[None, prefix:],
                        attention_mask=to_additive(allowed[None, prefix:, :], torch.float32),
-                       past_key_values=cache, use_cache=True).logits[0]
+                       **cache_kwarg(cache), use_cache=True).logits[0]
     assert (first - ref[:prefix]).abs().max() <= 1e-4
     assert (second - ref[prefix:]).abs().max() <= 1e-4
     # the library's runner: store the prefix, read the rest; right-shift aligned (entry i predicts query token i)

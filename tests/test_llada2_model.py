@@ -21,6 +21,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import hf_dllm_spec
 from hf_dllm_spec.masks import block_causal_mask, causal_mask, to_additive, verifier_2l_mask
+from model_patches.compat import output_cache
 from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
 
 MASK_ID = 98
@@ -257,8 +258,8 @@ def _prefill(model, prefix, prefix_pos, prefix_mask):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         out = model(prefix, attention_mask=to_additive(prefix_mask, torch.float32), position_ids=prefix_pos,
-                    past_key_values=cache, use_cache=True)
-    assert out.past_key_values is cache and cache.get_seq_length() == prefix.shape[1]
+                    cache=cache, use_cache=True)
+    assert output_cache(out) is cache and cache.get_seq_length() == prefix.shape[1]
     return cache, out.logits
 
 
@@ -280,7 +281,7 @@ def test_s2d2_verifier_layout_with_cache_matches_reference(model, hub_state):
     cache, prefix_logits = _prefill(model, prefix, prefix_pos, prefix_mask)
     with torch.no_grad():
         got = model(query, attention_mask=to_additive(query_mask, torch.float32), position_ids=query_pos,
-                    past_key_values=cache).logits
+                    cache=cache).logits
     want = reference_logits(hub_state, model.config, query, query_pos, query_mask[:, None], prefix_ids=prefix,
                             prefix_positions=prefix_pos, prefix_mask=prefix_mask[:, None])
     assert _max_diff(got, want) <= TOL
@@ -321,7 +322,7 @@ def test_cache_and_no_cache_agree_and_logits_to_keep(model, hub_state, case):
     cache, _ = _prefill(model, prefix, prefix_pos, prefix_mask)
     with torch.no_grad():
         cached = model(query, attention_mask=to_additive(query_mask, torch.float32), position_ids=query_pos,
-                       past_key_values=cache).logits
+                       cache=cache).logits
     full_mask = torch.cat([torch.cat([prefix_mask, torch.zeros(n, p, q, dtype=torch.bool)], dim=2), query_mask], 1)
     with torch.no_grad():
         whole = model(torch.cat([prefix, query], 1), attention_mask=to_additive(full_mask, torch.float32),
