@@ -24,6 +24,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 import model_patches
 
+from .checks import check_drafter_tokens, check_loaded, check_token_id, check_vocabulary
 from .configuration import check_int
 from .drafting import OneStepDrafter
 from .outputs import BatchStats
@@ -49,26 +50,35 @@ class DeerCandidateGenerator(CandidateGenerator):
         draft_attention, sep_token_id, sep_position: as in `DeerConfig`.
         generator (`torch.Generator`, *optional*): for the draft samples (transformers' acceptance uses the
             global RNG).
+        stop_token_ids (`list[int]`, *optional*): the stop ids of the call; the mask token must not be one.
 
     Attributes:
         stats (`BatchStats`): drafter forwards ("draft") of this generator.
 
     Raises:
-        ValueError: the drafter has no mask token; a bad `num_draft_tokens`; a quantized drafter that cannot decode
-            (:func:`hf_dllm_spec.quantization.check_quantized_model`).
+        ValueError: the drafter has no mask token, or one (or a `sep_token_id`) outside its vocabulary, or a mask
+            token among `stop_token_ids`; a bad `num_draft_tokens`; a drafter on the meta device; a quantized
+            drafter that cannot decode (:func:`hf_dllm_spec.quantization.check_quantized_model`).
     """
 
     def __init__(self, draft_model, *, num_draft_tokens: int = 32, logits_processor: LogitsProcessorList | None = None,
                  do_sample: bool = False, max_length: int | None = None, mask_token_id: int | None = None,
                  draft_attention: str = "causal_prefix", sep_token_id: int | None = None,
-                 sep_position: str = "after_masks", generator: torch.Generator | None = None) -> None:
+                 sep_position: str = "after_masks", generator: torch.Generator | None = None,
+                 stop_token_ids: list[int] | None = None) -> None:
         check_int("num_draft_tokens", num_draft_tokens, 1, "pass e.g. 16")
+        check_loaded(draft_model, "draft_model")
         check_quantized_model(draft_model, "assistant_model")
+        check_token_id("mask_token_id", mask_token_id, "pass the drafter's mask token's integer id")
+        if sep_token_id is not None:
+            check_int("sep_token_id", sep_token_id, 0, "pass a token id of the drafter's vocabulary, or None")
         patch = model_patches.get_patch(draft_model)
         mask = patch.mask_token_id(draft_model, mask_token_id)
         if mask is None:
             raise invalid("mask_token_id", None, f"be known for the drafter (model_type "
                           f"`{draft_model.config.model_type}` has none)", "pass mask_token_id=<the drafter's mask id>")
+        check_drafter_tokens(draft_model.get_input_embeddings().num_embeddings, mask_token_id=mask,
+                             sep_token_id=sep_token_id, stop_ids=stop_token_ids or [], mask_name="mask_token_id")
         self.num_draft_tokens, self.max_length = num_draft_tokens, max_length
         self.stats = BatchStats(1)
         self.drafter = OneStepDrafter(ModelRunner(draft_model, patch, self.stats, batch_size=1), mask,
@@ -137,14 +147,21 @@ def deer_assisted_generate(model, input_ids: torch.LongTensor, draft_model, *, n
         (its `stats` count the drafter forwards).
 
     Raises:
-        ValueError: as `generate` and :class:`DeerCandidateGenerator` raise.
+        ValueError: as `generate` and :class:`DeerCandidateGenerator` raise; first of all (before transformers
+            validates the pair and would advise an `assistant_tokenizer`, which does not apply) a model on the meta
+            device or a drafter of another vocabulary.
     """
+    check_loaded(model, "model")
+    check_loaded(draft_model, "draft_model")
+    check_vocabulary(model, model_patches.get_patch(model), draft_model, model_patches.get_patch(draft_model))
+
     def factory(*, generation_config, logits_processor, **_: Any) -> DeerCandidateGenerator:
         generator_ = DeerCandidateGenerator(
             draft_model, num_draft_tokens=num_draft_tokens, logits_processor=logits_processor,
             do_sample=bool(generation_config.do_sample), max_length=generation_config.max_length,
             mask_token_id=mask_token_id, draft_attention=draft_attention, sep_token_id=sep_token_id,
-            sep_position=sep_position, generator=generator)
+            sep_position=sep_position, generator=generator,
+            stop_token_ids=model_patches.get_patch(model).stop_token_ids(model, generation_config))
         model.last_deer_candidate_generator = generator_
         return generator_
 

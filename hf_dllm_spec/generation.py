@@ -33,10 +33,13 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList
 import model_patches
 from model_patches.compat import find_cache
 
-from .checks import (check_call, check_generation_config, check_generator, check_mask_not_in_prompt,
-                     check_model_kwargs, check_tokens, prompt_lengths)
+from .checks import (check_attention_mask, check_block_budget, check_call, check_drafter_tokens,
+                     check_generation_config, check_generator, check_inputs_embeds, check_loaded,
+                     check_mask_not_in_prompt, check_model_kwargs, check_token_id, check_tokens, check_vocabulary,
+                     prompt_lengths)
 from .configuration import DecodingConfig, check_int
 from .outputs import BatchStats, GenerateDllmOutput
+from .mixin import stop_strings_as_criteria
 from .registry import get_strategy, resolve_config, strategy_parameter_names
 from .placement import execution_device
 from .quantization import check_quantized_model
@@ -53,10 +56,14 @@ _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 
 
 def _generate_call_arguments(model) -> dict[str, Any]:
-    """`streamer` and `assistant_model` of the transformers `generate` call that invoked the callable, if any.
+    """`streamer`, `assistant_model`, `tokenizer` and the raw `attention_mask` of the transformers `generate` call
+    that invoked the callable, if any.
 
-    transformers drops both for `custom_generate` callables; they are read from its frame (the code object is
-    checked, so another caller is never mistaken for it).
+    transformers drops `streamer`, `assistant_model` and `tokenizer` for `custom_generate` callables, and derives
+    `position_ids` from the mask as given before it drops an all-ones mask; they are read from its frame (the code
+    object is checked, so another caller is never mistaken for it). `tokenizer` is popped inside `generate`: it is
+    read from the decorators' frames right above it (`torch.no_grad`, transformers' `deprecate_kwarg`), which hold
+    the call's keyword arguments as given.
     """
     frame = inspect.currentframe()
     try:
@@ -65,7 +72,18 @@ def _generate_call_arguments(model) -> dict[str, Any]:
             if caller is None:
                 break
             if caller.f_code is _GENERATE_CODE and caller.f_locals.get("self") is model:
-                return {k: caller.f_locals.get(k) for k in ("streamer", "assistant_model")}
+                found = {k: caller.f_locals.get(k) for k in ("streamer", "assistant_model")}
+                raw = caller.f_locals.get("kwargs")
+                found["attention_mask"] = raw.get("attention_mask") if isinstance(raw, dict) else None
+                found["tokenizer"] = None
+                wrapper = caller.f_back
+                while wrapper is not None and found["tokenizer"] is None:
+                    args, raw = wrapper.f_locals.get("args"), wrapper.f_locals.get("kwargs")
+                    if not (isinstance(args, tuple) and args and args[0] is model and isinstance(raw, dict)):
+                        break                                   # past the decorators of `generate`
+                    found["tokenizer"] = raw.get("tokenizer")
+                    wrapper = wrapper.f_back
+                return found
             caller = caller.f_back
     finally:
         del frame
@@ -122,20 +140,22 @@ def _special_ids(patch, model, gc=None) -> dict[str, Any]:
 def check_model_pair(target, target_patch, drafter, drafter_patch, generation_config=None) -> None:
     """Before any forward: the drafter must share the target's vocabulary (size and special ids).
 
-    The target's special ids are those of this call (`generation_config`), the drafter's its own.
+    The target's special ids are those of this call (`generation_config`), the drafter's its own. A stop list the
+    call sets (an `eos_token_id` other than the target's own) is never compared: it is what both models stop on
+    (the session's stop ids), as stock `generate` and the other strategies accept it; without one, the target's
+    own stop ids must match the drafter's (a drafter of another tokenizer).
 
     Raises:
         ValueError: naming the first difference (vocabulary size, eos/pad/bos ids).
     """
-    v_target, v_drafter = target_patch.vocab_size(target), drafter_patch.vocab_size(drafter)
-    if v_target != v_drafter:
-        raise invalid("draft_model", f"<vocabulary of {v_drafter} tokens>",
-                      f"share the target's vocabulary of {v_target} tokens",
-                      "use a drafter trained with the target's tokenizer (same embedding size)")
+    check_vocabulary(target, target_patch, drafter, drafter_patch)
     ids_target = _special_ids(target_patch, target, generation_config)
     ids_drafter = _special_ids(drafter_patch, drafter)
+    per_call_stops = ids_target["eos_token_id"] != _special_ids(target_patch, target)["eos_token_id"]
     for key, value in ids_target.items():
         other = ids_drafter[key]
+        if key == "eos_token_id" and per_call_stops:
+            continue
         if value is not None and other is not None and value != other:
             raise invalid("draft_model", f"<{key}={other}>", f"use the target's {key} ({value})",
                           f"align the drafter's generation config (`draft_model.generation_config.{key} = {value}`)")
@@ -169,6 +189,7 @@ def dllm_generate(
     draft_model=None,
     assistant_model=None,
     draft_mask_token_id: int | None = None,
+    stop_strings: str | list[str] | None = None,
     **kwargs: Any,
 ):
     """Decode with a hf_dllm_spec strategy; the `custom_generate` callable of transformers' `generate`.
@@ -197,6 +218,9 @@ def dllm_generate(
             device and its block logits come back to the target's; caches never move (docs/placement.md).
         assistant_model (`PreTrainedModel`, *optional*): transformers' name for it; an alias of `draft_model`.
         draft_mask_token_id (`int`, *optional*): overrides the drafter's mask token.
+        stop_strings (`str` or `list[str]`, *optional*): transformers' stop strings, with `tokenizer=` as for stock
+            `generate`. A parameter of the callable, so transformers hands them over instead of refusing them: it
+            drops `tokenizer` before calling a `custom_generate` callable (the tokenizer is read from the call).
         **kwargs: strategy parameters (see the config classes) and the model kwargs transformers prepared.
 
     Returns:
@@ -211,6 +235,12 @@ def dllm_generate(
         NotImplementedError: an unsupported model family or logits processor.
     """
     call = _generate_call_arguments(model)
+    if stop_strings is not None:
+        tokenizer = kwargs.pop("tokenizer", None)                          # a direct call keeps it
+        tokenizer = tokenizer if tokenizer is not None else call.get("tokenizer")
+        stopping_criteria = stop_strings_as_criteria(
+            {"stop_strings": stop_strings, "tokenizer": tokenizer, "stopping_criteria": stopping_criteria})[
+            "stopping_criteria"]
     if not call:
         check_call(model, (input_ids,), kwargs)
         # A direct call: hand it to transformers' `generate` with this callable, so the logits processors,
@@ -227,7 +257,7 @@ def dllm_generate(
                        streamer=streamer, decoding_strategy=decoding_strategy, generator=generator,
                        mask_token_id=mask_token_id, strategy_config=strategy_config, preset=preset,
                        draft_model=_draft_model(draft_model, assistant_model, call),
-                       draft_mask_token_id=draft_mask_token_id)
+                       draft_mask_token_id=draft_mask_token_id, raw_attention_mask=call.get("attention_mask"))
     finally:
         if streamer is not None:        # always, also when a check or the decoding fails (no hung consumer)
             streamer.end()
@@ -245,35 +275,59 @@ def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
 
 
 class _CriteriaScan:
-    """Transformers stopping criteria applied to every final prefix of a row, first match wins.
+    """transformers' stopping criteria, called as transformers calls them: the whole batch in, one verdict per row.
 
-    transformers' criteria look at the end of the sequence (a stop string, the length, the time); a block
-    decoder finishes several tokens at once, so each new final prefix is tested and the row is cut where a
-    criterion first fires.
+    Stock `generate` calls its criteria once per generated position t on the batch `(N, P + t)` (the padded prompts,
+    then every row's tokens, finished rows continued with `pad_token_id`) and a row ends at the first t where a
+    criterion fires for it; criteria may keep per-row state across calls (lm-evaluation-harness's stop sequences do)
+    or return one bool for the batch. A block decoder finishes several tokens at once and its rows advance at
+    different paces, so position t is evaluated once every row's token t is final (or the row has ended): each row
+    is then cut at the exact token where a criterion first fires for it, as in stock `generate`; a row that runs
+    ahead of the batch may decode past its cut (the surplus is discarded).
     """
 
-    def __init__(self, criteria, input_ids: torch.Tensor) -> None:
-        self.criteria, self.input_ids = criteria, input_ids
-        self.checked = [0] * input_ids.shape[0]
-        self.cut: list[int | None] = [None] * input_ids.shape[0]
+    def __init__(self, criteria, input_ids: torch.Tensor, pad_token_id: int | None, max_new_tokens: int) -> None:
+        n = input_ids.shape[0]
+        self.criteria, self.input_ids, self.max_new_tokens = criteria, input_ids, max_new_tokens
+        self.pad = pad_token_id if pad_token_id is not None else 0
+        self.tokens: list[torch.Tensor] = [input_ids.new_empty(0)] * n    # each row's final tokens so far
+        self.ended = [False] * n                                           # no more tokens will come
+        self.cut: list[int | None] = [None] * n
+        self.checked = 0                                                   # positions evaluated
 
-    def __call__(self, prompt_index: int, tokens: torch.Tensor) -> int | None:
-        """Length at which the row's output `tokens` `(n,)` ends, or None while no criterion has fired."""
-        if self.cut[prompt_index] is not None:
-            return self.cut[prompt_index]
-        prompt = self.input_ids[prompt_index].to(tokens.device)
-        for length in range(self.checked[prompt_index] + 1, tokens.shape[0] + 1):
-            if bool(self.criteria(torch.cat([prompt, tokens[:length]])[None], None).any()):
-                self.cut[prompt_index] = length
-                return length
-        self.checked[prompt_index] = max(self.checked[prompt_index], tokens.shape[0])
-        return None
+    def observe(self, prompt_index: int, tokens: torch.Tensor, *, ended: bool = False) -> int | None:
+        """Record row `prompt_index`'s final tokens `(n,)` (cut to the budget and the first stop id; `ended` when
+        no more will come), evaluate every position the whole batch now knows, and return the length at which
+        the row ends, or None while no criterion has fired for it."""
+        self.tokens[prompt_index] = tokens
+        self.ended[prompt_index] = self.ended[prompt_index] or ended
+        while self.checked < self.max_new_tokens and all(self._settled(n) for n in range(len(self.tokens))):
+            self._evaluate(self.checked + 1)
+        return self.cut[prompt_index]
+
+    def _settled(self, n: int) -> bool:
+        """Whether row n's token at position `checked + 1` is known (or the row has ended before it)."""
+        return self.ended[n] or self.cut[n] is not None or self.tokens[n].shape[0] > self.checked
+
+    def _evaluate(self, t: int) -> None:
+        rows = []
+        for n, tokens in enumerate(self.tokens):
+            length = tokens.shape[0] if self.cut[n] is None else self.cut[n]
+            row = tokens[:min(t, length)].to(self.input_ids.device)
+            rows.append(torch.cat([row, row.new_full((t - row.shape[0],), self.pad)]))
+        fired = self.criteria(torch.cat([self.input_ids, torch.stack(rows)], dim=1), None)
+        fired = torch.as_tensor(fired, device=self.input_ids.device).expand(len(rows))
+        for n, tokens in enumerate(self.tokens):
+            if self.cut[n] is None and tokens.shape[0] >= t and bool(fired[n]):
+                self.cut[n] = t
+        self.checked = t
 
 
 def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, kwargs, *, streamer,
             decoding_strategy, generator, mask_token_id, strategy_config, preset, draft_model,
-            draft_mask_token_id):
-    """The body of :func:`dllm_generate`: checks, session, strategy, output."""
+            draft_mask_token_id, raw_attention_mask=None):
+    """The body of :func:`dllm_generate`: checks, session, strategy, output (`raw_attention_mask`: the mask as
+    the caller passed it to `generate`, before transformers derived positions from it and dropped it if all ones)."""
     generation_config = generation_config if generation_config is not None else model.generation_config
     names = set(strategy_parameter_names())
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names and kwargs[k] is not _UNSET}
@@ -284,6 +338,13 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                             strategy_config=strategy_config, preset=preset, overrides=overrides)
     strategy_cls = get_strategy(config.decoding_strategy)
     check_generation_config(generation_config)
+    check_loaded(model, "model")
+    if draft_model is not None:
+        check_loaded(draft_model, "draft_model")
+    check_token_id("mask_token_id", mask_token_id, "pass the mask token's integer id (e.g. `tokenizer.mask_token_id`)")
+    check_token_id("draft_mask_token_id", draft_mask_token_id, "pass the drafter's mask token's integer id")
+    check_inputs_embeds(kwargs.get("inputs_embeds"))
+    check_attention_mask(input_ids, raw_attention_mask)
     lengths = prompt_lengths(input_ids, kwargs.get("attention_mask"))
     check_model_kwargs(input_ids, kwargs, lengths)
     device = execution_device(model)         # not `model.device`: "meta" under accelerate offload
@@ -325,6 +386,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                       f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} "
                       f"(up to position {needed}), in the model's {max_positions} positions",
                       "shorten the prompt or lower max_new_tokens")
+    if strategy_cls.decodes_whole_blocks:
+        check_block_budget(block_size, patch.trained_block_size(model), lengths, max_new_tokens)
     stop_ids = patch.stop_token_ids(model, generation_config)
     pad_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else (
         stop_ids[0] if stop_ids else None)
@@ -349,6 +412,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
             raise invalid("draft_mask_token_id", None, f"be known for decoding_strategy={config.decoding_strategy!r}: "
                           f"the drafter (model_type `{draft_model.config.model_type}`) has no `mask_token_id`",
                           "pass draft_mask_token_id=<id>, or set draft_model.config.mask_token_id")
+        check_drafter_tokens(draft_model.get_input_embeddings().num_embeddings, mask_token_id=draft_mask,
+                             sep_token_id=getattr(config, "sep_token_id", None), stop_ids=stop_ids)
         draft_block_size = getattr(config, "draft_block_size", None) or drafter_patch.trained_block_size(draft_model)
         strategy_cls.check_block_sizes(block_size, draft_block_size)
         if draft_mask is not None:
@@ -358,12 +423,17 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     stats = BatchStats(batch_size)
     use_cache = generation_config.use_cache is not False          # None (unset) means the default: cached
     prompts = [input_ids[n, input_ids.shape[1] - lengths[n]:].to(device) for n in range(batch_size)]
-    scan = _CriteriaScan(stopping_criteria, input_ids) if stopping_criteria else None
+    scan = _CriteriaScan(stopping_criteria, input_ids, pad_id, max_new_tokens) if stopping_criteria else None
 
-    def output_tokens(prompt_index: int, generated: torch.Tensor) -> torch.Tensor:
-        """What a row returns of its final tokens: the budget, the first stop id, the first criterion match."""
+    def output_tokens(prompt_index: int, generated: torch.Tensor, ended: bool = False) -> torch.Tensor:
+        """What a row returns of its final tokens: the budget, the first stop id, the first criterion match
+        (`ended`: the row decodes no more)."""
         tokens = _trim(generated, max_new_tokens, stop_ids)
-        cut = scan(prompt_index, tokens) if scan is not None else None
+        if scan is None:
+            return tokens
+        ended = (ended or tokens.shape[0] < generated.shape[0] or tokens.shape[0] >= max_new_tokens
+                 or (tokens.shape[0] > 0 and int(tokens[-1]) in stop_ids))
+        cut = scan.observe(prompt_index, tokens, ended=ended)
         return tokens if cut is None else tokens[:cut]
 
     suppress = [resolved_mask] if resolved_mask is not None else []
@@ -376,7 +446,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                         generator=generator),
         stats=stats, mask_token_id=resolved_mask if resolved_mask is not None else 0, stop_token_ids=stop_ids,
         max_new_tokens=max_new_tokens, block_size=block_size,
-        stop_check=(lambda i, generated: scan(i, _trim(generated, max_new_tokens, stop_ids)) is not None)
+        stop_check=(lambda i, generated: output_tokens(i, generated).shape[0] < generated.shape[0])
         if scan is not None else None,
         drafter=ModelRunner(draft_model, drafter_patch, stats, batch_size=batch_size, use_cache=use_cache,
                             timer=timer, timer_span=DRAFT_MODEL_SPAN) if draft_model is not None else None,
@@ -389,7 +459,10 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     wall = now(device) - t0
     forward_time, prefill_time = timer.total("forward"), timer.total("prefill")
     draft_model_time = timer.total(DRAFT_MODEL_SPAN)
-    generated = [output_tokens(n, g) for n, g in enumerate(generated)]
+    if scan is not None:                       # every row has ended: the criteria see every position
+        for n, g in enumerate(generated):
+            output_tokens(n, g, ended=True)
+    generated = [output_tokens(n, g, ended=True) for n, g in enumerate(generated)]
     stats.flush()
     for n, row in enumerate(stats.per_row):
         row.num_generated_tokens = generated[n].shape[0]

@@ -11,12 +11,16 @@ from typing import Any
 
 from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
+from .validation import invalid
+
 
 def stop_strings_as_criteria(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Turn `stop_strings=` (+ `tokenizer=`) into a `StopStringCriteria` in `stopping_criteria`.
 
     transformers drops `tokenizer` before calling a `custom_generate` callable and then cannot build the
-    stop-string criterion itself; built here, it reaches the decoding loop like any other criterion.
+    stop-string criterion itself; built here, it reaches the decoding loop like any other criterion. (On a plain
+    transformers model's `custom_generate=` path, `stop_strings` is a parameter of the callable, which reads the
+    tokenizer from the `generate` call: `hf_dllm_spec.generation.dllm_generate`.)
 
     Raises:
         ValueError: if `stop_strings` is given without `tokenizer`.
@@ -26,8 +30,8 @@ def stop_strings_as_criteria(kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs
     tokenizer = kwargs.pop("tokenizer", None)
     if tokenizer is None:
-        raise ValueError(f"`stop_strings` (={stop_strings!r}) must come with `tokenizer`; pass "
-                         "tokenizer=<the model's tokenizer> to generate.")
+        raise invalid("stop_strings", stop_strings, "come with `tokenizer`",
+                      "pass tokenizer=<the model's tokenizer> to generate")
     criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
     criteria.append(StopStringCriteria(tokenizer, stop_strings))
     kwargs["stopping_criteria"] = criteria

@@ -128,9 +128,9 @@ class RoutingContext:
         span_start (`int`): index of C_t's first position in the block.
         block_size (`int`): B, in tokens.
         num_masked (`int`): |M_t|, masked positions in the block.
-        num_decodable (`int`): positions of the block that are not prompt (B minus the prompt tail). Not used
-            by the UCB progress bin, which counts the prompt tail as decoded (as the S2D2 reference
-            implementation's UCB bucketing does).
+        num_decodable (`int`): positions of the block that are not prompt (B minus the prompt tail). The UCB
+            progress bin uses it where the family does not count the prompt tail as decoded (SDAR convention,
+            :func:`ucb_progress_bin`).
         score (`float`): s of Eq. 6 (computed only when the policy needs it, else nan).
         mean_normalized_entropy (`float`): mean H_i / log V over the UCB entropy source (else nan).
         ucb_bucket (`tuple[int, int, int]`, *optional*): the UCB context bucket, when the caller computed it
@@ -179,24 +179,47 @@ def ucb_span_bin(span_length: torch.Tensor, block_size: int, num_bins: int) -> t
     return _floor_bin((span_length.double() - 1.0) / (block_size - 1), num_bins)
 
 
-def ucb_progress_bin(num_masked: torch.Tensor, block_size: int, num_bins: int) -> torch.Tensor:
-    """Block-progress bin: floor(decoded / B * bins), clamped to [0, bins - 1], with decoded = B - |M_t|.
+def ucb_progress_bin(num_masked: torch.Tensor, block_size: int, num_bins: int, *, counts_prompt_tail: bool,
+                     num_decodable: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-progress bin: floor(decoded / B * bins), clamped to [0, bins - 1] (S2D2 App. A.6, Eq. 16 context).
 
-    As in the S2D2 reference implementation's UCB bucketing (App. A.6): decoded counts every non-mask position
-    of the block, **including** a prompt tail that
-    shares the block (so a block that starts with a prompt tail starts with progress > 0). B = 1 needs no
-    special case (the denominator is B).
+    The paper's "fraction of already unmasked tokens in the current block" leaves open whether a prompt tail that
+    shares the block counts; the two reference implementations differ, and `counts_prompt_tail` picks one
+    (a family property, `FamilyPatch.ucb_progress_counts_prompt_tail`):
+
+    - ``False`` (SDAR reference, `SDAR/generate_ssd_policy.py::block_diffusion_generate`: a per-block counter
+      set to 0 when the block starts and increased by the tokens each step commits): decoded = (B - tail) - |M_t|,
+      the tokens decoded inside the block, so every block starts at progress 0.
+    - ``True`` (Fast-dLLM v2 reference, `Fast-dLLM-v2/generate_policy_utils.py::generate_ssd_policy`: the
+      non-mask positions of the current sub-block): decoded = B - |M_t|, so a block that starts with a prompt
+      tail starts with progress tail / B.
+
+    Both give the same bin when the block holds no prompt tail (a block-aligned prompt, every later block). The
+    denominator is B in both (B = 1 needs no special case). Computed in float64 in the reference's operation
+    order (divide, times the bin count, floor).
 
     Args:
         num_masked (`torch.Tensor` of shape `(N,)`, int): |M_t|, masked positions of the block.
-        block_size (`int`): B, in tokens.
+        block_size (`int`): B, in tokens (the sub-block for a sub-block decoder).
         num_bins (`int`): `ucb_block_progress_bins`, >= 1.
+        counts_prompt_tail (`bool`): the convention above.
+        num_decodable (`torch.Tensor` of shape `(N,)`, int, *optional*): B - tail, positions of the block that
+            are not prompt; required when `counts_prompt_tail` is False, unused otherwise.
 
     Returns:
         `torch.Tensor` of shape `(N,)`, int64 in [0, num_bins - 1].
+
+    Raises:
+        ValueError: if `counts_prompt_tail` is False and `num_decodable` is missing.
     """
     num_masked = torch.as_tensor(num_masked)
-    decoded = block_size - num_masked.double()
+    if counts_prompt_tail:
+        decoded = block_size - num_masked.double()
+    else:
+        if num_decodable is None:
+            raise ValueError("`num_decodable` is needed when the UCB progress does not count the prompt tail "
+                             "(counts_prompt_tail=False); pass B minus the prompt tail of each row's block.")
+        decoded = torch.as_tensor(num_decodable, device=num_masked.device).double() - num_masked.double()
     return _floor_bin(decoded / block_size, num_bins)
 
 
@@ -218,7 +241,8 @@ def ucb_entropy_bin(mean_normalized_entropy: torch.Tensor, num_bins: int) -> tor
 
 
 def ucb_context_buckets(span_length: torch.Tensor, num_masked: torch.Tensor, mean_normalized_entropy: torch.Tensor,
-                        block_size: int, bins: tuple[int, int, int]) -> torch.Tensor:
+                        block_size: int, bins: tuple[int, int, int], *, counts_prompt_tail: bool,
+                        num_decodable: torch.Tensor | None = None) -> torch.Tensor:
     """UCB context bucket b_t of S2D2 Eq. 16 per row: (span bin, progress bin, entropy bin), App. A.6.
 
     Args:
@@ -227,6 +251,9 @@ def ucb_context_buckets(span_length: torch.Tensor, num_masked: torch.Tensor, mea
         mean_normalized_entropy (`torch.Tensor` of shape `(N,)`, float): mean H_i / log V.
         block_size (`int`): B.
         bins (`tuple[int, int, int]`): (`ucb_span_length_bins`, `ucb_block_progress_bins`, `ucb_entropy_bins`).
+        counts_prompt_tail (`bool`): progress convention of the family, see :func:`ucb_progress_bin`.
+        num_decodable (`torch.Tensor` of shape `(N,)`, int, *optional*): B minus the prompt tail; required when
+            `counts_prompt_tail` is False.
 
     Returns:
         `torch.Tensor` of shape `(N, 3)`, int64, on the inputs' device (no host sync).
@@ -234,7 +261,8 @@ def ucb_context_buckets(span_length: torch.Tensor, num_masked: torch.Tensor, mea
     span_bins, progress_bins, entropy_bins = bins
     return torch.stack([
         ucb_span_bin(span_length, block_size, span_bins),
-        ucb_progress_bin(num_masked, block_size, progress_bins),
+        ucb_progress_bin(num_masked, block_size, progress_bins, counts_prompt_tail=counts_prompt_tail,
+                         num_decodable=num_decodable),
         ucb_entropy_bin(mean_normalized_entropy, entropy_bins),
     ], dim=-1)
 
@@ -306,20 +334,31 @@ class UCBPolicy(RoutingPolicy):
 
     Context bucket b = (span-length bin over [1, B], block-progress bin over [0, 1], entropy bin over [0, 1]),
     with the S2D2 reference implementation's bucketing (:func:`ucb_context_buckets`): floor((L - 1) / (B - 1) *
-    bins), floor((B - |M_t|) / B * bins) counting a prompt tail in the block as decoded, floor(e * bins), each
-    clamped to the last bin. Action a in {0: no verification, 1: verify} maximises
-    mu_hat[a, b] + beta * sqrt(log t / n[a, b]) (Eq. 16), t the number of decisions so far including this one;
-    an unvisited (a, b) scores +inf and ties choose verify. Reward (Eq. 18): tokens committed this step divided
-    by 2 if verification ran, else by 1. State lives for one `generate` call.
+    bins), floor(decoded / B * bins), floor(e * bins), each clamped to the last bin. decoded follows the family's
+    reference (`counts_prompt_tail`, :func:`ucb_progress_bin`): B - |M_t| counting a prompt tail that shares the
+    block (Fast-dLLM v2), or (B - tail) - |M_t|, only tokens decoded in the block (SDAR). Action a in
+    {0: no verification, 1: verify} maximises mu_hat[a, b] + beta * sqrt(log t / n[a, b]) (Eq. 16), t the number
+    of decisions so far including this one; an unvisited (a, b) scores +inf and ties choose verify. Reward
+    (Eq. 18): tokens committed this step divided by 2 if verification ran, else by 1. State lives for one
+    `generate` call.
+
+    Args:
+        beta (`float`): exploration weight.
+        span_bins, progress_bins, entropy_bins (`int`): bins per context dimension.
+        counts_prompt_tail (`bool`): the progress convention of the target family
+            (`FamilyPatch.ucb_progress_counts_prompt_tail`).
     """
 
     name = "contextual_bandit_ucb"
     needs_entropy = True
     needs_feedback = True
 
-    def __init__(self, beta: float, span_bins: int, progress_bins: int, entropy_bins: int) -> None:
+    def __init__(self, beta: float, span_bins: int, progress_bins: int, entropy_bins: int, *,
+                 counts_prompt_tail: bool) -> None:
         self.beta = beta
         self.bins = (span_bins, progress_bins, entropy_bins)
+        #: Progress convention (:func:`ucb_progress_bin`), from `FamilyPatch.ucb_progress_counts_prompt_tail`.
+        self.counts_prompt_tail = counts_prompt_tail
         self.counts: dict[tuple, list[int]] = {}
         self.reward_sums: dict[tuple, list[float]] = {}
         self.num_decisions = 0
@@ -332,7 +371,8 @@ class UCBPolicy(RoutingPolicy):
             return tuple(ctx.ucb_bucket)
         row = ucb_context_buckets(torch.tensor([ctx.span_length]), torch.tensor([ctx.num_masked]),
                                   torch.tensor([ctx.mean_normalized_entropy], dtype=torch.float64),
-                                  ctx.block_size, self.bins)
+                                  ctx.block_size, self.bins, counts_prompt_tail=self.counts_prompt_tail,
+                                  num_decodable=torch.tensor([ctx.num_decodable]))
         return tuple(row[0].tolist())
 
     def decide(self, ctx: RoutingContext) -> bool:

@@ -249,7 +249,16 @@ class ModelRunner:
         if self.use_cache:
             for layer in self.cache.layers:
                 keys = getattr(layer, "keys", None)
-                layer.batch_select_indices(index if keys is None else index.to(keys.device))
+                if keys is None:                     # never written: the next storing forward sizes it
+                    continue
+                rows = index.to(keys.device)
+                if keys.shape[-2] == 0:
+                    # A read-only forward sized this layer for every row and the crop left it without columns;
+                    # transformers' `batch_select_indices` skips a layer of length 0, so the next storing forward
+                    # would append M rows to N. Its (empty) rows are selected here.
+                    layer.keys, layer.values = keys[rows], layer.values[rows]
+                else:
+                    layer.batch_select_indices(rows)
         self.valid = self.valid[index]
         if self.carry is not None:
             self.carry = self.carry[index]

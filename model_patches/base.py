@@ -35,6 +35,16 @@ class FamilyPatch:
         native_strategy (`str` or `None`): the `decoding_strategy` the family's own code decodes with, run by
             `generate()` on the library's model classes when no strategy is named and none is stored;
             `None` for autoregressive families (stock `generate`).
+        ucb_progress_counts_prompt_tail (`bool`): whether the block-progress context of S2D2's
+            `contextual_bandit_ucb` routing (S2D2 App. A.6, Eq. 16) counts a prompt tail that shares the block
+            as already decoded (decoded = B - |M_t|) or counts only the tokens decoded inside the block
+            (decoded = B - tail - |M_t|); see `hf_dllm_spec.routing.ucb_progress_bin`. The paper does not say;
+            each family follows its S2D2 reference implementation (github.com/phymhan/S2D2): SDAR's
+            `SDAR/generate_ssd_policy.py` resets a per-block counter to 0 at each block and adds the tokens each
+            step commits (False); Fast-dLLM v2's `Fast-dLLM-v2/generate_policy_utils.py` counts the non-mask
+            positions of the sub-block (True). The default, False, is SDAR's, the paper's main family: the
+            Qwen patch, which serves SDAR weights stored in the Qwen layout, and the causal-LM fallback inherit
+            it. The two agree whenever the block holds no prompt tail (a block-aligned prompt, every later block).
     """
 
     family: ClassVar[str] = ""
@@ -43,6 +53,7 @@ class FamilyPatch:
     supports_kv_cache: ClassVar[bool] = True
     is_diffusion_lm: ClassVar[bool] = True
     native_strategy: ClassVar[str | None] = "block_diffusion"
+    ucb_progress_counts_prompt_tail: ClassVar[bool] = False
 
     #: `(config class, causal-LM class)` pairs to register with the Auto classes (families with their own classes).
     auto_classes: ClassVar[tuple[tuple[type, type], ...]] = ()

@@ -140,6 +140,9 @@ class FastDLLMV2Patch(FamilyPatch):
     model_types = ("Fast_dLLM_Qwen",)
     alignment = "right_shift"
     native_strategy = "fast_dllm_v2"
+    #: S2D2 UCB progress counts a prompt tail sharing the (sub-)block as decoded (the S2D2 reference
+    #: `Fast-dLLM-v2/generate_policy_utils.py::generate_ssd_policy`: the non-mask positions of the sub-block).
+    ucb_progress_counts_prompt_tail = True
     auto_classes = ((Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM),)
     base_model_classes = ((Fast_dLLM_QwenConfig, Fast_dLLM_QwenModel),)
 

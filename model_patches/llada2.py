@@ -496,6 +496,10 @@ class LLaDA2Patch(FamilyPatch):
     model_types = ("llada2_moe",)
     alignment = "position"
     native_strategy = "llada2"
+    #: S2D2's LLaDA2 reference (`LLaDA2/generate_utils.py::generate_ssd_policy`) has no UCB policy. LLaDA2 lays
+    #: out blocks as SDAR does (whole prompt blocks prefilled, the tail shares the first generated block), so
+    #: the UCB progress follows the SDAR reference: only tokens decoded in the block count.
+    ucb_progress_counts_prompt_tail = False
     auto_classes = ((LLaDA2MoeConfig, LLaDA2MoeModelLM),)
     base_model_classes = ((LLaDA2MoeConfig, LLaDA2MoeModel),)
 

@@ -76,4 +76,8 @@ class SDARPatch(FamilyPatch):
     family = "SDAR"
     model_types = ("sdar",)
     alignment = "position"
+    #: S2D2 UCB progress counts only tokens decoded in the block, not the prompt tail sharing it (the S2D2
+    #: reference `SDAR/generate_ssd_policy.py::block_diffusion_generate`: `block_unmasked_count` starts at 0
+    #: per block and grows by the tokens each step commits). Same as the base default, stated for the record.
+    ucb_progress_counts_prompt_tail = False
     auto_classes = ((SDARConfig, SDARForCausalLM),)

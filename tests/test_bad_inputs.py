@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 from conftest import MASK_ID, TINY
-from transformers import LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper
+from transformers import (LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM, StoppingCriteriaList,
+                          TemperatureLogitsWarper)
 from transformers.generation.streamers import BaseStreamer
 
 import hf_dllm_spec
@@ -94,6 +95,11 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("block-size-bool", dict(decoding_strategy="block_diffusion", block_size=True), "block_size", ValueError),
     ("steps-beyond-implicit-block", dict(decoding_strategy="block_diffusion", steps_per_block=8), "steps_per_block",
      ValueError),
+    # a block larger than the whole sequence (7 + 16 -> 32): its tail beyond the budget would be denoised for nothing
+    ("block-size-beyond-budget", dict(decoding_strategy="block_diffusion", block_size=128, max_new_tokens=16),
+     "block_size", ValueError),
+    ("block-size-beyond-budget-s2d2", dict(decoding_strategy="s2d2", block_size=64, max_new_tokens=8), "block_size",
+     ValueError),
     ("steps-beyond-explicit-block", dict(decoding_strategy="block_diffusion", block_size=4, steps_per_block=8),
      "steps_per_block", ValueError),
     ("max-new-tokens-float", dict(decoding_strategy="s2d2", max_new_tokens=2.5), "max_new_tokens", ValueError),
@@ -119,6 +125,12 @@ CASES: list[tuple[str, dict, str, type]] = [
      ValueError),
     ("mask-in-prompt", dict(decoding_strategy="s2d2", input_ids=torch.tensor([[5, 17, MASK_ID, 8]])), "input_ids",
      ValueError),
+    ("ids-meta", dict(decoding_strategy="s2d2", input_ids=torch.tensor(PROMPT, device="meta")), "input_ids",
+     ValueError),
+    ("inputs-embeds", dict(decoding_strategy="s2d2", input_ids=None, inputs_embeds=torch.zeros(1, 7, 32)),
+     "inputs_embeds", ValueError),
+    ("inputs-embeds-with-ids", dict(decoding_strategy="s2d2", inputs_embeds=torch.zeros(1, 7, 32)), "inputs_embeds",
+     ValueError),
     # special tokens
     ("mask-beyond-vocab", dict(decoding_strategy="s2d2", mask_token_id=99), "mask_token_id", ValueError),
     ("mask-negative", dict(decoding_strategy="s2d2", mask_token_id=-1), "mask_token_id", ValueError),
@@ -126,6 +138,9 @@ CASES: list[tuple[str, dict, str, type]] = [
      ValueError),
     ("eos-beyond-vocab", dict(decoding_strategy="s2d2", eos_token_id=1000), "eos_token_id", ValueError),
     ("pad-beyond-vocab", dict(decoding_strategy="s2d2", pad_token_id=1000), "pad_token_id", ValueError),
+    ("mask-float", dict(decoding_strategy="s2d2", mask_token_id=97.6), "mask_token_id", ValueError),   # never int()
+    ("mask-str", dict(decoding_strategy="s2d2", mask_token_id="98"), "mask_token_id", ValueError),
+    ("mask-bool", dict(decoding_strategy="s2d2", mask_token_id=True), "mask_token_id", ValueError),
     # generation options transformers knows but the strategies do not support
     ("num-beams", dict(decoding_strategy="s2d2", num_beams=2), "num_beams", ValueError),
     ("num-return-sequences", dict(decoding_strategy="s2d2", num_return_sequences=2), "num_return_sequences",
@@ -165,15 +180,39 @@ CASES: list[tuple[str, dict, str, type]] = [
      ValueError),
     ("position-ids", dict(decoding_strategy="s2d2", position_ids=torch.arange(7)[None] + 3), "position_ids",
      ValueError),
+    # transformers derives `position_ids` from the mask and drops an all-ones mask: the mask is named, not positions
+    ("attention-mask-short-all-ones", dict(decoding_strategy="s2d2", attention_mask=torch.ones(1, 5, dtype=torch.long)),
+     "attention_mask", ValueError),
+    ("attention-mask-long-all-ones", dict(decoding_strategy="s2d2", attention_mask=torch.ones(1, 9, dtype=torch.long)),
+     "attention_mask", ValueError),
+    ("attention-mask-batch-2", dict(decoding_strategy="s2d2", attention_mask=torch.ones(2, 7, dtype=torch.long)),
+     "attention_mask", ValueError),
+    ("attention-mask-1d", dict(decoding_strategy="s2d2", attention_mask=torch.ones(7, dtype=torch.long)),
+     "attention_mask", ValueError),
+    ("attention-mask-values-2", dict(decoding_strategy="s2d2", attention_mask=torch.full((1, 7), 2)), "attention_mask",
+     ValueError),
+    ("attention-mask-values-float", dict(decoding_strategy="s2d2", attention_mask=torch.full((1, 7), 0.5)),
+     "attention_mask", ValueError),
+    ("attention-mask-list", dict(decoding_strategy="s2d2", attention_mask=[[1] * 7]), "attention_mask", ValueError),
+    ("attention-mask-meta", dict(decoding_strategy="s2d2", attention_mask=torch.ones(1, 7, device="meta")),
+     "attention_mask", ValueError),
+    ("position-ids-meta", dict(decoding_strategy="s2d2", position_ids=torch.arange(7, device="meta")[None]),
+     "position_ids", ValueError),
     # drafters
     ("assistant-for-self-speculation", dict(decoding_strategy="s2d2", assistant_model="<model>"), "assistant_model",
      ValueError),
     ("draft-for-self-speculation", dict(decoding_strategy="s2d2", draft_model="<model>"), "draft_model", ValueError),
+    ("draft-on-meta", dict(decoding_strategy="simsd", draft_model="<meta>"), "draft_model", ValueError),
+    ("assistant-on-meta", dict(decoding_strategy="simsd", assistant_model="<meta>"), "assistant_model", ValueError),
     # batches
     ("streamer-batch", dict(decoding_strategy="s2d2", input_ids=torch.tensor(PROMPT * 2), pad_token_id=0,
                             streamer=_NullStreamer()), "streamer", ValueError),
     ("generator-other-device", dict(decoding_strategy="s2d2", generator=_CudaGenerator()), "generator", ValueError),
 ]
+
+
+#: Cases whose error names the argument under another name it goes by.
+SUBJECTS = {"assistant_model": ("assistant_model", "draft_model")}
 
 
 @pytest.fixture(scope="module")
@@ -191,10 +230,12 @@ def _run(model, kwargs):
     for key in ("assistant_model", "draft_model"):
         if kwargs.get(key) == "<model>":
             kwargs[key] = model
+        elif kwargs.get(key) == "<meta>":
+            kwargs[key] = _meta_model()
     kwargs.setdefault("max_new_tokens", 8)
     if kwargs["max_new_tokens"] is None:
         kwargs.pop("max_new_tokens")
-    return model.generate(ids, **kwargs)
+    return model.generate(ids, **kwargs) if ids is not None else model.generate(**kwargs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -204,6 +245,8 @@ def test_bad_input_is_caught_before_any_forward(counted, case):
     calls.clear()
     with pytest.raises(error) as info:
         _run(model, kwargs)
+    subject = str(info.value).split("`")[1]                      # the library's format: "`name` (=value) must ..."
+    assert str(info.value).startswith("`") and subject in SUBJECTS.get(name, (name,)), str(info.value)
     assert f"`{name}`" in str(info.value), str(info.value)
     assert not calls, f"{len(calls)} forward(s) ran before the error"
 
@@ -217,8 +260,16 @@ def _meta_model():
         return SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
 
 
+def _meta_qwen():
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in TINY.items() if k != "head_dim"})).eval()
+
+
 MODEL_CASES = [
     ("model-on-meta", _meta_model, dict(decoding_strategy="s2d2"), "model"),
+    # a plain transformers model: transformers prepares the call before hf_dllm_spec's callable sees the model
+    ("model-on-meta-custom-generate", _meta_qwen, dict(custom_generate=hf_dllm_spec.custom_generate,
+                                                       decoding_strategy="ar"), "model"),
 ]
 
 
@@ -259,3 +310,188 @@ def test_stopping_criteria_list_is_accepted(sdar_model):
     out = sdar_model.generate(torch.tensor(PROMPT), decoding_strategy="s2d2", max_new_tokens=6,
                               stopping_criteria=StoppingCriteriaList())
     assert out.shape[1] <= len(PROMPT[0]) + 6
+
+
+# -- drafter pairs (DEER: AR target + SDAR drafter; SimSD: two SDAR models) ---------------------------------------
+def _qwen2(seed: int = 1, **overrides) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in {**TINY, **overrides}.items() if k != "head_dim"})).eval()
+
+
+def _sdar(seed: int, **overrides) -> SDARForCausalLM:
+    torch.manual_seed(seed)
+    return SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **{**TINY, **overrides})).eval()
+
+
+@pytest.fixture(scope="module")
+def pair_models():
+    """An AR target (DEER), an SDAR target (SimSD) and an SDAR drafter (mask 98), each with a forward counter."""
+    models = {"ar": _qwen2(), "sdar": _sdar(0), "drafter": _sdar(7)}
+    calls = []
+    handles = [m.register_forward_pre_hook(lambda module, args: calls.append(1)) for m in models.values()]
+    yield models, calls
+    for handle in handles:
+        handle.remove()
+
+
+def _pair_generate(models, strategy, **kwargs):
+    kwargs.setdefault("max_new_tokens", 8)
+    kwargs.setdefault("draft_model", models["drafter"])
+    if strategy == "deer":
+        return models["ar"].generate(torch.tensor(PROMPT), custom_generate=hf_dllm_spec.custom_generate,
+                                     decoding_strategy="deer", **kwargs)
+    return models["sdar"].generate(torch.tensor(PROMPT), decoding_strategy="simsd", **kwargs)
+
+
+#: (case id, strategy, generate keyword arguments, argument the message must name)
+DRAFTER_CASES = [
+    (f"{strategy}-{case}", strategy, kwargs, name)
+    for strategy in ("deer", "simsd")
+    for case, kwargs, name in [
+        ("draft-mask-beyond-vocab", dict(draft_mask_token_id=150), "draft_mask_token_id"),
+        ("draft-mask-negative", dict(draft_mask_token_id=-1), "draft_mask_token_id"),
+        ("draft-mask-float", dict(draft_mask_token_id=98.2), "draft_mask_token_id"),
+        ("draft-mask-is-stop-id", dict(draft_mask_token_id=7, eos_token_id=7), "draft_mask_token_id"),
+        ("drafter-on-meta", dict(draft_model="<meta>"), "draft_model"),
+        ("drafter-of-another-vocabulary", dict(draft_model="<vocab 120>"), "draft_model"),
+    ]
+] + [
+    ("deer-drafter-own-mask-is-stop-id", "deer", dict(eos_token_id=[3, MASK_ID]), "draft_mask_token_id"),
+    ("deer-sep-beyond-vocab", "deer", dict(sep_token_id=150), "sep_token_id"),
+    ("deer-sep-is-the-drafter-mask", "deer", dict(sep_token_id=MASK_ID), "sep_token_id"),
+    ("deer-assistant-on-meta", "deer", dict(draft_model=None, assistant_model="<meta>"), "draft_model"),
+]
+
+
+@pytest.mark.parametrize("case", DRAFTER_CASES, ids=[c[0] for c in DRAFTER_CASES])
+def test_bad_drafter_input_is_caught_before_any_forward(pair_models, case):
+    """Drafter-side ids, the drafter's weights and vocabulary: the library's error before the first forward of either
+    model (the ids failed with an IndexError after 2-3 forwards, a meta drafter after the target's prefill)."""
+    _, strategy, kwargs, name = case
+    models, calls = pair_models
+    kwargs = dict(kwargs)
+    for key in ("draft_model", "assistant_model"):
+        if kwargs.get(key) == "<meta>":
+            kwargs[key] = _meta_model()
+        elif kwargs.get(key) == "<vocab 120>":
+            kwargs[key] = _sdar(2, vocab_size=120)
+    calls.clear()
+    with pytest.raises(ValueError) as info:
+        _pair_generate(models, strategy, **kwargs)
+    assert str(info.value).startswith(f"`{name}`"), str(info.value)
+    assert not calls, f"{len(calls)} forward(s) ran before the error"
+
+
+@pytest.mark.parametrize("strategy", ["deer", "simsd"])
+def test_per_call_stop_list_applies_to_both_models(pair_models, strategy):
+    """A per-call `eos_token_id` list is legitimate (stock `generate` takes it) even when the drafter's own config
+    names another stop id: it is not compared with the drafter's, and both models stop on it."""
+    models, _ = pair_models
+    free = _pair_generate(models, strategy, max_new_tokens=12, eos_token_id=None)[0, len(PROMPT[0]):].tolist()
+    stops = [free[4], 97 if free[4] != 97 else 96]                  # the 5th token ends the output
+    drafter = models["drafter"]
+    drafter.generation_config.eos_token_id = 3 if 3 not in stops else 2
+    try:
+        out = _pair_generate(models, strategy, max_new_tokens=12, eos_token_id=stops)[0, len(PROMPT[0]):].tolist()
+    finally:
+        drafter.generation_config.eos_token_id = None
+    assert out == free[:free.index(stops[0]) + 1]
+    if strategy == "deer":                                          # lossless: the target's own greedy output
+        stock = models["ar"].generate(torch.tensor(PROMPT), max_new_tokens=12, do_sample=False, eos_token_id=stops)
+        assert out == stock[0, len(PROMPT[0]):].tolist()
+
+
+def test_large_deer_block_is_not_refused(pair_models):
+    """DEER's block size is k, the drafts per cycle, never beyond the budget: no whole block is denoised."""
+    models, _ = pair_models
+    out = _pair_generate(models, "deer", block_size=64, max_new_tokens=6, eos_token_id=None)
+    assert out.shape[1] == len(PROMPT[0]) + 6
+
+
+def test_block_size_budget_rule():
+    """Refused: a block larger than the whole sequence rounded up to a power of two; the trained size always runs."""
+    from hf_dllm_spec.checks import check_block_budget
+
+    check_block_budget(32, 4, [7], 16)                # 7 + 16 = 23 -> 32
+    check_block_budget(16, 4, [7], 4)                 # 11 -> 16
+    check_block_budget(64, 64, [7], 4)                # the checkpoint's trained size
+    with pytest.raises(ValueError, match=r"^`block_size` \(=2048\) must be at most 32"):
+        check_block_budget(2048, 4, [7], 16)
+    with pytest.raises(ValueError, match=r"^`block_size` \(=32\) must be at most 16"):
+        check_block_budget(32, None, [3, 20], 8)      # the shortest row: 11 -> 16 (each row alone decides)
+    check_block_budget(32, None, [20], 8)             # that row alone: 28 -> 32
+
+
+def test_deer_assisted_generate_checks_the_drafter_first(pair_models):
+    """transformers' assisted decoding would advise an `assistant_tokenizer` for a drafter of another vocabulary;
+    the library's own checks come first, and the drafter's ids are checked before any forward."""
+    models, calls = pair_models
+    ids = torch.tensor(PROMPT)
+    cases = [
+        (dict(draft_model=_sdar(2, vocab_size=120)), "draft_model"),
+        (dict(draft_model=_meta_model()), "draft_model"),
+        (dict(draft_model=models["drafter"], mask_token_id=150), "mask_token_id"),
+        (dict(draft_model=models["drafter"], mask_token_id=2.5), "mask_token_id"),
+        (dict(draft_model=models["drafter"], sep_token_id=150), "sep_token_id"),
+        (dict(draft_model=models["drafter"], eos_token_id=MASK_ID), "mask_token_id"),
+    ]
+    for kwargs, name in cases:
+        calls.clear()
+        with pytest.raises(ValueError) as info:
+            hf_dllm_spec.deer_assisted_generate(models["ar"], ids, num_draft_tokens=4, max_new_tokens=8, **kwargs)
+        assert str(info.value).startswith(f"`{name}`"), str(info.value)
+        assert not calls, f"{len(calls)} forward(s) ran before the error"
+
+
+# -- the plain transformers entry point (`custom_generate=` on a model without hf_dllm_spec's generate) -----------
+@pytest.mark.parametrize("mask", [torch.ones(1, 5, dtype=torch.long), torch.full((1, 7), 2),
+                                  torch.ones(2, 7, dtype=torch.long)], ids=["short-all-ones", "values-2", "batch-2"])
+def test_attention_mask_is_named_on_the_custom_generate_path(qwen_model, mask):
+    """transformers derives `position_ids` from the mask and drops an all-ones mask before calling the callable: the
+    mask as given is read from the call and named (it was blamed on `position_ids`, never passed)."""
+    calls = []
+    handle = qwen_model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"^`attention_mask`"):
+            qwen_model.generate(torch.tensor(PROMPT), custom_generate=hf_dllm_spec.custom_generate,
+                                decoding_strategy="block_diffusion", block_size=4, mask_token_id=MASK_ID,
+                                max_new_tokens=8, attention_mask=mask)
+    finally:
+        handle.remove()
+    assert not calls
+
+
+def test_inputs_embeds_is_named_on_the_custom_generate_path(qwen_model):
+    with pytest.raises(ValueError, match=r"^`inputs_embeds` .* pass `input_ids`"):
+        qwen_model.generate(inputs_embeds=torch.zeros(1, 7, 32), custom_generate=hf_dllm_spec.custom_generate,
+                            decoding_strategy="block_diffusion", block_size=4, mask_token_id=MASK_ID, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sdar-tiny-arith")
+
+
+def test_stop_strings_with_tokenizer_on_the_custom_generate_path(sdar_model, qwen_model, tokenizer):
+    """transformers drops `tokenizer` before calling a custom_generate callable (and refused `stop_strings` with "could
+    not locate a tokenizer"): the callable takes `stop_strings` and reads the tokenizer from the call. `qwen_model`
+    holds `sdar_model`'s weights: the plain model's callable path, a direct call and the model class agree."""
+    ids = torch.tensor(PROMPT)
+    common = dict(decoding_strategy="block_diffusion", block_size=4, max_new_tokens=16, eos_token_id=None)
+    free = sdar_model.generate(ids, **common)[0, ids.shape[1]:]
+    stop = tokenizer.decode(free[5:6])
+    assert stop.strip(), f"token {int(free[5])} decodes to whitespace"
+    by_class = sdar_model.generate(ids, stop_strings=[stop], tokenizer=tokenizer, **common)
+    assert by_class.shape[1] < ids.shape[1] + 16
+    callable_path = qwen_model.generate(ids, custom_generate=hf_dllm_spec.custom_generate, mask_token_id=MASK_ID,
+                                        stop_strings=[stop], tokenizer=tokenizer, **common)
+    direct = hf_dllm_spec.custom_generate(qwen_model, ids, mask_token_id=MASK_ID, stop_strings=[stop],
+                                          tokenizer=tokenizer, **common)
+    assert torch.equal(callable_path, by_class) and torch.equal(direct, by_class)
+    with pytest.raises(ValueError, match=r"^`stop_strings` .* must come with `tokenizer`"):
+        qwen_model.generate(ids, custom_generate=hf_dllm_spec.custom_generate, mask_token_id=MASK_ID,
+                            stop_strings=[stop], **common)

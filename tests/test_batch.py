@@ -6,6 +6,7 @@ own block grid, routing state and stop; statistics of the batch are the sums of 
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import fields
 
 import pytest
@@ -143,3 +144,68 @@ def test_padding_invariance_of_a_single_prompt(sdar_model, batch):
         out = sdar_model.generate(ids, attention_mask=mask, decoding_strategy="s2d2", block_size=4, **COMMON)
         outs.append(out.sequences[0, pad + len(p):].tolist())
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_rows_leave_before_the_cache_holds_anything(sdar_model):
+    """The mechanism of the batch crash: a read-only forward sizes every cache layer for N rows and the crop leaves
+    it without columns; rows then leave (transformers' `batch_select_indices` skips a layer of length 0) and the next
+    storing forward of the remaining rows must append to a layer of M rows, not N."""
+    from hf_dllm_spec.masks import causal_mask, full_mask
+    from hf_dllm_spec.outputs import BatchStats
+    from hf_dllm_spec.runner import ModelRunner
+    from model_patches import get_patch
+
+    runner = ModelRunner(sdar_model, get_patch(sdar_model), BatchStats(3), batch_size=3)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+    pos = torch.arange(3).expand(3, 3)
+    runner.forward(ids, pos, full_mask(3), kind="draft")                     # read-only: nothing stored
+    assert runner.stored_len == 0 and runner.cache.layers[0].keys.shape[0] == 3
+    runner.select_rows(torch.tensor([2, 0]))
+    assert all(layer.keys.shape[0] == 2 for layer in runner.cache.layers)
+    logits = runner.forward(ids[[2, 0]], pos[:2], causal_mask(3), kind="prefill", store_len=3)
+    fresh = ModelRunner(sdar_model, get_patch(sdar_model), BatchStats(2), batch_size=2)
+    assert torch.allclose(logits, fresh.forward(ids[[2, 0]], pos[:2], causal_mask(3), kind="prefill", store_len=3))
+
+
+BUNDLED = pathlib.Path(__file__).resolve().parents[1] / "models"
+#: The issue's batch (issue 23): the second row ends at once on the bundled models.
+SHORT_PROMPTS = ["Question: Tom has", "14 + 3 = 17. The answer is 17."]
+
+
+@pytest.mark.parametrize("model_name,drafter_name,kwargs,prompts", [
+    ("llada2-tiny", None, {"decoding_strategy": "llada2"}, SHORT_PROMPTS),
+    ("llada2-tiny", None, {"decoding_strategy": "s2d2", "preset": "llada2.1-mini-quality"}, SHORT_PROMPTS),
+    ("sdar-tiny-arith", None, {"decoding_strategy": "block_diffusion", "block_size": 32}, SHORT_PROMPTS),
+    ("sdar-tiny-arith", None, {"decoding_strategy": "s2d2", "block_size": 32}, SHORT_PROMPTS),
+    ("sdar-large", "sdar-tiny-arith", {"decoding_strategy": "simsd", "block_size": 32, "draft_block_size": 32},
+     SHORT_PROMPTS),
+    ("fast-dllm-v2-tiny", None, {"decoding_strategy": "fast_dllm_v2", "fuse_cache_write": True}, SHORT_PROMPTS),
+    ("sdar-tiny-arith", None, {"decoding_strategy": "s2d2", "block_size": 2}, ["Question", "7", "The", "def"]),
+    ("qwen2-tiny-ar", "deer-drafter-tiny", {"decoding_strategy": "deer", "draft_attention": "full", "block_size": 4},
+     None),
+])
+def test_reported_batches_that_crashed_equal_one_by_one(model_name, drafter_name, kwargs, prompts, one_thread):
+    """Each batch of the report crashed in transformers' cache update; each row now decodes as it does alone."""
+    import warnings
+
+    import hf_dllm_spec
+    from hf_dllm_spec.evaluation import arithmetic_prompts, load
+
+    tokenizer, model = load(BUNDLED / model_name)
+    if drafter_name is not None:
+        kwargs = {**kwargs, "draft_model": load(BUNDLED / drafter_name)[1]}
+    if not isinstance(model, hf_dllm_spec.DllmGenerationMixin):
+        kwargs = {**kwargs, "custom_generate": hf_dllm_spec.custom_generate}
+    prompts = prompts or [p.text for p in arithmetic_prompts(BUNDLED / "sdar-tiny-arith", 8)]
+    tokenizer.padding_side = "left"
+    common = dict(max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                      # block size 32 on a model trained at 4 warns
+        enc = tokenizer(prompts, return_tensors="pt", padding=True)
+        out = model.generate(enc.input_ids, attention_mask=enc.attention_mask, **common)
+        for i, text in enumerate(prompts):
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            alone = model.generate(ids, **common)[0, ids.shape[1]:].tolist()
+            row = out[i, enc.input_ids.shape[1]:]
+            assert row[:len(alone)].tolist() == alone, f"row {i}: {text!r}"
+            assert (row[len(alone):] == tokenizer.pad_token_id).all()

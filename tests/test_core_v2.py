@@ -231,12 +231,16 @@ def test_drafter_checks_before_any_forward(sdar_model, qwen_model, qwen2_ar, pro
                                                   "vocab_size": 120})).eval()
     with pytest.raises(ValueError, match=r"`draft_model` .* must share the target's vocabulary of 99 tokens"):
         sdar_model.generate(prompt, decoding_strategy="toy_drafter_ar", draft_model=other_vocab)
-    qwen2_ar.generation_config.eos_token_id = 7
+    # The models' own stop ids differ (another tokenizer): refused. A per-call stop list is not compared: both models
+    # stop on it (tests/test_bad_inputs.py::test_per_call_stop_list_applies_to_both_models).
+    own_eos = sdar_model.generation_config.eos_token_id
+    qwen2_ar.generation_config.eos_token_id, sdar_model.generation_config.eos_token_id = 7, 9
     try:
-        with pytest.raises(ValueError, match=r"eos_token_id"):
-            sdar_model.generate(prompt, decoding_strategy="toy_drafter_ar", draft_model=qwen2_ar, eos_token_id=9)
+        with pytest.raises(ValueError, match=r"`draft_model` \(='<eos_token_id=\[7\]>'\) must use the target's "
+                                             r"eos_token_id \(\[9\]\)"):
+            sdar_model.generate(prompt, decoding_strategy="toy_drafter_ar", draft_model=qwen2_ar)
     finally:
-        qwen2_ar.generation_config.eos_token_id = None
+        qwen2_ar.generation_config.eos_token_id, sdar_model.generation_config.eos_token_id = None, own_eos
     with pytest.raises(ValueError, match=r"`draft_model` .* must be None for decoding_strategy='s2d2'"):
         sdar_model.generate(prompt, decoding_strategy="s2d2", draft_model=qwen2_ar)
     # transformers drops `assistant_model` for custom_generate callables: it is still seen, never ignored.

@@ -204,25 +204,61 @@ metadata:
 """
 
 
-@pytest.mark.slow
-def test_lm_eval_hf_model_with_trust_remote_code(tmp_path):
-    """Stock lm-eval `hf` model, trust_remote_code=True, S2D2 through --gen_kwargs, on held-out problems."""
-    pytest.importorskip("lm_eval")
-    problems = (MODEL_DIR / "heldout_arithmetic.jsonl").read_text().splitlines()[:5]
-    (tmp_path / "data.jsonl").write_text("\n".join(problems) + "\n")
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "sdar_tiny_arith.yaml").write_text(TASK.format(data=tmp_path / "data.jsonl"))
+def _lm_eval(tmp_path, strategy: str, batch_size: int, problems: int) -> float:
+    """The stock `lm_eval` CLI (`hf` model, trust_remote_code=True, the strategy through --gen_kwargs) on held-out
+    problems of the bundled model; returns the exact-match score."""
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        data.write_text("\n".join((MODEL_DIR / "heldout_arithmetic.jsonl").read_text().splitlines()[:problems]) + "\n")
+        (tmp_path / "tasks").mkdir()
+        (tmp_path / "tasks" / "sdar_tiny_arith.yaml").write_text(TASK.format(data=data))
+    out = tmp_path / f"out-{strategy}-{batch_size}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
            "PYTHONPATH": ""}
     cmd = [sys.executable, "-m", "lm_eval", "--model", "hf",
            "--model_args", f"pretrained={MODEL_DIR},trust_remote_code=True,dtype=float32",
            "--include_path", str(tmp_path / "tasks"), "--tasks", "sdar_tiny_arith",
-           "--gen_kwargs", "decoding_strategy=s2d2,max_gen_toks=48",
-           "--device", "cpu", "--batch_size", "1", "--output_path", str(tmp_path / "out")]
+           "--gen_kwargs", f"{strategy},max_gen_toks=48",
+           "--device", "cpu", "--batch_size", str(batch_size), "--output_path", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(next((tmp_path / "out").rglob("results*.json")).read_text())
-    score = results["results"]["sdar_tiny_arith"]["exact_match,final_answer"]
-    assert 0.0 <= score <= 1.0
-    assert score >= 0.6  # the model solves most held-out problems greedily (README: S2D2 accuracy)
+    results = json.loads(next(out.rglob("results*.json")).read_text())
+    return results["results"]["sdar_tiny_arith"]["exact_match,final_answer"]
+
+
+@pytest.mark.slow
+def test_lm_eval_hf_model_with_trust_remote_code_batch_1_and_8(tmp_path):
+    """Stock lm-eval `hf` model, trust_remote_code=True, S2D2 through --gen_kwargs, on held-out problems; batch 8
+    (lm-eval's stop-sequence criteria keep per-row state for a batch of its size, and see the whole batch, as
+    transformers calls them) scores as batch 1 (9 problems: a batch of 8 and a batch of 1). The same criteria at
+    batch 8 for ar and block_diffusion: `test_lm_eval_stop_criteria_batch_equals_single`."""
+    pytest.importorskip("lm_eval")
+    score = _lm_eval(tmp_path, "decoding_strategy=s2d2", 1, 9)
+    assert 0.6 <= score <= 1.0  # the model solves most held-out problems greedily (README: S2D2 accuracy)
+    assert _lm_eval(tmp_path, "decoding_strategy=s2d2", 8, 9) == score
+
+
+@pytest.mark.parametrize("strategy,kwargs", [("ar", {}), ("block_diffusion", {"block_size": 4}),
+                                             ("s2d2", {"block_size": 4})])
+def test_lm_eval_stop_criteria_batch_equals_single(strategy, kwargs):
+    """lm-eval's own stop-sequence criteria (`stop_sequences_criteria`, built for the batch size, as its `hf` model
+    does) on a batch of 8 bundled-model prompts: no row is lost, and each text up to the stop sequence equals the
+    text of that prompt decoded alone with criteria of batch size 1."""
+    utils_hf = pytest.importorskip("lm_eval.models.utils_hf")
+    from hf_dllm_spec.evaluation import arithmetic_prompts, load
+
+    tokenizer, model = load(MODEL_DIR)
+    tokenizer.padding_side = "left"
+    texts = [p.text for p in arithmetic_prompts(MODEL_DIR, 8)]
+    stop = "Question:"
+
+    def decode(batch: list[str]) -> list[str]:
+        enc = tokenizer(batch, return_tensors="pt", padding=True)
+        criteria = utils_hf.stop_sequences_criteria(tokenizer, [stop], enc.input_ids.shape[1], len(batch))
+        out = model.generate(enc.input_ids, attention_mask=enc.attention_mask, decoding_strategy=strategy,
+                             max_new_tokens=40, stopping_criteria=criteria, do_sample=False, **kwargs)
+        return [tokenizer.decode(row[enc.input_ids.shape[1]:], skip_special_tokens=True).split(stop)[0]
+                for row in out]
+
+    assert decode(texts) == [decode([t])[0] for t in texts]

@@ -305,7 +305,7 @@ def _ctx(score=0.0, span=2, masked=3, entropy=0.5, start=0):
 def test_routing_context_and_policy_flags():
     assert _ctx(start=2).span_start == 2
     assert RoutingContext(span_length=1, block_size=4, num_masked=1, num_decodable=4).span_start == 0
-    assert UCBPolicy(1.0, 2, 2, 2).needs_feedback is True
+    assert UCBPolicy(1.0, 2, 2, 2, counts_prompt_tail=False).needs_feedback is True
     for pol in (MinimumSpanPolicy(1), ScoreThresholdPolicy(0.0), HysteresisPolicy(0.0, -1.0)):
         assert pol.needs_feedback is False
     assert RoutingPolicy.needs_feedback is False
@@ -322,9 +322,10 @@ def test_hysteresis_sequence():
     assert decisions == [F, T, T, T, T, F, F, T]
 
 
-def test_ucb_explores_then_exploits_by_hand():
-    pol = UCBPolicy(beta=0.0, span_bins=2, progress_bins=2, entropy_bins=2)
-    ctx = _ctx(span=4, masked=4, entropy=0.9)          # bucket (1, 0, 1)
+@pytest.mark.parametrize("counts_prompt_tail", [False, True])
+def test_ucb_explores_then_exploits_by_hand(counts_prompt_tail):
+    pol = UCBPolicy(beta=0.0, span_bins=2, progress_bins=2, entropy_bins=2, counts_prompt_tail=counts_prompt_tail)
+    ctx = _ctx(span=4, masked=4, entropy=0.9)          # bucket (1, 0, 1); no prompt tail: same in both conventions
     assert pol.bucket(ctx) == (1, 0, 1)
     assert pol.decide(ctx) is True                     # both unvisited: tie -> verify
     pol.observe(4, True)                               # reward 4 / 2 = 2
@@ -360,26 +361,58 @@ def test_ucb_span_bin_by_hand(block_size, num_bins, lengths, expected):
     assert out.tolist() == expected
 
 
+def _progress(num_masked, block_size, num_bins, *, counts_prompt_tail, num_decodable=None):
+    decodable = None if num_decodable is None else torch.tensor(num_decodable)
+    return ucb_progress_bin(torch.tensor(num_masked), block_size, num_bins, counts_prompt_tail=counts_prompt_tail,
+                            num_decodable=decodable).tolist()
+
+
+@pytest.mark.parametrize("counts_prompt_tail", [False, True])
 @pytest.mark.parametrize("block_size, num_bins, num_masked, expected", [
-    # floor((B - |M_t|) / B * bins), clamped; decoded counts a prompt tail sharing the block.
+    # No prompt tail in the block (block-aligned prompt, or any later block): decoded = B - |M_t| in both
+    # conventions; floor(decoded / B * bins), clamped.
     (4, 2, [4, 3, 2, 1, 0], [0, 0, 1, 1, 1]),
     (4, 3, [4, 3, 2, 1, 0], [0, 0, 1, 2, 2]),
     (32, 2, [32, 17, 16, 15, 0], [0, 0, 1, 1, 1]),
     (32, 3, [22, 21, 11, 10], [0, 1, 1, 2]),          # decoded 10, 11, 21, 22: x 3/32 = 0.94, 1.03, 1.97, 2.06
     (1, 2, [1, 0], [0, 1]),                           # B = 1 needs no special case
 ])
-def test_ucb_progress_bin_by_hand(block_size, num_bins, num_masked, expected):
-    assert _bins(ucb_progress_bin, num_masked, block_size, num_bins) == expected
+def test_ucb_progress_bin_block_aligned_both_conventions(counts_prompt_tail, block_size, num_bins, num_masked,
+                                                         expected):
+    out = _progress(num_masked, block_size, num_bins, counts_prompt_tail=counts_prompt_tail,
+                    num_decodable=[block_size] * len(num_masked))
+    assert out == expected
 
 
-def test_ucb_progress_counts_prompt_tail():
-    # B = 4 with a 3-token prompt tail and its one mask still open: decoded = 3 -> 3/4 (the old formula, which
-    # divided by the 1 decodable position, gave progress 0 here).
-    assert _bins(ucb_progress_bin, [1], 4, 2) == [1]
-    assert _bins(ucb_progress_bin, [1], 4, 3) == [2]
-    # B = 32, 10-token prompt tail: 22 masks at the block's start, then 20 and 15 (old: bins 0, 0, 0 for 3 bins).
-    assert _bins(ucb_progress_bin, [22, 20, 15], 32, 3) == [0, 1, 1]
-    assert _bins(ucb_progress_bin, [22, 20, 15], 32, 2) == [0, 0, 1]
+def test_ucb_progress_counts_prompt_tail_fast_dllm_v2_convention():
+    # Fast-dLLM v2 reference: decoded = non-mask positions of the (sub-)block = B - |M_t|, the tail included.
+    # B = 4 with a 3-token prompt tail and its one mask still open: decoded = 3 -> 3/4.
+    assert _progress([1], 4, 2, counts_prompt_tail=True) == [1]                       # 1.5 -> 1
+    assert _progress([1], 4, 3, counts_prompt_tail=True) == [2]                       # 2.25 -> 2
+    # num_decodable is not read in this convention.
+    assert _progress([1], 4, 3, counts_prompt_tail=True, num_decodable=[1]) == [2]
+    # B = 32, 10-token prompt tail: 22 masks at the block's start, then 20, 15, 11, 5, 0 (decoded 10, 12, 17,
+    # 21, 27, 32): x 3/32 = 0.94, 1.13, 1.59, 1.97, 2.53, 3 -> clamp; x 2/32 = 0.63, 0.75, 1.06, 1.31, 1.69, 2.
+    masks = [22, 20, 15, 11, 5, 0]
+    assert _progress(masks, 32, 3, counts_prompt_tail=True) == [0, 1, 1, 1, 2, 2]
+    assert _progress(masks, 32, 2, counts_prompt_tail=True) == [0, 0, 1, 1, 1, 1]
+
+
+def test_ucb_progress_leaves_out_prompt_tail_sdar_convention():
+    # SDAR reference: a per-block counter starts at 0 and grows by the tokens each step commits, so
+    # decoded = (B - tail) - |M_t| = num_decodable - |M_t|; the denominator stays B.
+    # B = 4, 3-token tail, its one mask open: decoded 0 (Fast-dLLM v2 convention: 3); once committed: 1/4.
+    assert _progress([1, 0], 4, 2, counts_prompt_tail=False, num_decodable=[1, 1]) == [0, 0]   # 0, 0.5
+    assert _progress([1, 0], 4, 3, counts_prompt_tail=False, num_decodable=[1, 1]) == [0, 0]   # 0, 0.75
+    # B = 32, 10-token tail (22 decodable), masks 22, 20, 15, 11, 5, 0: decoded 0, 2, 7, 11, 17, 22;
+    # x 3/32 = 0, 0.19, 0.66, 1.03, 1.59, 2.06; x 2/32 = 0, 0.13, 0.44, 0.69, 1.06, 1.38.
+    masks = [22, 20, 15, 11, 5, 0]
+    assert _progress(masks, 32, 3, counts_prompt_tail=False, num_decodable=[22] * 6) == [0, 0, 0, 1, 1, 2]
+    assert _progress(masks, 32, 2, counts_prompt_tail=False, num_decodable=[22] * 6) == [0, 0, 0, 0, 1, 1]
+    # Rows with different tails in one batch.
+    assert _progress([1, 2, 0], 4, 2, counts_prompt_tail=False, num_decodable=[1, 4, 4]) == [0, 1, 1]
+    with pytest.raises(ValueError, match="num_decodable"):
+        _progress([1], 4, 2, counts_prompt_tail=False)
 
 
 def test_ucb_entropy_bin_by_hand():
@@ -398,33 +431,44 @@ def test_ucb_bins_match_reference_float_formula_exhaustively():
             lengths = torch.arange(1, block_size + 1)
             expected = [min(num_bins - 1, int((L - 1) / (block_size - 1) * num_bins)) for L in range(1, block_size + 1)]
             assert ucb_span_bin(lengths, block_size, num_bins).tolist() == expected, (block_size, num_bins)
-            masked = torch.arange(block_size + 1)
-            expected = [min(num_bins - 1, int((block_size - m) / block_size * num_bins)) for m in range(block_size + 1)]
-            assert ucb_progress_bin(masked, block_size, num_bins).tolist() == expected, (block_size, num_bins)
+            # Every prompt tail 0 .. B - 1 and every mask count: the reference's int(decoded / B * bins).
+            for tail in range(block_size):
+                m = torch.arange(block_size - tail + 1)
+                for counts_tail in (False, True):
+                    expected = [min(num_bins - 1, int(((block_size - k) if counts_tail else (block_size - tail - k))
+                                                      / block_size * num_bins)) for k in m.tolist()]
+                    out = ucb_progress_bin(m, block_size, num_bins, counts_prompt_tail=counts_tail,
+                                           num_decodable=torch.full_like(m, block_size - tail))
+                    assert out.tolist() == expected, (block_size, num_bins, tail, counts_tail)
     assert ucb_span_bin(torch.tensor([4]), 12, 55).tolist() == [14]
 
 
 def test_ucb_context_buckets_shape_and_policy_bucket():
-    out = ucb_context_buckets(torch.tensor([1, 4, 2]), torch.tensor([1, 4, 2]), torch.tensor([1.0, 0.0, 0.4]),
-                              4, (3, 3, 2))
+    span, masked, ent = torch.tensor([1, 4, 2]), torch.tensor([1, 4, 2]), torch.tensor([1.0, 0.0, 0.4])
+    decodable = torch.tensor([4, 4, 3])                  # the third row has a 1-token prompt tail
+    out = ucb_context_buckets(span, masked, ent, 4, (3, 3, 2), counts_prompt_tail=True, num_decodable=decodable)
     assert out.shape == (3, 3) and out.dtype == torch.long
-    assert out.tolist() == [[0, 2, 1], [2, 0, 0], [1, 1, 0]]
-    pol = UCBPolicy(1.0, 3, 3, 2)
+    assert out.tolist() == [[0, 2, 1], [2, 0, 0], [1, 1, 0]]          # decoded 3, 0, 2: x 3/4 = 2.25, 0, 1.5
+    out = ucb_context_buckets(span, masked, ent, 4, (3, 3, 2), counts_prompt_tail=False, num_decodable=decodable)
+    assert out.tolist() == [[0, 2, 1], [2, 0, 0], [1, 0, 0]]          # decoded 3, 0, 1: the tail row drops to 0.75
     ctx = RoutingContext(span_length=2, block_size=4, num_masked=2, num_decodable=3, mean_normalized_entropy=0.4)
-    assert pol.bucket(ctx) == (1, 1, 0)                  # computed from the context's numbers
+    assert UCBPolicy(1.0, 3, 3, 2, counts_prompt_tail=True).bucket(ctx) == (1, 1, 0)   # from the context
+    pol = UCBPolicy(1.0, 3, 3, 2, counts_prompt_tail=False)
+    assert pol.bucket(ctx) == (1, 0, 0)                  # decoded = 3 - 2 = 1 -> floor(0.75) = 0
     ctx.ucb_bucket = (2, 0, 1)
     assert pol.bucket(ctx) == (2, 0, 1)                  # precomputed (batched) bucket wins
 
 
-def test_ucb_decisions_use_reference_buckets():
-    """Bins (2, 2, 2), B = 4. ctx_tail (3-token prompt tail, 1 mask) and ctx_half (no tail, 2 masks) share the
-    bucket (0, 1, 0); ctx_quarter (no tail, 3 masks) is (0, 0, 0). The old progress formula swapped them."""
-    def ctx(masked, decodable):
-        return RoutingContext(span_length=1, block_size=4, num_masked=masked, num_decodable=decodable,
-                              mean_normalized_entropy=0.1)
+def _ucb_ctx(masked, decodable):
+    return RoutingContext(span_length=1, block_size=4, num_masked=masked, num_decodable=decodable,
+                          mean_normalized_entropy=0.1)
 
-    ctx_tail, ctx_half, ctx_quarter = ctx(1, 1), ctx(2, 4), ctx(3, 4)
-    pol = UCBPolicy(beta=0.0, span_bins=2, progress_bins=2, entropy_bins=2)
+
+def test_ucb_decisions_use_reference_buckets_fast_dllm_v2():
+    """Fast-dLLM v2 convention, bins (2, 2, 2), B = 4. ctx_tail (3-token prompt tail, 1 mask) and ctx_half (no
+    tail, 2 masks) share the bucket (0, 1, 0); ctx_quarter (no tail, 3 masks) is (0, 0, 0)."""
+    ctx_tail, ctx_half, ctx_quarter = _ucb_ctx(1, 1), _ucb_ctx(2, 4), _ucb_ctx(3, 4)
+    pol = UCBPolicy(beta=0.0, span_bins=2, progress_bins=2, entropy_bins=2, counts_prompt_tail=True)
     assert [pol.bucket(c) for c in (ctx_tail, ctx_half, ctx_quarter)] == [(0, 1, 0), (0, 1, 0), (0, 0, 0)]
     assert pol.decide(ctx_tail) is True
     pol.observe(0, True)                                 # verify: reward 0
@@ -435,8 +479,58 @@ def test_ucb_decisions_use_reference_buckets():
     assert pol.decide(ctx_quarter) is True               # a bucket never visited: +inf, tie -> verify
 
 
-def test_s2d2_routing_context_buckets_from_block_state():
-    """The strategy's routing contexts carry the §5.6 buckets of a crafted block (prompt tail sharing it)."""
+def test_ucb_decisions_use_reference_buckets_sdar():
+    """SDAR convention, same contexts: ctx_tail (decoded 0 in the block) now shares (0, 0, 0) with ctx_quarter
+    (decoded 1: 1/4 * 2 = 0.5), and ctx_half (decoded 2) is (0, 1, 0)."""
+    ctx_tail, ctx_half, ctx_quarter = _ucb_ctx(1, 1), _ucb_ctx(2, 4), _ucb_ctx(3, 4)
+    pol = UCBPolicy(beta=0.0, span_bins=2, progress_bins=2, entropy_bins=2, counts_prompt_tail=False)
+    assert [pol.bucket(c) for c in (ctx_tail, ctx_half, ctx_quarter)] == [(0, 0, 0), (0, 1, 0), (0, 0, 0)]
+    assert pol.decide(ctx_tail) is True
+    pol.observe(0, True)                                 # verify: reward 0
+    assert pol.decide(ctx_tail) is False
+    pol.observe(1, False)                                # no verify: reward 1
+    assert pol.decide(ctx_quarter) is False              # same bucket: exploits "no verify"
+    pol.observe(1, False)
+    assert pol.decide(ctx_half) is True                  # a bucket never visited: +inf, tie -> verify
+
+
+def test_family_patches_select_ucb_progress_convention():
+    """Each family follows its S2D2 reference: SDAR (`SDAR/generate_ssd_policy.py`) leaves the prompt tail out,
+    Fast-dLLM v2 (`Fast-dLLM-v2/generate_policy_utils.py`) counts it; LLaDA2 (no UCB in its reference) follows
+    SDAR; Qwen and the causal-LM fallback inherit the base default (SDAR's)."""
+    from model_patches.base import FamilyPatch
+    from model_patches.causal_lm import CausalLMPatch
+    from model_patches.fast_dllm_v2 import FastDLLMV2Patch
+    from model_patches.llada2 import LLaDA2Patch
+    from model_patches.qwen import QwenPatch
+    from model_patches.sdar import SDARPatch
+
+    assert FamilyPatch.ucb_progress_counts_prompt_tail is False
+    assert SDARPatch.ucb_progress_counts_prompt_tail is False
+    assert FastDLLMV2Patch.ucb_progress_counts_prompt_tail is True
+    assert LLaDA2Patch.ucb_progress_counts_prompt_tail is False
+    assert "ucb_progress_counts_prompt_tail" not in vars(QwenPatch)
+    assert "ucb_progress_counts_prompt_tail" not in vars(CausalLMPatch)
+    assert QwenPatch.ucb_progress_counts_prompt_tail is CausalLMPatch.ucb_progress_counts_prompt_tail is False
+
+
+def _patch(name):
+    from model_patches.fast_dllm_v2 import FastDLLMV2Patch
+    from model_patches.sdar import SDARPatch
+
+    return {"sdar": SDARPatch, "fast_dllm_v2": FastDLLMV2Patch}[name]()
+
+
+@pytest.mark.parametrize("family, expected", [
+    # Row 0: 3-token tail, 1 mask: decoded 3 (Fast-dLLM v2) or 0 (SDAR) -> x 3/4 = 2.25 or 0.
+    # Row 1: fresh block, no tail: decoded 0 in both.
+    # Row 2: 1-token tail, 2 masks: decoded 2 (Fast-dLLM v2) or 1 (SDAR) -> 1.5 or 0.75.
+    ("fast_dllm_v2", [(0, 2, 1), (2, 0, 0), (1, 1, 0)]),
+    ("sdar", [(0, 0, 1), (2, 0, 0), (1, 0, 0)]),
+])
+def test_s2d2_routing_context_buckets_from_block_state(family, expected):
+    """The strategy's routing contexts carry the §5.6 buckets of a crafted block (prompt tail sharing it), with
+    the progress convention of the target's family patch."""
     from types import SimpleNamespace
 
     from hf_dllm_spec import S2D2Config
@@ -444,14 +538,16 @@ def test_s2d2_routing_context_buckets_from_block_state():
     from hf_dllm_spec.strategies.s2d2 import S2D2Strategy
 
     M, V = 99, 8
+    patch = _patch(family)
     session = SimpleNamespace(batch_size=3, block_size=4, sampler=SimpleNamespace(do_sample=False),
-                              target=SimpleNamespace(alignment="position"))
+                              target=SimpleNamespace(alignment="position", patch=patch))
     config = S2D2Config(do_verify_policy="contextual_bandit_ucb", ucb_span_length_bins=3,
                         ucb_block_progress_bins=3, ucb_entropy_bins=2)
     strategy = S2D2Strategy(config, session)
-    undecided = _b([[F, F, F, T],                        # 3-token prompt tail, one mask: L = 1, decoded 3
-                    [T, T, T, T],                        # fresh block: L = 4, decoded 0
-                    [F, T, T, F]])                       # 1-token tail, a decided token at 3: L = 2, decoded 2
+    assert all(p.counts_prompt_tail is patch.ucb_progress_counts_prompt_tail for p in strategy.policies)
+    undecided = _b([[F, F, F, T],                        # 3-token prompt tail, one mask: L = 1
+                    [T, T, T, T],                        # fresh block: L = 4
+                    [F, T, T, F]])                       # 1-token tail, a decided token at 3: L = 2
     block = BlockState(tokens=torch.where(undecided, M, 7), undecided=undecided, start=torch.tensor([8, 12, 4]),
                        num_fixed=torch.tensor([3, 0, 1]), step=torch.zeros(3, dtype=torch.long),
                        post_steps=torch.zeros(3, dtype=torch.long), mask_token_id=M)
@@ -462,11 +558,12 @@ def test_s2d2_routing_context_buckets_from_block_state():
     confidence = probs.max(dim=-1).values
     start, end = first_masked_span(block.masked)
     contexts = strategy.routing_contexts(block, probs, confidence, start, end)
-    assert [(c.span_start, c.span_length, c.num_masked) for c in contexts] == [(3, 1, 1), (0, 4, 4), (1, 2, 2)]
-    expected = [(0, 2, 1), (2, 0, 0), (1, 1, 0)]         # floor((L-1)/3*3), floor(decoded/4*3), floor(e*2)
+    assert [(c.span_start, c.span_length, c.num_masked, c.num_decodable) for c in contexts] == \
+        [(3, 1, 1, 1), (0, 4, 4, 4), (1, 2, 2, 3)]
+    # floor((L-1)/3*3), floor(decoded/4*3), floor(e*2)
     assert [c.ucb_bucket for c in contexts] == expected
     assert [strategy.policies[i].bucket(c) for i, c in enumerate(contexts)] == expected
     # The per-context path (no precomputed bucket) agrees with the batched one.
     for c, e in zip(contexts, expected):
         c.ucb_bucket = None
-        assert UCBPolicy(1.0, 3, 3, 2).bucket(c) == e
+        assert UCBPolicy(1.0, 3, 3, 2, counts_prompt_tail=patch.ucb_progress_counts_prompt_tail).bucket(c) == e

@@ -93,6 +93,8 @@ class DecodingStrategy(ABC):
         requires_mask_token (`bool`): whether the target needs a mask token.
         uses_drafter (`bool`): whether the strategy runs a separate `draft_model` (then required).
         requires_draft_mask_token (`bool`): whether that drafter needs a mask token (a diffusion drafter).
+        decodes_whole_blocks (`bool`): whether every block on the grid is denoised whole, also past the budget (then
+            a block larger than the whole sequence is refused, :func:`~hf_dllm_spec.checks.check_block_budget`).
     """
 
     name: ClassVar[str]
@@ -102,6 +104,7 @@ class DecodingStrategy(ABC):
     requires_mask_token: ClassVar[bool] = True
     uses_drafter: ClassVar[bool] = False
     requires_draft_mask_token: ClassVar[bool] = False
+    decodes_whole_blocks: ClassVar[bool] = True
 
     def __init__(self, config: DecodingConfig, session: DecodingSession) -> None:
         self.config, self.session = config, session
@@ -128,11 +131,9 @@ class DecodingStrategy(ABC):
         """Run the decoding loop; return each prompt's committed tokens, `(n_i,)` int64 (untrimmed)."""
 
     def should_stop(self, prompt_index: int, generated: torch.Tensor) -> bool:
-        """Stop after a stop id, at the token budget, or when the caller's criteria say so."""
+        """Stop after a stop id, at the token budget, or when the caller's criteria say so (they are told of every
+        row's final tokens, also of a row that a stop id or the budget ends: they judge the whole batch)."""
         s = self.session
-        if generated.shape[0] >= s.max_new_tokens:
-            return True
-        if s.stop_token_ids and bool(torch.isin(generated, torch.tensor(s.stop_token_ids,
-                                                                         device=generated.device)).any()):
-            return True
-        return bool(s.stop_check is not None and s.stop_check(prompt_index, generated))
+        stop = generated.shape[0] >= s.max_new_tokens or bool(
+            s.stop_token_ids and torch.isin(generated, torch.tensor(s.stop_token_ids, device=generated.device)).any())
+        return bool(s.stop_check is not None and s.stop_check(prompt_index, generated)) or stop

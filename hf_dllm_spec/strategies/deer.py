@@ -95,6 +95,7 @@ class DeerStrategy(DecodingStrategy):
     requires_mask_token = False
     uses_drafter = True
     requires_draft_mask_token = True
+    decodes_whole_blocks = False        # k drafts per cycle, never beyond the budget (`num_drafts`)
 
     @classmethod
     def check_block_sizes(cls, block_size: int, draft_block_size: int | None) -> None:

@@ -186,8 +186,13 @@ class S2D2Config(BlockDiffusionConfig, EditingConfig):
                          "pass 'greedy_match', 'stochastic', or None for the default of the sampling mode")
 
 
-def build_policy(config: "S2D2Config") -> RoutingPolicy:
-    """The routing policy named by `do_verify_policy`, with its thresholds (Algorithm 4, App. A.6)."""
+def build_policy(config: "S2D2Config", *, ucb_counts_prompt_tail: bool) -> RoutingPolicy:
+    """The routing policy named by `do_verify_policy`, with its thresholds (Algorithm 4, App. A.6).
+
+    `ucb_counts_prompt_tail` is the target family's UCB progress convention
+    (`FamilyPatch.ucb_progress_counts_prompt_tail`, see :func:`~hf_dllm_spec.routing.ucb_progress_bin`); the
+    other policies ignore it.
+    """
     if config.do_verify_policy == "mask_span_length":
         return MinimumSpanPolicy(config.min_ssd_span_length)
     if config.do_verify_policy == "score_threshold":
@@ -195,7 +200,7 @@ def build_policy(config: "S2D2Config") -> RoutingPolicy:
     if config.do_verify_policy == "score_hysteresis":
         return HysteresisPolicy(config.hysteresis_threshold_on, config.hysteresis_threshold_off)
     return UCBPolicy(config.ucb_beta, config.ucb_span_length_bins, config.ucb_block_progress_bins,
-                     config.ucb_entropy_bins)
+                     config.ucb_entropy_bins, counts_prompt_tail=ucb_counts_prompt_tail)
 
 
 class S2D2Strategy(BlockDiffusionStrategy):
@@ -218,7 +223,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
 
     def __init__(self, config: S2D2Config, session) -> None:
         super().__init__(config, session)
-        self.policies = [build_policy(config) for _ in range(session.batch_size)]
+        # The UCB progress convention follows the target family's S2D2 reference (FamilyPatch attribute).
+        tail = session.target.patch.ucb_progress_counts_prompt_tail
+        self.policies = [build_policy(config, ucb_counts_prompt_tail=tail) for _ in range(session.batch_size)]
         self._verify_masks: dict[tuple[int, int], torch.Tensor] = {}     # Eq. 3 patterns by (span end, start)
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
         policy = self.policies[0]
@@ -283,11 +290,12 @@ class S2D2Strategy(BlockDiffusionStrategy):
             ent = (entropy(draft_probs) * rows).sum(dim=1) / rows.sum(dim=1).clamp(min=1)
             columns["mean_normalized_entropy"] = ent / math.log(draft_probs.shape[-1])
         if isinstance(policy, UCBPolicy):
-            # S2D2 App. A.6 buckets, on the device. num_masked leaves out the prompt tail, so the progress
-            # bin's decoded = B - num_masked counts it, as the reference does.
+            # S2D2 App. A.6 buckets, on the device. The progress bin's decoded is B - num_masked (prompt tail
+            # counted, Fast-dLLM v2 reference) or num_decodable - num_masked (SDAR reference), per the family.
             columns["ucb_bucket"] = ucb_context_buckets(columns["span_length"], columns["num_masked"],
-                                                        columns["mean_normalized_entropy"], unit,
-                                                        policy.bins)                        # (N, 3)
+                                                        columns["mean_normalized_entropy"], unit, policy.bins,
+                                                        counts_prompt_tail=policy.counts_prompt_tail,
+                                                        num_decodable=columns["num_decodable"])  # (N, 3)
         # One device-to-host copy per step: the columns packed as float64 (exact for counts and for float32 values).
         layout, width = [], 0
         for name, value in columns.items():

@@ -1,0 +1,150 @@
+"""Property: a random left-padded batch decodes every row exactly as that prompt decodes alone (greedy, fp32).
+
+Random batches of 1-4 prompts of 1-10 tokens, random block sizes and budgets, and a stop id taken from a row's own
+output at a random step, so that rows end anywhere, also before their first block reaches the KV cache (the case
+that crashed transformers' cache update: a row left while the cache was still empty). Every strategy on every
+family: the SDAR, Fast-dLLM v2 and LLaDA2 tiny models, SimSD (SDAR drafter and target) and DEER (SDAR drafter, AR
+Qwen3 target, both drafter attentions). 20 batches per strategy in the fast suite, 200 in the slow one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import LLADA2_TINY, MASK_ID, TINY
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import hf_dllm_spec
+from hf_dllm_spec.checks import check_block_budget
+from model_patches import get_patch
+from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
+from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
+from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+PAD = 0
+
+
+def _models() -> dict:
+    torch.manual_seed(0)
+    sdar = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+    torch.manual_seed(1)
+    sdar_drafter = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+    torch.manual_seed(2)
+    fast = Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(bd_size=8, mask_token_id=MASK_ID, **TINY)).eval()
+    torch.manual_seed(3)
+    llada2 = LLaDA2MoeModelLM(LLaDA2MoeConfig(block_size=4, mask_token_id=MASK_ID, **LLADA2_TINY)).eval()
+    torch.manual_seed(4)
+    qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
+    return {"sdar": sdar, "sdar_drafter": sdar_drafter, "fast": fast, "llada2": llada2, "qwen": qwen}
+
+
+MODELS = _models()
+
+#: name -> (target, drafter, parameter draws: name -> hypothesis strategy). Block sizes from 1 token up to twice
+#: the trained size; the budget from 1 token.
+BLOCKS = st.sampled_from([1, 2, 4, 8])
+#: block_diffusion at block size 1 in a cached batch is a known bug (`test_block_diffusion_block_size_1_batch`).
+BD_BLOCKS = st.sampled_from([2, 4, 8])
+CASES = {
+    "ar": ("sdar", None, {}),
+    "block_diffusion": ("sdar", None, {"block_size": BD_BLOCKS, "confidence_threshold": st.sampled_from([0.5, 0.9]),
+                                       "fuse_cache_write": st.booleans()}),
+    "block_diffusion_static": ("sdar", None, {"block_size": BD_BLOCKS, "fuse_cache_write": st.booleans(),
+                                              "remasking_strategy": st.just("low_confidence_static")}),
+    "s2d2": ("sdar", None, {"block_size": BLOCKS, "min_ssd_span_length": st.sampled_from([1, 2]),
+                            "cache_ver": st.booleans(), "draft_ver": st.booleans()}),
+    "fast_dllm_v2": ("fast", None, {"block_size": st.sampled_from([4, 8]), "sub_block_size": st.sampled_from([2, 4]),
+                                    "fuse_cache_write": st.booleans()}),
+    "s2d2_fast_dllm_v2": ("fast", None, {"block_size": st.sampled_from([4, 8]), "sub_block_size": st.just(4)}),
+    "llada2": ("llada2", None, {"block_size": st.sampled_from([2, 4, 8])}),
+    "s2d2_llada2": ("llada2", None, {"block_size": st.sampled_from([2, 4, 8]),
+                                     "preset": st.just("llada2.1-mini-quality")}),
+    "simsd": ("sdar", "sdar_drafter", {"block_size": st.sampled_from([2, 4])}),
+    "deer": ("qwen", "sdar_drafter", {"block_size": st.sampled_from([1, 2, 4, 8]),
+                                      "draft_attention": st.sampled_from(["causal_prefix", "full"])}),
+}
+STRATEGY = {"block_diffusion_static": "block_diffusion", "s2d2_fast_dllm_v2": "s2d2", "s2d2_llada2": "s2d2"}
+
+
+@st.composite
+def batches(draw, name: str):
+    """A random batch for the case `name`: prompts, parameters, budget and which row's output gives the stop id."""
+    params = {key: draw(value) for key, value in CASES[name][2].items()}
+    if "sub_block_size" in params and params["sub_block_size"] > params["block_size"]:
+        params["sub_block_size"] = params["block_size"]
+    if name == "simsd":
+        params["draft_block_size"] = params["block_size"]
+    lengths = draw(st.lists(st.integers(1, 10), min_size=1, max_size=4))
+    prompts = [draw(st.lists(st.integers(2, MASK_ID - 1), min_size=n, max_size=n)) for n in lengths]
+    budget = draw(st.integers(1, 12))
+    stop = draw(st.one_of(st.none(), st.tuples(st.integers(0, len(prompts) - 1), st.integers(0, budget - 1))))
+    return prompts, params, budget, stop
+
+
+def _generate(name: str, ids: torch.Tensor, mask: torch.Tensor | None, params: dict, budget: int, eos) -> torch.Tensor:
+    target_name, drafter_name, _ = CASES[name]
+    target = MODELS[target_name]
+    extra = {"draft_model": MODELS[drafter_name]} if drafter_name else {}
+    if target_name == "qwen":
+        extra["custom_generate"] = hf_dllm_spec.custom_generate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # block sizes off the trained one warn; they are drawn on purpose
+        return target.generate(ids, attention_mask=mask, decoding_strategy=STRATEGY.get(name, name),
+                               max_new_tokens=budget, eos_token_id=eos, pad_token_id=PAD, **params, **extra)
+
+
+def _check(name: str, case) -> None:
+    prompts, params, budget, stop = case
+    if "block_size" in params and name != "deer":      # a block larger than the whole sequence is refused
+        target = MODELS[CASES[name][0]]
+        try:
+            check_block_budget(params["block_size"], get_patch(target).trained_block_size(target),
+                               [len(p) for p in prompts], budget)
+        except ValueError:
+            assume(False)
+    eos = None
+    if stop is not None:                      # a token the row really produces at that step: rows end anywhere
+        row, step = stop
+        free = _generate(name, torch.tensor([prompts[row]]), None, params, budget, None)[0, len(prompts[row]):]
+        eos = int(free[min(step, free.shape[0] - 1)])
+    singles = [_generate(name, torch.tensor([p]), None, params, budget, eos)[0, len(p):] for p in prompts]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = _generate(name, ids, mask, params, budget, eos)
+    for i, single in enumerate(singles):
+        row = out[i, width:]
+        assert row[: single.shape[0]].tolist() == single.tolist(), f"row {i} of {prompts}"
+        assert (row[single.shape[0]:] == PAD).all()
+
+
+def _property(name: str, examples: int):
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @given(case=batches(name))
+    def run(case):
+        _check(name, case)
+
+    return run
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_batch_equals_one_by_one(name, one_thread):
+    _property(name, 20)()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_batch_equals_one_by_one_many(name, one_thread):
+    _property(name, 200)()
+
+
+@pytest.mark.xfail(strict=True, reason="known bug, found by the property above: block_diffusion at block size 1 with "
+                   "the KV cache decodes a shorter left-padded row differently from alone (no cache: equal)")
+def test_block_diffusion_block_size_1_batch(one_thread):
+    _check("block_diffusion_static", ([[2, 2, 2], [79, 65]], {"block_size": 1,
+                                      "remasking_strategy": "low_confidence_static"}, 3, None))
