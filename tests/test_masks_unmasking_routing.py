@@ -464,34 +464,27 @@ def _ucb_ctx(masked, decodable):
                           mean_normalized_entropy=0.1)
 
 
-def test_ucb_decisions_use_reference_buckets_fast_dllm_v2():
-    """Fast-dLLM v2 convention, bins (2, 2, 2), B = 4. ctx_tail (3-token prompt tail, 1 mask) and ctx_half (no
-    tail, 2 masks) share the bucket (0, 1, 0); ctx_quarter (no tail, 3 masks) is (0, 0, 0)."""
-    ctx_tail, ctx_half, ctx_quarter = _ucb_ctx(1, 1), _ucb_ctx(2, 4), _ucb_ctx(3, 4)
-    pol = UCBPolicy(beta=0.0, span_bins=2, progress_bins=2, entropy_bins=2, counts_prompt_tail=True)
-    assert [pol.bucket(c) for c in (ctx_tail, ctx_half, ctx_quarter)] == [(0, 1, 0), (0, 1, 0), (0, 0, 0)]
-    assert pol.decide(ctx_tail) is True
+@pytest.mark.parametrize("counts_prompt_tail,buckets,same,unvisited", [
+    # Fast-dLLM v2: ctx_tail (3-token prompt tail, 1 mask) and ctx_half (no tail, 2 masks) share (0, 1, 0);
+    # ctx_quarter (no tail, 3 masks) is (0, 0, 0).
+    (True, [(0, 1, 0), (0, 1, 0), (0, 0, 0)], "half", "quarter"),
+    # SDAR: ctx_tail (decoded 0 in the block) shares (0, 0, 0) with ctx_quarter (decoded 1: 1/4 * 2 = 0.5), and
+    # ctx_half (decoded 2) is (0, 1, 0).
+    (False, [(0, 0, 0), (0, 1, 0), (0, 0, 0)], "quarter", "half"),
+])
+def test_ucb_decisions_use_reference_buckets(counts_prompt_tail, buckets, same, unvisited):
+    """Each progress convention, bins (2, 2, 2), B = 4: the buckets, then UCB exploits the bucket it has seen and
+    explores the one it has not."""
+    ctx = {"tail": _ucb_ctx(1, 1), "half": _ucb_ctx(2, 4), "quarter": _ucb_ctx(3, 4)}
+    pol = UCBPolicy(beta=0.0, span_bins=2, progress_bins=2, entropy_bins=2, counts_prompt_tail=counts_prompt_tail)
+    assert [pol.bucket(ctx[k]) for k in ("tail", "half", "quarter")] == buckets
+    assert pol.decide(ctx["tail"]) is True
     pol.observe(0, True)                                 # verify: reward 0
-    assert pol.decide(ctx_tail) is False
+    assert pol.decide(ctx["tail"]) is False
     pol.observe(1, False)                                # no verify: reward 1
-    assert pol.decide(ctx_half) is False                 # same bucket: exploits "no verify"
+    assert pol.decide(ctx[same]) is False                # same bucket: exploits "no verify"
     pol.observe(1, False)
-    assert pol.decide(ctx_quarter) is True               # a bucket never visited: +inf, tie -> verify
-
-
-def test_ucb_decisions_use_reference_buckets_sdar():
-    """SDAR convention, same contexts: ctx_tail (decoded 0 in the block) now shares (0, 0, 0) with ctx_quarter
-    (decoded 1: 1/4 * 2 = 0.5), and ctx_half (decoded 2) is (0, 1, 0)."""
-    ctx_tail, ctx_half, ctx_quarter = _ucb_ctx(1, 1), _ucb_ctx(2, 4), _ucb_ctx(3, 4)
-    pol = UCBPolicy(beta=0.0, span_bins=2, progress_bins=2, entropy_bins=2, counts_prompt_tail=False)
-    assert [pol.bucket(c) for c in (ctx_tail, ctx_half, ctx_quarter)] == [(0, 0, 0), (0, 1, 0), (0, 0, 0)]
-    assert pol.decide(ctx_tail) is True
-    pol.observe(0, True)                                 # verify: reward 0
-    assert pol.decide(ctx_tail) is False
-    pol.observe(1, False)                                # no verify: reward 1
-    assert pol.decide(ctx_quarter) is False              # same bucket: exploits "no verify"
-    pol.observe(1, False)
-    assert pol.decide(ctx_half) is True                  # a bucket never visited: +inf, tie -> verify
+    assert pol.decide(ctx[unvisited]) is True            # a bucket never visited: +inf, tie -> verify
 
 
 def test_family_patches_select_ucb_progress_convention():
