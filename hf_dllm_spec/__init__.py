@@ -15,6 +15,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import _moved
+
+_moved.install()  # the module paths before 0.1 still import, with a DeprecationWarning
+
 __version__ = "0.1.0.dev0"
 
 _EXPORTS = {
@@ -25,25 +29,25 @@ _EXPORTS = {
     "DeerConfig": "strategies.deer",
     "SimSDConfig": "strategies.simsd",
     "LLaDA2DecodingConfig": "strategies.llada2",
-    "DeerCandidateGenerator": "candidate_generator",
-    "deer_assisted_generate": "candidate_generator",
+    "DeerCandidateGenerator": "integration.candidate_generator",
+    "deer_assisted_generate": "integration.candidate_generator",
     "DecodingConfig": "configuration",
     "DrafterConfig": "configuration",
     "DecodingStrategy": "strategies.base",
-    "DecodingStrategyName": "registry",
-    "STRATEGIES": "registry",
-    "config_class_for": "registry",
-    "get_strategy": "registry",
-    "register_strategy": "registry",
-    "resolve_config": "registry",
-    "DllmGenerationMixin": "mixin",
-    "dllm_generate": "generation",
-    "EditRule": "editing",
-    "EditingConfig": "editing",
-    "ThresholdEditRule": "editing",
+    "DecodingStrategyName": "strategies.registry",
+    "STRATEGIES": "strategies.registry",
+    "config_class_for": "strategies.registry",
+    "get_strategy": "strategies.registry",
+    "register_strategy": "strategies.registry",
+    "resolve_config": "strategies.registry",
+    "DllmGenerationMixin": "integration.mixin",
+    "dllm_generate": "integration.generate",
+    "EditRule": "maths.editing",
+    "EditingConfig": "maths.editing",
+    "ThresholdEditRule": "maths.editing",
     "GenerateDllmOutput": "outputs",
     "SpecDecodingStats": "outputs",
-    "export_checkpoint": "export",
+    "export_checkpoint": "hub.export",
 }
 
 __all__ = sorted([*_EXPORTS, "custom_generate", "register_auto_classes"])

@@ -1,18 +1,22 @@
 """The `hf-dllm-spec` command line: generate, the main job, the benchmarks and checkpoint export.
 
-    hf-dllm-spec generate --prompt "Question: Tom has 3 apples. ..." --strategy s2d2 --block-size 8 --stats
+    hf-dllm-spec generate --prompt "Question: Tom has 3 apples. ..." --strategy s2d2 --block-size 4 --stats
     hf-dllm-spec generate --prompt "def add(a, b):" --strategy s2d2 --preset sdar-4b-config-a --stream
     hf-dllm-spec main --num-arith 10           # the main job (`./run.sh main` runs it too)
-    hf-dllm-spec bench                         # the sweep, writes benchmarks/results/sweep.{md,json}, frontier.png
+    hf-dllm-spec bench                         # the sweep -> runs/bench-<date>-<time>/sweep.{md,json}, frontier.png
     hf-dllm-spec bench-batch                   # batch of 8 against 8 sequential calls, writes batch.md
-    hf-dllm-spec export SOURCE OUTPUT_DIR      # hf_dllm_spec.export.export_checkpoint
+    hf-dllm-spec export SOURCE OUTPUT_DIR      # hf_dllm_spec.hub.export.export_checkpoint
     hf-dllm-spec strategies                    # the strategies, their parameters and presets
 
 The strategy parameters of `generate` are options built from the config dataclasses of the registered
-strategies (`hf_dllm_spec.registry.STRATEGIES`, `strategy.config_class`): every field is an option
+strategies (`hf_dllm_spec.strategies.registry.STRATEGIES`, `strategy.config_class`): every field is an option
 (`--block-size` or `--block_size`), typed by its annotation (`int | None` takes `none`, a `bool` takes
 true/false or nothing for true). Only the options given are passed to `generate`, on top of `--preset`;
 the library validates them and its error is the command's error.
+
+Errors: one path for every subcommand. A bad argument prints `hf-dllm-spec CMD: error: argument FLAG: MESSAGE`
+(the library's message, the option named as typed on the command line) on stderr and exits with status 2,
+without a traceback; `--debug` (anywhere on the line) re-raises the error with its traceback instead.
 """
 
 from __future__ import annotations
@@ -24,10 +28,18 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from .jobs import DTYPES, add_model_argument, check_model
+from .jobs import (DTYPES, UsageError, add_model_argument, check_model, did_you_mean, load_checkpoint, positive_int,
+                   suggest)
 
 PARAM_PREFIX = "strategy_param:"
 _RAW = argparse.RawDescriptionHelpFormatter
+
+
+class Parser(argparse.ArgumentParser):
+    """`ArgumentParser` whose errors are one line and a pointer to `--help` (no usage dump), status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -90,7 +102,7 @@ def _doc_text(cls: type, name: str) -> str:
 
 def strategy_parameters() -> dict[str, dict[str, Any]]:
     """name -> {annotation, owner, strategies, defaults, config} over every registered strategy config."""
-    from .registry import STRATEGIES
+    from .strategies.registry import STRATEGIES
 
     out: dict[str, dict[str, Any]] = {}
     for strategy_name, strategy in STRATEGIES.items():
@@ -141,22 +153,34 @@ def given_strategy_parameters(args: argparse.Namespace) -> dict[str, Any]:
 # Subcommands
 
 
+def _strategy_name(text: str) -> str:
+    """argparse type of `--strategy`: a registered strategy, else an error with the closest name."""
+    from .strategies.registry import STRATEGIES
+
+    if text not in STRATEGIES:
+        raise argparse.ArgumentTypeError(f"unknown strategy {text!r}{did_you_mean(text, STRATEGIES)}; choose from "
+                                         + ", ".join(STRATEGIES))
+    return text
+
+
 def _add_generate(sub) -> None:
-    from .registry import STRATEGIES
+    from .strategies.registry import STRATEGIES
 
     p = sub.add_parser("generate", help="decode a prompt with any strategy and parameters",
+                       usage="%(prog)s --prompt TEXT [--strategy NAME] [--preset NAME] [--model PATH] [options]",
                        description="Decode one prompt with `model.generate(..., decoding_strategy=...)` and print the "
                                    "new text (stdout); --stats prints the speculative-decoding statistics (stderr).",
                        epilog="example: hf-dllm-spec generate --prompt 'def add(a, b):' --strategy s2d2 "
-                              "--block-size 8 --min-ssd-span-length 1 --cache-ver --stats")
+                              "--block-size 4 --min-ssd-span-length 1 --cache-ver --stats")
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--strategy", default="s2d2", choices=list(STRATEGIES), help="decoding_strategy (default s2d2)")
+    p.add_argument("--strategy", default="s2d2", type=_strategy_name, metavar="NAME",
+                   help="decoding_strategy: " + ", ".join(STRATEGIES) + " (default s2d2)")
     p.add_argument("--preset", default=None, help="a named configuration of the strategy (see `hf-dllm-spec "
                                                   "strategies`); options given override its fields")
     add_model_argument(p)
     p.add_argument("--draft-model", default=None, metavar="PATH", help="drafter checkpoint, for strategies that "
-                                                                      "use one")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
+                                                                      "use one (DEER on an AR --model, SimSD)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="default 64")
     p.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -164,57 +188,77 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator passed to generate (default 0)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--device", default="cpu", help="e.g. cpu, cuda (default cpu)")
-    p.add_argument("--stream", action="store_true", help="print the text as tokens become final (TextStreamer)")
+    p.add_argument("--stream", action="store_true", help="print the text as tokens become final; in a terminal, also the current block's drafts "
+                   "(TextDiffusionStreamer)")
     p.add_argument("--stats", action="store_true", help="print the spec-decoding statistics to stderr")
     add_strategy_parameters(p)
     p.set_defaults(handler=_generate, parser=p)
 
 
+def _stats_table(stats) -> str:
+    """The spec-decoding statistics of one call as a small table with units; missing values print as "-"."""
+    def number(value, fmt):
+        return "-" if value is None or value != value else format(value, fmt)
+
+    rows = [("new tokens", str(stats.num_generated_tokens), "tokens"),
+            ("forwards (NFE)", str(stats.nfe), "forwards"),
+            ("tokens per forward", number(stats.tpf, ".2f"), "tokens/forward"),
+            ("wall time", number(stats.wall_time_s, ".3f"), "s"),
+            ("throughput", number(stats.num_generated_tokens / stats.wall_time_s if stats.wall_time_s else None,
+                                  ".1f"), "tokens/s")]
+    if stats.num_draft_tokens:
+        rows += [("acceptance rate", number(stats.acceptance_rate, ".2f"), "accepted / drafted tokens"),
+                 ("tau", number(stats.mean_acceptance_length, ".2f"), "tokens committed per verify")]
+    if stats.num_edited_tokens:
+        rows.append(("edited", number(100 * stats.edit_rate, ".1f"), "% of committed tokens"))
+    width = max(len(name) for name, _, _ in rows)
+    values = max(len(value) for _, value, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value:>{values}}  {unit}" for name, value, unit in rows)
+
+
 def _generate(args: argparse.Namespace, argv: list[str]) -> None:
     import torch
 
-    from .evaluation import load
-    from .registry import resolve_config
+    from .integration.generate import dllm_generate
+    from .integration.mixin import DllmGenerationMixin
+    from .strategies.registry import resolve_config
 
-    parser: argparse.ArgumentParser = args.parser
     params = given_strategy_parameters(args)
-    try:   # fail on a bad strategy parameter before loading anything
-        resolve_config(args.strategy, preset=args.preset, overrides=params)
-    except ValueError as err:
-        parser.error(str(err))
-    check_model(parser, args.model)
-    tokenizer, model = load(args.model, dtype=getattr(torch, args.dtype))
+    resolve_config(args.strategy, preset=args.preset, overrides=params)  # a bad parameter fails before loading
+    check_model(args.parser, args.model)
+    if args.draft_model is not None:
+        check_model(args.parser, args.draft_model, "--draft-model")
+    tokenizer, model = load_checkpoint(args.model, getattr(torch, args.dtype))
     model.to(args.device)
     extra: dict[str, Any] = {}
+    if not isinstance(model, DllmGenerationMixin):   # a stock transformers class (an AR target): the strategies
+        extra["custom_generate"] = dllm_generate      # through transformers' custom_generate hook
     if args.draft_model is not None:
-        extra["draft_model"] = load(args.draft_model, dtype=getattr(torch, args.dtype))[1].to(args.device)
+        extra["draft_model"] = load_checkpoint(args.draft_model, getattr(torch, args.dtype),
+                                               "--draft-model")[1].to(args.device)
     for name in ("temperature", "top_p", "top_k"):
         if getattr(args, name) is not None:
             extra[name] = getattr(args, name)
     if args.preset is not None:
         extra["preset"] = args.preset
     streamer = None
-    if args.stream:
-        from transformers import TextStreamer
+    if args.stream:   # in a terminal, the current block's drafts too (redrawn in place); piped: final text only
+        from transformers import TextDiffusionStreamer, TextStreamer
 
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer_class = TextDiffusionStreamer if sys.stdout.isatty() else TextStreamer
+        streamer = streamer_class(tokenizer, skip_prompt=True, skip_special_tokens=True)
     enc = tokenizer(args.prompt, return_tensors="pt").to(model.device)
-    try:
-        out = model.generate(enc.input_ids, attention_mask=enc.attention_mask, decoding_strategy=args.strategy,
-                             max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                             generator=torch.Generator(model.device).manual_seed(args.seed), streamer=streamer,
-                             return_dict_in_generate=True, **extra, **params)
-    except ValueError as err:
-        parser.error(str(err))
+    out = model.generate(enc.input_ids, attention_mask=enc.attention_mask, decoding_strategy=args.strategy,
+                         max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                         generator=torch.Generator(model.device).manual_seed(args.seed), streamer=streamer,
+                         return_dict_in_generate=True, **extra, **params)
     stats = out.spec_stats_per_row[0]
     new = out.sequences[0, enc.input_ids.shape[1]:][: stats.num_generated_tokens]
     if not args.stream:
         print(tokenizer.decode(new, skip_special_tokens=True))
     if args.stats:
         print(f"spec stats ({args.strategy}):", file=sys.stderr)
-        for key, value in out.spec_stats.to_dict().items():
-            value = f"{value:.4g}" if isinstance(value, float) else value
-            print(f"  {key}: {value}", file=sys.stderr)
+        print(_stats_table(out.spec_stats), file=sys.stderr)
 
 
 def _add_job(sub, name: str, module, help_text: str) -> None:
@@ -225,12 +269,12 @@ def _add_job(sub, name: str, module, help_text: str) -> None:
 
 def _run_job(args: argparse.Namespace, argv: list[str]) -> None:
     check_model(args.parser, args.model)
-    args.job.run(args, argv)
+    args.job.run(args, ["hf-dllm-spec", args.command, *argv])
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="export a checkpoint (hf_dllm_spec.export.export_checkpoint)",
-                       description="Export a checkpoint directory with hf_dllm_spec.export.export_checkpoint: "
+    p = sub.add_parser("export", help="export a checkpoint (hf_dllm_spec.hub.export.export_checkpoint)",
+                       description="Export a checkpoint directory with hf_dllm_spec.hub.export.export_checkpoint: "
                                    "the copy loads with AutoModelForCausalLM.from_pretrained(dir, "
                                    "trust_remote_code=True) alone.")
     p.add_argument("source", help="the checkpoint directory to export")
@@ -241,13 +285,18 @@ def _add_export(sub) -> None:
 
 def _export(args: argparse.Namespace, argv: list[str]) -> None:
     try:
-        from .export import export_checkpoint
+        from .hub.export import export_checkpoint
     except ImportError as err:
         args.parser.error(f"checkpoint export is not available in this install ({err})")
     try:
         result = export_checkpoint(args.source, args.output_dir, **({"overwrite": True} if args.overwrite else {}))
-    except (ValueError, FileNotFoundError) as err:
-        args.parser.error(str(err))
+    except (ValueError, FileNotFoundError) as err:   # the library's words for Python arguments -> the flags
+        message = str(err)
+        for python, flag in (("pass overwrite=True", "pass --overwrite"), ("`output_dir`", "OUTPUT_DIR"),
+                             ("`source`", "SOURCE"), ("pass the model object, or the directory", "pass the directory")):
+            message = message.replace(python, flag)
+        flag = "OUTPUT_DIR" if "OUTPUT_DIR" in message else "SOURCE"
+        raise UsageError(flag, message.removeprefix(flag + " ")) from err
     print(f"exported {args.source} -> {result if result is not None else args.output_dir}")
 
 
@@ -258,7 +307,7 @@ def _add_strategies(sub) -> None:
 
 
 def _strategies(args: argparse.Namespace, argv: list[str]) -> None:
-    from .registry import STRATEGIES
+    from .strategies.registry import STRATEGIES
 
     for name, strategy in STRATEGIES.items():
         config = strategy.config_class()
@@ -271,28 +320,52 @@ def _strategies(args: argparse.Namespace, argv: list[str]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .jobs import batch, main as main_job, sweep
+    from .serving import cli as serve
 
     doc = __doc__.split("\n\n")
-    parser = argparse.ArgumentParser(prog="hf-dllm-spec", description=doc[0], epilog="examples:\n" + doc[1],
-                                     formatter_class=_RAW)
+    parser = Parser(prog="hf-dllm-spec", description=doc[0], epilog="examples:\n" + doc[1], formatter_class=_RAW)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (anywhere on the line)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(sub)
     _add_job(sub, "main", main_job, "the main job: AR, dynamic and S2D2 on prompt sets, tables (bundled model)")
     _add_job(sub, "bench", sweep, "the benchmark sweep: block size x unmasking rule x S2D2 preset against AR")
     _add_job(sub, "bench-batch", batch, "benchmark: one batched call against sequential calls, tokens/s")
+    _add_job(sub, "serve", serve, "an OpenAI-compatible server over the strategies (extra `serve`)")
     _add_export(sub)
     _add_strategies(sub)
     return parser
 
 
+def _flag_of(message: str) -> str | None:
+    """The option a library message is about: its leading "`name` (=...)" when `name` is a strategy parameter or
+    `preset`."""
+    m = re.match(r"`(\w+)` \(=", message)
+    if m and (m.group(1) in strategy_parameters() or m.group(1) == "preset"):
+        return "--" + m.group(1).replace("_", "-")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the `hf-dllm-spec` console script."""
+    """Entry point of the `hf-dllm-spec` console script: parse, run the subcommand, and turn a bad argument into
+    one line on stderr and exit status 2 (see the module docstring; `--debug` keeps the traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    parser = build_parser()
+    args = parser.parse_args(argv)
     # The subcommand's own arguments (recorded by the benchmarks as their command line).
     rest = argv[argv.index(args.command) + 1:]
-    args.handler(args, rest)
+    try:
+        args.handler(args, rest)
+    except (UsageError, ValueError, OSError, NotImplementedError) as err:
+        if debug:
+            raise
+        message = suggest(str(err).strip())
+        flag = None if isinstance(err, UsageError) else _flag_of(message)
+        if flag is not None:
+            message = f"argument {flag}: {message}"
+        args.parser.exit(2, f"{args.parser.prog}: error: {message}\n(run with --debug for the traceback)\n")
 
 
 if __name__ == "__main__":

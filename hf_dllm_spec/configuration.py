@@ -1,7 +1,7 @@
 """The base of the strategy configurations: validation, presets, and the `generation_config.json` round trip.
 
 Each strategy's own config dataclass lives beside the strategy (`strategies/block_diffusion.py`,
-`strategies/s2d2.py`); `hf_dllm_spec.registry` maps `decoding_strategy` to both. Parameter names and defaults
+`strategies/s2d2.py`); `hf_dllm_spec.strategies.registry` maps `decoding_strategy` to both. Parameter names and defaults
 follow the papers and their reference code (the S2D2 names are those of the S2D2 reference implementation, so
 its command lines port one to one). A config validates when built and again inside `generate` after the call's
 overrides are merged (:func:`merge_parameters`).
@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 from transformers import GenerationConfig
 
-from .validation import check_choice, invalid
+from model_patches.generation import GENERATION_CONFIG_KEY  # the families read it too
 
-GENERATION_CONFIG_KEY = "dllm_decoding"
+from .validation import check_choice, invalid
 
 
 def check_int(name: str, value: Any, low: int, fix: str) -> None:

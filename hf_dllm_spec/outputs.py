@@ -56,7 +56,12 @@ class SpecDecodingStats:
         prefill forward; forward_time_s: all model forwards together (CUDA events, read once at the end: no
         device sync per forward), the rest of `wall_time_s` is the loop's own work: sampling, routing,
         bookkeeping; draft_model_time_s: the separate drafter's share of `forward_time_s` (SimSD, DEER; the
-        target's share is the rest). For a batch every row reports the call's times.
+        target's share is the rest); warmup_time_s: the static runtime's one-time work inside the call (CUDA-graph
+        capture, the first compiled calls; 0 when nothing was captured or compiled). For a batch every row reports
+        the call's times.
+
+    runtime: which runtime ran each model and why compilation is off, if it is (e.g. ``"target: eager"``,
+        ``"target: static cache, cuda graphs; drafter: static cache, eager (bitsandbytes weights)"``).
     """
 
     num_prefill_forwards: int = 0
@@ -83,6 +88,8 @@ class SpecDecodingStats:
     prefill_time_s: float = 0.0
     forward_time_s: float = 0.0
     draft_model_time_s: float = 0.0
+    warmup_time_s: float = 0.0
+    runtime: str = ""
 
     def count_forward(self, kind: str, draft_model: bool = False) -> None:
         """Add one forward of `kind` (one of :data:`FORWARD_KINDS`); `draft_model`: run by the separate drafter."""
@@ -120,6 +127,8 @@ class SpecDecodingStats:
                     mine[i] += value
             elif isinstance(mine, Counter):
                 mine.update(theirs)
+            elif isinstance(mine, str):          # a description: kept once, different ones joined
+                setattr(self, f.name, "; ".join(dict.fromkeys(v for v in (mine, theirs) if v)))
             else:
                 setattr(self, f.name, mine + theirs)
         return self
@@ -319,6 +328,7 @@ class BatchStats:
             first = self.per_row[0]
             merged.wall_time_s, merged.prefill_time_s = first.wall_time_s, first.prefill_time_s
             merged.forward_time_s, merged.draft_model_time_s = first.forward_time_s, first.draft_model_time_s
+            merged.warmup_time_s, merged.runtime = first.warmup_time_s, first.runtime
         return merged
 
 

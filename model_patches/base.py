@@ -4,8 +4,8 @@ A `FamilyPatch` is stateless. It resolves the mask token, stop ids and trained b
 model, states the prediction alignment, and runs one forward with an explicit float 4D mask, explicit
 `position_ids` and a `DynamicCache` (transformers 5.x; the cache keyword of each version comes from
 :mod:`model_patches.compat`). This package never imports the decoding code
-(`hf_dllm_spec.generation`, the strategies): the library reaches a patch through :func:`model_patches.get_patch`,
-and model classes reach `generate` through the lazy `hf_dllm_spec.mixin`.
+(`hf_dllm_spec.integration.generate`, the strategies): the library reaches a patch through :func:`model_patches.get_patch`,
+and model classes reach `generate` through the lazy `hf_dllm_spec.integration.mixin`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class FamilyPatch:
         ucb_progress_counts_prompt_tail (`bool`): whether the block-progress context of S2D2's
             `contextual_bandit_ucb` routing (S2D2 App. A.6, Eq. 16) counts a prompt tail that shares the block
             as already decoded (decoded = B - |M_t|) or counts only the tokens decoded inside the block
-            (decoded = B - tail - |M_t|); see `hf_dllm_spec.routing.ucb_progress_bin`. The paper does not say;
+            (decoded = B - tail - |M_t|); see `hf_dllm_spec.maths.routing.ucb_progress_bin`. The paper does not say;
             each family follows its S2D2 reference implementation (github.com/phymhan/S2D2): SDAR's
             `SDAR/generate_ssd_policy.py` resets a per-block counter to 0 at each block and adds the tokens each
             step commits (False); Fast-dLLM v2's `Fast-dLLM-v2/generate_policy_utils.py` counts the non-mask

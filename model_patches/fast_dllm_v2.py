@@ -23,7 +23,7 @@ LLM", arXiv 2509.26328). Its Hub remote code pins transformers 4.53.1; here the 
 - Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): every
   `nn.Linear` of the decoder (q/k/v with bias, o, the MLP) is quantized; the output head `lm_head` (tied on the
   1.5B, its own on the 7B) stays unquantized, in the load dtype (`Fast_dLLM_QwenForCausalLM._keep_in_fp32_modules`).
-  Rules: `hf_dllm_spec.quantization`.
+  Rules: `hf_dllm_spec.runtime.quantization`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from typing import Any
 
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
-from hf_dllm_spec.export import ShimsConfigMixin
-from hf_dllm_spec.mixin import DllmGenerationMixin
-
 from .base import FamilyPatch
+from .generation import DllmGenerationMixin
 from .hub_generate import MaskTokenFromFilesMixin, hub_temperature, rename_hub_keywords
+from .remote_code import ShimsConfigMixin
 
 #: The mask token's string in the Fast-dLLM v2 tokenizers (an additional special token).
 MASK_TOKEN = "|<MASK>|"
@@ -53,6 +52,7 @@ class Fast_dLLM_QwenConfig(ShimsConfigMixin, Qwen2Config):  # noqa: N801 (the Hu
             for round trips.
     """
 
+    causal_lm_class_name = "Fast_dLLM_QwenForCausalLM"
     model_type = "Fast_dLLM_Qwen"
 
     def __init__(self, bd_size: int = 32, mask_token_id: int | None = None, **kwargs):
@@ -128,6 +128,7 @@ class Fast_dLLM_QwenForCausalLM(MaskTokenFromFilesMixin, DllmGenerationMixin, Qw
     # The output head stays unquantized, also when `llm_int8_skip_modules` replaces transformers' default skips
     # (see `model_patches.sdar.SDARForCausalLM`). Anchored: "lm_head" would also be the float16 dtype plan of the
     # untied 7B head (float32 head, float16 hidden states: a dtype error); "lm_head$" names the module only.
+    native_decoding_strategy = "fast_dllm_v2"
     _keep_in_fp32_modules = ["lm_head$"]
 
     def generate(self, *args, **kwargs):

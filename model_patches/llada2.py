@@ -64,12 +64,11 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (
     eager_attention_forward,
 )
 
-from hf_dllm_spec.export import ShimsConfigMixin
-from hf_dllm_spec.mixin import DllmGenerationMixin
-
 from .base import FamilyPatch
 from .compat import CACHE_NAMES, accepts_cache_names, cache_field, cache_kwarg, output_cache
+from .generation import DllmGenerationMixin
 from .hub_generate import MaskTokenFromFilesMixin, hub_temperature, rename_hub_keywords
+from .remote_code import ShimsConfigMixin
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +103,7 @@ class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
     as plain attributes for round trips and have no effect (families.md §8).
     """
 
+    causal_lm_class_name = "LLaDA2MoeModelLM"
     model_type = "llada2_moe"
     keys_to_ignore_at_inference = list(CACHE_NAMES)
     # transformers' GLM-4-MoE pieces read these names.
@@ -357,6 +357,7 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
     # `lm_head` stays unquantized, also when `llm_int8_skip_modules` replaces transformers' default skips (see
     # `model_patches.sdar.SDARForCausalLM`). Anchored: "lm_head" would also be the float16 dtype plan and load the
     # (untied) head in float32 beside float16 hidden states; "lm_head$" names the module only.
+    native_decoding_strategy = "llada2"
     _keep_in_fp32_modules = ["lm_head$"]
     hub_mask_token = MASK_TOKEN       # `from_pretrained` reads it from the tokenizer files (not in the Hub configs)
 

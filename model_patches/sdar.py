@@ -18,17 +18,16 @@ needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SD
 - Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): every
   `nn.Linear` of the decoder (q/k/v/o projections, the MLP) is quantized; the output head `lm_head` stays
   unquantized, in the load dtype (`SDARForCausalLM._keep_in_fp32_modules`); embeddings and norms are not linear
-  layers and are never quantized. Rules: `hf_dllm_spec.quantization`.
+  layers and are never quantized. Rules: `hf_dllm_spec.runtime.quantization`.
 """
 
 from __future__ import annotations
 
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hf_dllm_spec.export import ShimsConfigMixin
-from hf_dllm_spec.mixin import DllmGenerationMixin
-
 from .base import FamilyPatch
+from .generation import DllmGenerationMixin
+from .remote_code import ShimsConfigMixin
 
 
 class SDARConfig(ShimsConfigMixin, Qwen3Config):
@@ -40,6 +39,7 @@ class SDARConfig(ShimsConfigMixin, Qwen3Config):
         fuse_cross_entropy (`bool`, *optional*): training-only flag of the Hub code, kept for round trips.
     """
 
+    causal_lm_class_name = "SDARForCausalLM"
     model_type = "sdar"
 
     def __init__(self, block_size: int = 4, mask_token_id: int | None = None, fuse_cross_entropy: bool = False,

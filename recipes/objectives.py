@@ -236,7 +236,7 @@ class FastDLLMV2Objective(Objective):
 def d2a_training_mask(segment: torch.Tensor) -> torch.Tensor:
     """D2A training mask over `[noisy | clean]`, `(b, 2L, 2L)` bool, True = attend.
 
-    The drafter's inference layout (`hf_dllm_spec.drafting`, "causal_prefix"): the clean copy is token-causal
+    The drafter's inference layout (`hf_dllm_spec.strategies.drafting`, "causal_prefix"): the clean copy is token-causal
     (the verified prefix); a noisy segment sees itself in full and the clean tokens strictly before it.
 
     Args:
@@ -285,7 +285,7 @@ class D2AObjective(BlockDiffusionObjective):
       of a segment (1-based) weighted alpha^(R - i) (`--d2a-alpha`, 1.01): tokens nearest the prefix weigh
       most.
     - SEP (`--d2a-sep-token-id`): appended to each noisy segment as at inference
-      (`hf_dllm_spec.drafting.draft_block_layout`, "after_masks"): not used for the bundled drafter (the
+      (`hf_dllm_spec.strategies.drafting.draft_block_layout`, "after_masks"): not used for the bundled drafter (the
       tokenizer has no spare special token, and the masks already mark the boundary).
     """
 

@@ -12,11 +12,13 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_dllm_spec
-from hf_dllm_spec.runner import ModelRunner
+from hf_dllm_spec.runtime.runner import ModelRunner
 from model_patches.sdar import SDARConfig, SDARForCausalLM
 
 hf_dllm_spec.register_auto_classes()
 ModelRunner.check_layouts = True      # every forward of the suite checks its layout (off by default: a host sync)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)          # pytest -n N: the workers share the cores; one intra-op thread each
 
 MASK_ID = 98
 TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,

@@ -147,7 +147,7 @@ CASES: list[tuple[str, dict, str, type]] = [
      ValueError),
     ("output-scores", dict(decoding_strategy="s2d2", output_scores=True, return_dict_in_generate=True),
      "output_scores", ValueError),
-    ("cache-static", dict(decoding_strategy="s2d2", cache_implementation="static"), "cache_implementation",
+    ("cache-offloaded", dict(decoding_strategy="s2d2", cache_implementation="offloaded"), "cache_implementation",
      ValueError),
     ("repetition-penalty", dict(decoding_strategy="s2d2", repetition_penalty=1.3), "repetition_penalty",
      NotImplementedError),
@@ -208,6 +208,16 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("streamer-batch", dict(decoding_strategy="s2d2", input_ids=torch.tensor(PROMPT * 2), pad_token_id=0,
                             streamer=_NullStreamer()), "streamer", ValueError),
     ("generator-other-device", dict(decoding_strategy="s2d2", generator=_CudaGenerator()), "generator", ValueError),
+    # per-row generators: one torch.Generator per row, on the model's device
+    ("generator-list-too-long", dict(decoding_strategy="s2d2", generator=[torch.Generator(), torch.Generator()]),
+     "generator", ValueError),
+    ("generator-list-too-short", dict(decoding_strategy="s2d2", input_ids=torch.tensor(PROMPT * 2), pad_token_id=0,
+                                      generator=[torch.Generator()]), "generator", ValueError),
+    ("generator-empty-tuple", dict(decoding_strategy="s2d2", generator=()), "generator", ValueError),
+    ("generator-list-int", dict(decoding_strategy="s2d2", input_ids=torch.tensor(PROMPT * 2), pad_token_id=0,
+                                generator=[torch.Generator(), 3]), "generator[1]", ValueError),
+    ("generator-list-other-device", dict(decoding_strategy="s2d2", input_ids=torch.tensor(PROMPT * 2), pad_token_id=0,
+                                         generator=[_CudaGenerator(), torch.Generator()]), "generator[0]", ValueError),
 ]
 
 
@@ -410,7 +420,7 @@ def test_large_deer_block_is_not_refused(pair_models):
 
 def test_block_size_budget_rule():
     """Refused: a block larger than the whole sequence rounded up to a power of two; the trained size always runs."""
-    from hf_dllm_spec.checks import check_block_budget
+    from hf_dllm_spec.integration.checks import check_block_budget
 
     check_block_budget(32, 4, [7], 16)                # 7 + 16 = 23 -> 32
     check_block_budget(16, 4, [7], 4)                 # 11 -> 16

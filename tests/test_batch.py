@@ -150,9 +150,9 @@ def test_rows_leave_before_the_cache_holds_anything(sdar_model):
     """The mechanism of the batch crash: a read-only forward sizes every cache layer for N rows and the crop leaves
     it without columns; rows then leave (transformers' `batch_select_indices` skips a layer of length 0) and the next
     storing forward of the remaining rows must append to a layer of M rows, not N."""
-    from hf_dllm_spec.masks import causal_mask, full_mask
+    from hf_dllm_spec.maths.masks import causal_mask, full_mask
     from hf_dllm_spec.outputs import BatchStats
-    from hf_dllm_spec.runner import ModelRunner
+    from hf_dllm_spec.runtime.runner import ModelRunner
     from model_patches import get_patch
 
     runner = ModelRunner(sdar_model, get_patch(sdar_model), BatchStats(3), batch_size=3)
@@ -189,7 +189,7 @@ def test_reported_batches_that_crashed_equal_one_by_one(model_name, drafter_name
     import warnings
 
     import hf_dllm_spec
-    from hf_dllm_spec.evaluation import arithmetic_prompts, load
+    from hf_dllm_spec.jobs.evaluation import arithmetic_prompts, load
 
     tokenizer, model = load(BUNDLED / model_name)
     if drafter_name is not None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import MASK_ID, gen, left_padded_batch
 
-from hf_dllm_spec.sampling import Sampler
+from hf_dllm_spec.maths.sampling import Sampler
 from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
 from transformers import LogitsProcessorList, TemperatureLogitsWarper
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hf_dllm_spec import cli
-from hf_dllm_spec.evaluation import DEFAULT_MODEL, ROOT, arithmetic_prompts, load
-from hf_dllm_spec.registry import STRATEGIES, resolve_config
+from hf_dllm_spec.jobs.evaluation import DEFAULT_MODEL, ROOT, arithmetic_prompts, load
+from hf_dllm_spec.strategies.registry import STRATEGIES, resolve_config
 
 SUBCOMMANDS = ("generate", "main", "bench", "bench-batch", "export", "strategies")
 
@@ -109,7 +109,7 @@ def test_generate_prints_what_generate_returns(capsys, bundled, strategy, argv, 
                              "--stats", *argv)
     assert code == 0
     assert out == expected_text + "\n"
-    assert f"spec stats ({strategy}):" in err and "  nfe: " in err and "  num_generated_tokens: " in err
+    assert f"spec stats ({strategy}):" in err and "forwards (NFE)" in err and "new tokens" in err
 
 
 def test_generate_with_a_preset_and_sampling(capsys, bundled):
@@ -132,7 +132,7 @@ def test_main_job_runs_through_the_cli(capsys):
 
 
 def test_export_calls_export_checkpoint(capsys, monkeypatch, tmp_path):
-    export = pytest.importorskip("hf_dllm_spec.export")
+    export = pytest.importorskip("hf_dllm_spec.hub.export")
     calls = []
     monkeypatch.setattr(export, "export_checkpoint", lambda *a, **k: calls.append((a, k)) or pathlib.Path(a[1]))
     code, out, _ = run_cli(capsys, "export", "src_dir", str(tmp_path / "out"), "--overwrite")
@@ -152,3 +152,119 @@ def test_no_sys_path_edits():
     offenders = [str(p.relative_to(ROOT)) for folder in ("examples", "benchmarks", "tests", "recipes")
                  for p in (ROOT / folder).rglob("*.py") if needle in p.read_text(encoding="utf-8")]
     assert offenders == []
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One error path (issue 27): the library's message, the flag named, exit status 2, no traceback unless --debug
+
+
+@pytest.mark.parametrize("argv,flag,words", [
+    (["generate", "--prompt", "x", "--strategy", "s2d3"], "--strategy", "did you mean 's2d2'"),
+    (["generate", "--prompt", "x", "--preset", "sdar-4b-confg-a"], "--preset", "did you mean 'sdar-4b-config-a'"),
+    (["generate", "--prompt", "x", "--block-size", "0"], "--block-size", "must be an integer >= 1"),
+    (["generate", "--prompt", "x", "--model", "models/sdar-tiny"], "--model", "did you mean 'sdar-tiny-arith'"),
+    (["generate", "--prompt", "x", "--model", "no_such_dir"], "--model", "no checkpoint directory"),
+    (["main", "--set", "blok_size=4"], "--set", "did you mean 'block_size'"),
+    (["main", "--set", "typo"], "--set", "KEY=VALUE"),
+    (["main", "--block-size", "0"], "--block-size", "must be >= 1"),
+    (["main", "--num-arith", "0", "--num-humaneval", "0"], "--num-arith", "leave no prompts"),
+    (["main", "--strategies", "ar,dynamc"], "--strategies", "did you mean 'dynamic'"),
+    (["main", "--num-arith", "-1"], "--num-arith", "must be >= 0"),
+    (["bench", "--block-sizes", "0"], "--block-sizes", "integers >= 1"),
+    (["bench", "--block-sizes", "4,x"], "--block-sizes", "comma-separated integers"),
+    (["bench", "--thresholds", "1.5"], "--thresholds", "(0, 1]"),
+    (["export", "no_such_dir", "out"], "SOURCE", "config.json"),
+])
+def test_bad_arguments_name_the_flag_and_exit_2(capsys, argv, flag, words):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    assert flag in err and words in err, err
+    assert "Traceback" not in err and len(err.splitlines()) <= 4, err   # one message, not a usage dump
+
+
+def test_export_speaks_of_flags(capsys, tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    code, _, err = run_cli(capsys, "export", str(DEFAULT_MODEL), str(tmp_path / "full"))
+    assert code == 2 and "OUTPUT_DIR" in err and "--overwrite" in err and "overwrite=True" not in err, err
+
+
+def test_the_console_script_exits_2_without_a_traceback_and_debug_shows_it():
+    script = pathlib.Path(sys.executable).with_name("hf-dllm-spec")
+    if not script.exists():
+        pytest.skip("the package is not installed with its console script")
+    argv = [str(script), "main", "--set", "blok_size=4", "--model", str(DEFAULT_MODEL)]
+    plain = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert plain.returncode == 2 and "argument --set" in plain.stderr and "Traceback" not in plain.stderr
+    debug = subprocess.run([*argv, "--debug"], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "UsageError" in debug.stderr
+
+
+def test_generate_decodes_an_ar_target_with_deer(capsys):
+    import hf_dllm_spec
+
+    target_dir, drafter_dir = ROOT / "models" / "qwen2-tiny-ar", ROOT / "models" / "deer-drafter-tiny"
+    tokenizer, target = load(target_dir)
+    prompt = arithmetic_prompts(target_dir, 1)[0].text
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False)        # greedy DEER == the target's greedy
+    code, out, err = run_cli(capsys, "generate", "--prompt", prompt, "--model", str(target_dir), "--strategy",
+                             "deer", "--draft-model", str(drafter_dir), "--block-size", "4", "--max-new-tokens", "8",
+                             "--stats")
+    assert code == 0, err
+    assert out == tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
+    assert "acceptance rate" in err and "tokens/s" in err and "nan" not in err
+    assert hf_dllm_spec  # imported for the Auto registration the loader does
+
+
+def test_stats_is_a_table_with_units(capsys, bundled):
+    _, _, prompt = bundled
+    code, _, err = run_cli(capsys, "generate", "--prompt", prompt, "--strategy", "ar", "--max-new-tokens", "4",
+                           "--stats")
+    assert code == 0
+    lines = err.splitlines()
+    lines = lines[lines.index("spec stats (ar):"):]
+    assert any(line.split()[:2] == ["forwards", "(NFE)"] and line.endswith("forwards") for line in lines)
+    assert any(line.strip().startswith("wall time") and line.endswith(" s") for line in lines)
+    assert "nan" not in err and "acceptance rate" not in err        # AR drafts nothing: no such row
+
+
+def test_main_with_a_custom_prompt_and_no_second_set(capsys):
+    code, out, err = run_cli(capsys, "main", "--prompt", "def add(a, b):", "--max-new-tokens", "4",
+                             "--strategies", "dynamic", "--no-progress")
+    assert code == 0, err
+    assert "nan" not in out and "| AR (block size 1) |" in out and ", B=4 |" in out   # the trained block size
+    assert "NFE: model forwards" in out                                               # the legend
+    code, out, err = run_cli(capsys, "main", "--num-arith", "1", "--num-humaneval", "0", "--max-new-tokens", "4",
+                             "--strategies", "dynamic", "--no-progress")
+    assert code == 0 and "HumanEval" not in out and "held-out arithmetic: 1 prompts" in out, err
+
+
+def test_bench_writes_rows_as_they_finish_into_a_fresh_folder(capsys, monkeypatch, tmp_path):
+    from hf_dllm_spec.jobs.evaluation import StrategySpec
+    from hf_dllm_spec.jobs import fresh_out_dir, sweep
+
+    written = []
+    real_table = sweep.table
+    monkeypatch.setattr(sweep, "table", lambda results, *a, **k: written.append(len(results)) or
+                        real_table(results, *a, **k))
+    lean = lambda block_sizes, thresholds: [  # noqa: E731 -- two rows keep the test short
+        StrategySpec("AR", "ar"), StrategySpec(f"dynamic 0.9 B={block_sizes[0]}", "block_diffusion",
+                                               {"block_size": block_sizes[0], "confidence_threshold": 0.9})]
+    monkeypatch.setattr(sweep, "sweep_specs", lean)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "bench", "--num-arith", "1", "--num-humaneval", "0", "--block-sizes", "4",
+                             "--thresholds", "0.9", "--no-progress")
+    assert code == 0, err
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert folder.name.startswith("bench-") and (folder / "sweep.md").is_file() and (folder / "frontier.png").is_file()
+    assert written == [1, 2]                                   # the table is written after every row
+    text = (folder / "sweep.md").read_text()
+    assert "Command: `hf-dllm-spec bench --num-arith 1 --num-humaneval 0 --block-sizes 4" in text
+    assert "HumanEval" not in text
+    # The default folder is ignored by git: a trial leaves `git status` of the checkout clean.
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(ROOT / fresh_out_dir("bench") / "sweep.md")],
+                             cwd=ROOT, capture_output=True)
+    if ignored.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert ignored.returncode == 0

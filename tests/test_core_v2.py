@@ -14,10 +14,10 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 import hf_dllm_spec
 from hf_dllm_spec import DrafterConfig, EditRule, S2D2Config, register_strategy, resolve_config
-from hf_dllm_spec.masks import block_causal_mask, concat_segments, full_mask, to_additive
+from hf_dllm_spec.maths.masks import block_causal_mask, concat_segments, full_mask, to_additive
 from hf_dllm_spec.outputs import BatchStats
-from hf_dllm_spec.registry import STRATEGIES
-from hf_dllm_spec.runner import ModelRunner
+from hf_dllm_spec.strategies.registry import STRATEGIES
+from hf_dllm_spec.runtime.runner import ModelRunner
 from hf_dllm_spec.strategies import ARConfig, ARStrategy, BlockDiffusionConfig, BlockDiffusionStrategy
 from model_patches import get_patch
 
@@ -279,11 +279,11 @@ def test_imports_go_one_way_and_leaf_modules_register_nothing():
     code = """
 import sys
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-import hf_dllm_spec.masks, hf_dllm_spec.verification, hf_dllm_spec.routing
+import hf_dllm_spec.maths.masks, hf_dllm_spec.maths.verification, hf_dllm_spec.maths.routing
 assert "model_patches" not in sys.modules, "a leaf module imported the families"
 import model_patches, model_patches.sdar
-assert "hf_dllm_spec.generation" not in sys.modules, "model_patches imported the decoding code"
-import hf_dllm_spec, hf_dllm_spec.generation
+assert "hf_dllm_spec.integration.generate" not in sys.modules, "model_patches imported the decoding code"
+import hf_dllm_spec, hf_dllm_spec.integration.generate
 assert "sdar" not in CONFIG_MAPPING, "an import registered SDAR with the Auto classes"
 hf_dllm_spec.register_auto_classes()
 assert "sdar" in CONFIG_MAPPING
@@ -313,7 +313,7 @@ def test_direct_call_takes_generation_options_as_keywords(sdar_model, prompt):
 @pytest.mark.parametrize("kwargs,match", [
     ({"input_ids": torch.empty(1, 0, dtype=torch.long)}, r"`input_ids` .* must hold at least one"),
     ({"position_ids": torch.arange(7)[None] + 100}, r"`position_ids` .* must follow the attention mask"),
-    ({"cache_implementation": "static"}, r"`cache_implementation` \(='static'\) must be unset or 'dynamic'"),
+    ({"cache_implementation": "offloaded"}, r"`cache_implementation` \(='offloaded'\) must be unset, 'dynamic' .* or 'static'"),
     ({"max_new_tokens": 250}, r"up to position 260\), in the model's 256 positions"),     # 249 would fit
 ])
 def test_more_bad_input_before_any_forward(sdar_model, prompt, monkeypatch, kwargs, match):

@@ -15,11 +15,11 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import hf_dllm_spec
-from hf_dllm_spec import verification
-from hf_dllm_spec.drafting import OneStepDrafter, draft_block_layout
-from hf_dllm_spec.masks import full_mask, to_additive
+from hf_dllm_spec.maths import verification
+from hf_dllm_spec.strategies.drafting import OneStepDrafter, draft_block_layout
+from hf_dllm_spec.maths.masks import full_mask, to_additive
 from hf_dllm_spec.outputs import BatchStats
-from hf_dllm_spec.runner import ModelRunner
+from hf_dllm_spec.runtime.runner import ModelRunner
 from hf_dllm_spec.strategies.deer import DeerConfig, DeerStrategy
 from model_patches import get_patch
 from model_patches.compat import output_cache

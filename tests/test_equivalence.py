@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import MASK_ID, gen
 
-from hf_dllm_spec.masks import causal_mask, partially_causal_draft_mask, verifier_2l_mask
+from hf_dllm_spec.maths.masks import causal_mask, partially_causal_draft_mask, verifier_2l_mask
 from hf_dllm_spec.outputs import BatchStats
-from hf_dllm_spec.reference import reference_block_diffusion_generate
-from hf_dllm_spec.runner import ModelRunner
+from hf_dllm_spec.strategies.reference import reference_block_diffusion_generate
+from hf_dllm_spec.runtime.runner import ModelRunner
 from model_patches import get_patch
 from model_patches.compat import output_cache
 

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import left_padded_batch
 from hf_dllm_spec import SpecDecodingStats
-from hf_dllm_spec.masks import block_causal_mask, causal_mask, to_additive
+from hf_dllm_spec.maths.masks import block_causal_mask, causal_mask, to_additive
 from hf_dllm_spec.outputs import BatchStats
-from hf_dllm_spec.runner import ModelRunner
+from hf_dllm_spec.runtime.runner import ModelRunner
 from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionStrategy
 from hf_dllm_spec.strategies.fast_dllm_v2 import FastDLLMV2Config
 from hf_dllm_spec.strategies.s2d2 import S2D2Strategy

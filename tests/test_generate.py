@@ -172,8 +172,9 @@ def test_context_dependent_processor_is_refused(sdar_model, prompt):
 
 
 def test_untrained_block_size_warns(sdar_model, prompt):
-    with pytest.warns(UserWarning, match=r"`block_size` \(=8\) differs from the checkpoint's trained block size"):
+    with pytest.warns(UserWarning, match=r"`block_size` \(=8\) differs from the checkpoint's trained block size") as seen:
         sdar_model.generate(prompt, decoding_strategy="block_diffusion", block_size=8, max_new_tokens=4)
+    assert seen[0].filename == __file__          # the warning points at the caller, not at the library
 
 
 def test_hub_custom_generate_directory(qwen_model, sdar_model, prompt):

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_dllm_spec
-from hf_dllm_spec.export import CUSTOM_GENERATE_FILES, SHIM_MODULES
+from hf_dllm_spec.hub.export import CUSTOM_GENERATE_FILES, INSTALL_HINT, SHIM_MODULES
 
 from conftest import MASK_ID
 
@@ -118,7 +118,7 @@ def test_exported_random_model_has_the_same_logits(fresh, sdar_model):
 def test_missing_package_raises_import_error_with_the_install_command(tiny_export, tmp_path):
     proc = run_python(BLOCKED, str(tiny_export), tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "IMPORT_ERROR:" in proc.stdout and "pip install hf-dllm-spec" in proc.stdout, proc.stdout + proc.stderr
+    assert "IMPORT_ERROR:" in proc.stdout and INSTALL_HINT in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_exported_custom_generate_folder(tiny_export, sdar_model, qwen_model, prompt):
@@ -136,7 +136,7 @@ def test_export_layout_and_card(tiny_export):
     assert config["auto_map"] == {"AutoConfig": "configuration_hf_dllm_spec.SDARConfig",
                                   "AutoModelForCausalLM": "modeling_hf_dllm_spec.SDARForCausalLM"}
     for module in SHIM_MODULES.values():
-        assert "pip install hf-dllm-spec" in (tiny_export / f"{module}.py").read_text()
+        assert INSTALL_HINT in (tiny_export / f"{module}.py").read_text()
     package = pathlib.Path(hf_dllm_spec.__file__).parent / "hub" / "custom_generate"
     for name in CUSTOM_GENERATE_FILES:
         assert (tiny_export / "custom_generate" / name).read_bytes() == (package / name).read_bytes()
@@ -246,7 +246,7 @@ def test_lm_eval_stop_criteria_batch_equals_single(strategy, kwargs):
     does) on a batch of 8 bundled-model prompts: no row is lost, and each text up to the stop sequence equals the
     text of that prompt decoded alone with criteria of batch size 1."""
     utils_hf = pytest.importorskip("lm_eval.models.utils_hf")
-    from hf_dllm_spec.evaluation import arithmetic_prompts, load
+    from hf_dllm_spec.jobs.evaluation import arithmetic_prompts, load
 
     tokenizer, model = load(MODEL_DIR)
     tokenizer.padding_side = "left"

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import hf_dllm_spec
-from hf_dllm_spec.masks import block_causal_mask, causal_mask, to_additive, verifier_2l_mask
+from hf_dllm_spec.maths.masks import block_causal_mask, causal_mask, to_additive, verifier_2l_mask
 from model_patches.compat import output_cache
 from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
 

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from hf_dllm_spec.masks import (
+from hf_dllm_spec.maths.masks import (
     block_causal_mask,
     concat_segments,
     partially_causal_draft_mask,
     to_additive,
     verifier_2l_mask,
 )
-from hf_dllm_spec.routing import (
+from hf_dllm_spec.maths.routing import (
     HysteresisPolicy,
     MinimumSpanPolicy,
     RoutingContext,
@@ -30,7 +30,7 @@ from hf_dllm_spec.routing import (
     verify_score,
 )
 from hf_dllm_spec.strategies import first_masked_span
-from hf_dllm_spec.unmasking import num_transfer_tokens, scheduled_tokens, select_transfer
+from hf_dllm_spec.maths.unmasking import num_transfer_tokens, scheduled_tokens, select_transfer
 
 T, F = True, False
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import MASK_ID, gen, left_padded_batch
 
-from hf_dllm_spec.masks import verifier_2l_mask
+from hf_dllm_spec.maths.masks import verifier_2l_mask
 from hf_dllm_spec.strategies.s2d2 import S2D2Strategy
 from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
 

@@ -16,10 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_dllm_spec
-import hf_dllm_spec.generation as generation
-from hf_dllm_spec.evaluation import ROOT, arithmetic_prompts, load
-from hf_dllm_spec.placement import execution_device
-from hf_dllm_spec.runner import ModelRunner
+import hf_dllm_spec.runtime.static as static_runtime
+from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, load
+from hf_dllm_spec.runtime.placement import execution_device
+from hf_dllm_spec.runtime.runner import ModelRunner
 from recipes.arithmetic import format_prompt
 
 SDAR_DIR = ROOT / "models" / "sdar-tiny-arith"
@@ -82,7 +82,7 @@ def runners(monkeypatch):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(generation, "ModelRunner", Recording)
+    monkeypatch.setattr(static_runtime, "ModelRunner", Recording)   # the eager runtime `generate` builds
     return built
 
 
@@ -225,7 +225,7 @@ import sys, torch, torch.distributed as dist
 import hf_dllm_spec
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
-from hf_dllm_spec.evaluation import DEFAULT_MODEL, arithmetic_prompts, load
+from hf_dllm_spec.jobs.evaluation import DEFAULT_MODEL, arithmetic_prompts, load
 hf_dllm_spec.register_auto_classes()
 model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32,
                                              distributed_config=DistributedConfig(tp_plan="auto")).eval()

@@ -20,9 +20,9 @@ pytest.importorskip("bitsandbytes", reason="the `quant` extra (bitsandbytes) is 
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedTokenizerFast  # noqa: E402
 
 import hf_dllm_spec  # noqa: E402
-from hf_dllm_spec.evaluation import ROOT, arithmetic_prompts  # noqa: E402
-from hf_dllm_spec.mixin import DllmGenerationMixin  # noqa: E402
-from hf_dllm_spec.quantization import check_quantized_model, quantization_of  # noqa: E402
+from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts  # noqa: E402
+from hf_dllm_spec.integration.mixin import DllmGenerationMixin  # noqa: E402
+from hf_dllm_spec.runtime.quantization import check_quantized_model, quantization_of  # noqa: E402
 
 MODELS = ROOT / "models"
 DTYPE = torch.float16
@@ -226,7 +226,7 @@ def test_8bit_weights_with_float32_activations_are_refused_as_target_and_drafter
         models("sdar-large").generate(ids, decoding_strategy="simsd", draft_model=int8_fp32, max_new_tokens=8)
     with pytest.raises(ValueError, match=r"`assistant_model` \(=.*float32 activations"):
         models("sdar-large").generate(ids, decoding_strategy="simsd", assistant_model=int8_fp32, max_new_tokens=8)
-    from hf_dllm_spec.candidate_generator import DeerCandidateGenerator
+    from hf_dllm_spec.integration.candidate_generator import DeerCandidateGenerator
 
     with pytest.raises(ValueError, match=r"`assistant_model` \(=.*float32 activations"):
         DeerCandidateGenerator(int8_fp32, num_draft_tokens=4)        # transformers' assisted-decoding path

@@ -205,7 +205,7 @@ def test_llada2_loss_equals_explicit_m2t_plus_t2t():
 
 def test_sdar_to_llada2_upcycling_preserves_the_logits():
     """The converted MoE (fused QKV, dense slices as experts, zero router) computes the SDAR model's logits."""
-    from hf_dllm_spec.masks import block_causal_mask
+    from hf_dllm_spec.maths.masks import block_causal_mask
     from model_patches.sdar import SDARConfig, SDARForCausalLM
     from recipes.upcycle import sdar_to_llada2
 

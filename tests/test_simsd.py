@@ -15,11 +15,11 @@ import torch
 from conftest import MASK_ID, TINY, left_padded_batch
 from scipy.stats import chisquare
 
-from hf_dllm_spec import verification
-from hf_dllm_spec.masks import block_causal_mask, temporal_verify_mask, to_additive
-from hf_dllm_spec.sampling import Sampler
+from hf_dllm_spec.maths import verification
+from hf_dllm_spec.maths.masks import block_causal_mask, temporal_verify_mask, to_additive
+from hf_dllm_spec.maths.sampling import Sampler
 from hf_dllm_spec.strategies.simsd import SimSDConfig, SimSDStrategy, gate_stop_tokens, verification_order
-from hf_dllm_spec.verification import greedy_match
+from hf_dllm_spec.maths.verification import greedy_match
 from model_patches.sdar import SDARConfig, SDARForCausalLM
 
 B = 4
@@ -356,7 +356,7 @@ def test_sampled_first_token_follows_the_target_and_a_biased_residual_fails(targ
     tokens, stats = first_tokens()
     assert 0.05 < stats.acceptance_rate < 0.95
     assert pvalue(tokens) > 1e-3
-    monkeypatch.setattr("hf_dllm_spec.verification.residual_distribution", lambda t, d: t)
+    monkeypatch.setattr("hf_dllm_spec.maths.verification.residual_distribution", lambda t, d: t)
     biased, _ = first_tokens()
     assert pvalue(biased) < 1e-6
 

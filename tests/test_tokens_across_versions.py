@@ -21,7 +21,7 @@ import transformers
 
 import hf_dllm_spec
 import model_patches
-from hf_dllm_spec.evaluation import ROOT, arithmetic_prompts, humaneval_prompts, load
+from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, humaneval_prompts, load
 from hf_dllm_spec.jobs.main import SUB_BLOCKS, specs
 
 DATA = pathlib.Path(__file__).parent / "data" / "tokens_across_versions.json"

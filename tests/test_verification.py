@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hf_dllm_spec import verification
-from hf_dllm_spec.verification import (
+from hf_dllm_spec.maths import verification
+from hf_dllm_spec.maths.verification import (
     acceptance_probability,
     greedy_match,
     output_distribution,

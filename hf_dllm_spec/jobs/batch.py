@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -24,8 +25,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..evaluation import RESULTS_DIR, StrategySpec, arithmetic_prompts, humaneval_prompts, load
-from . import add_dtype_argument, add_model_argument, job_main
+from .evaluation import StrategySpec, arithmetic_prompts, humaneval_prompts
+from . import add_dtype_argument, add_model_argument, fresh_out_dir, job_main, load_checkpoint, positive_int
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -73,17 +74,19 @@ def compare(model, tokenizer, texts: list[str], spec: StrategySpec, max_new_toke
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_model_argument(ap)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-size", type=positive_int, default=8)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     add_dtype_argument(ap)
-    ap.add_argument("--out", default=str(RESULTS_DIR), help="results folder; default: benchmarks/results")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="results folder; default: a new folder runs/bench-batch-<date>-<time> (the committed results "
+                         "are written only by --out benchmarks/results)")
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bars (they only show on a terminal, on stderr)")
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
-    """The batch benchmark; `argv` (the job's own arguments) is recorded in batch.md as the command."""
-    tokenizer, model = load(args.model, dtype=getattr(torch, args.dtype))
+    """The batch benchmark; `argv` (the command that ran, its words) is recorded in batch.md."""
+    tokenizer, model = load_checkpoint(args.model, getattr(torch, args.dtype))
     tokenizer.padding_side = "left"
     sets = {
         "held-out arithmetic": ([p.text for p in arithmetic_prompts(args.model, args.batch_size)], 48),
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     }
     compare(model, tokenizer, sets["held-out arithmetic"][0][:2], SPECS[0], 8, 1)          # warm-up
     machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, {args.dtype}, greedy"
-    md = [f"# Batch benchmark\n\nCommand: `./run.sh bench-batch {' '.join(argv or [])}`".rstrip() + "  ",
+    md = [f"# Batch benchmark\n\nCommand: `{shlex.join(argv or ['hf-dllm-spec', 'bench-batch'])}`  ",
           f"Machine: {machine}  ", f"Date: {time.strftime('%Y-%m-%d')}\n",
           f"Batch of {args.batch_size} left-padded prompts vs {args.batch_size} sequential batch-1 calls, same "
           f"tokens (checked); generated tokens per second, median of {args.repeats} runs.\n"]
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
             md.append(f"| {spec.label} | {r['sequential_tps']:.1f} | {r['batch_tps']:.1f} | {r['ratio']:.2f}x |")
         md.append("")
     bar.close()
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out) if args.out is not None else fresh_out_dir("bench-batch")
     out.mkdir(parents=True, exist_ok=True)
     (out / "batch.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / 'batch.md'}")

@@ -1,6 +1,6 @@
 """Benchmark: block size x unmasking rule x S2D2 routing preset, against AR, in one process.
 
-    hf-dllm-spec bench                              # bundled model, 50 arithmetic + 10 HumanEval prompts
+    hf-dllm-spec bench                              # bundled model, 50 arithmetic + 10 HumanEval prompts -> runs/
     hf-dllm-spec bench --num-arith 100 --block-sizes 4,16 --out benchmarks/results
     hf-dllm-spec bench --model models/qwen2-tiny-ar --draft-model aligned=models/deer-drafter-tiny \\
         --draft-model unaligned=models/sdar-tiny-arith   # DEER: k = 4, 8, 16, 32 per drafter, against AR
@@ -13,9 +13,12 @@
 For every prompt set (held-out arithmetic: exact match; HumanEval: syntax-valid completions) it runs AR
 (block size 1), then for each block size static decoding, dynamic thresholds and the S2D2 routing presets,
 all with greedy decoding (temperature 0) and EOS on. It writes `<out>/sweep.md` (one table per prompt set,
-with NFE and wall-time ratios against AR measured in the same process), `<out>/sweep.json` (merged statistics)
-and `<out>/frontier.png` (accuracy vs wall time, the layout of S2D2's Figure 3). This is a measurement,
-not a test: numbers depend on the machine; record the machine and command next to them.
+with NFE and wall-time ratios against AR measured in the same process, and the command that ran),
+`<out>/sweep.json` (merged statistics), both rewritten as each row finishes (an interrupted sweep keeps its
+rows), and `<out>/frontier.png` (accuracy vs wall time, the layout of S2D2's Figure 3). `<out>` is a new folder
+`runs/bench-<date>-<time>` unless `--out` names one; the committed results of the project in
+`benchmarks/results/` are written only by `--out benchmarks/results`. This is a measurement, not a test:
+numbers depend on the machine; record the machine and command next to them.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import argparse
 import json
 import pathlib
 import platform
+import shlex
 import time
 
 import torch
 
-from ..evaluation import RESULTS_DIR, StrategySpec, arithmetic_prompts, humaneval_prompts, load, run as run_spec, table
-from . import add_dtype_argument, add_model_argument, job_main
+from .evaluation import LEGEND, StrategySpec, arithmetic_prompts, humaneval_prompts, run as run_spec, table
+from . import (UsageError, add_dtype_argument, add_model_argument, float_list, fresh_out_dir, int_list, job_main,
+               load_checkpoint, non_negative_int)
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -148,6 +153,8 @@ def simsd_summary(results: list, metric: str) -> str:
 
 
 def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bundled model") -> None:
+    """Accuracy vs wall time per prompt set (S2D2 Figure 3's layout), one marker per row; the rows on the
+    speed / accuracy frontier and AR are labelled. Writes `path` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,9 +170,14 @@ def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bund
             color, marker = families.get(fam, ("tab:green", "x"))
             ax.scatter(r["wall_time_s"], r["accuracy"], color=color, marker=marker, s=40,
                        label=fam if fam not in ax.get_legend_handles_labels()[1] else None)
-            if fam in ("AR", "S2D2", "DEER", "SimSD"):
-                ax.annotate(r["label"].split(" ", 1)[-1], (r["wall_time_s"], r["accuracy"]), fontsize=6,
-                            xytext=(3, 2), textcoords="offset points")
+        # Labels only on the frontier (no other row is both faster and at least as accurate) and AR, stacked
+        # in order of wall time with alternating offsets, so they do not overlap.
+        frontier = sorted((r for r in results if r["label"] == "AR" or not any(
+            o["wall_time_s"] < r["wall_time_s"] and o["accuracy"] >= r["accuracy"] for o in results)),
+            key=lambda r: r["wall_time_s"])
+        for i, r in enumerate(frontier):
+            ax.annotate(r["label"], (r["wall_time_s"], r["accuracy"]), fontsize=6, xytext=(4, 6 + 9 * (i % 3)),
+                        textcoords="offset points", arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.5"})
         ax.set_xlabel("wall time of the prompt set (s, lower is faster)")
         ax.set_ylabel(results[0]["metric"] + " (%)")
         ax.set_title(name)
@@ -178,16 +190,18 @@ def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bund
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_model_argument(ap)
-    ap.add_argument("--num-arith", type=int, default=50)
-    ap.add_argument("--num-humaneval", type=int, default=10)
-    ap.add_argument("--block-sizes", default="4,8,16,32")
-    ap.add_argument("--thresholds", default="0.9,0.7")
+    ap.add_argument("--num-arith", type=non_negative_int, default=50, help="held-out arithmetic prompts (0: none)")
+    ap.add_argument("--num-humaneval", type=non_negative_int, default=10, help="HumanEval prompts (0: none)")
+    ap.add_argument("--block-sizes", default="4,8,16,32", help="comma list of block sizes >= 1 (DEER: k)")
+    ap.add_argument("--thresholds", default="0.9,0.7", help="comma list of confidence thresholds in (0, 1]")
     ap.add_argument("--draft-model", action="append", default=[], metavar="[NAME=]PATH",
                     help="drafters (repeatable): DEER drafters for an AR --model, e.g. "
                          "aligned=models/deer-drafter-tiny (the DEER rows sweep --block-sizes as k); SimSD drafters "
                          "for a diffusion --model, e.g. models/sdar-tiny-arith for models/sdar-large (SimSD rows per "
                          "block size)")
-    ap.add_argument("--out", default=str(RESULTS_DIR), help="results folder; default: benchmarks/results")
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="results folder; default: a new folder runs/bench-<date>-<time> (the committed results are "
+                         "written only by --out benchmarks/results)")
     ap.add_argument("--seed", type=int, default=0)
     add_dtype_argument(ap)
     ap.add_argument("--no-progress", dest="progress", action="store_false",
@@ -195,21 +209,24 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
-    """The sweep; `argv` (the job's own arguments) is recorded in sweep.md as the command."""
+    """The sweep; `argv` (the command that ran, its words) is recorded in sweep.md."""
     import model_patches
 
     dtype = getattr(torch, args.dtype)
-    tokenizer, model = load(args.model, dtype=dtype)
-    thresholds = [float(t) for t in args.thresholds.split(",")]
-    block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    thresholds = float_list("--thresholds", args.thresholds)        # bad lists fail before anything loads
+    block_sizes = int_list("--block-sizes", args.block_sizes)
+    if args.num_arith == 0 and args.num_humaneval == 0:
+        raise UsageError("--num-arith", "--num-arith 0 and --num-humaneval 0 leave no prompts; pass a count > 0")
+    tokenizer, model = load_checkpoint(args.model, dtype)
     patch = model_patches.get_patch(model)
     drafters = {}
     for item in args.draft_model:
         name, _, path = item.rpartition("=")
-        drafters[name or pathlib.Path(path).name] = load(path, dtype=dtype)[1]
+        drafters[name or pathlib.Path(path).name] = load_checkpoint(path, dtype, "--draft-model")[1]
     if not patch.is_diffusion_lm:
         if not drafters:
-            raise SystemExit("an AR --model is benchmarked with DEER: pass --draft-model [NAME=]PATH (repeatable)")
+            raise UsageError("--draft-model", "an AR --model is benchmarked with DEER: pass --draft-model "
+                                              "[NAME=]PATH (repeatable), e.g. models/deer-drafter-tiny")
         specs = deer_specs(drafters, block_sizes)
     elif drafters:
         specs = simsd_specs(drafters, block_sizes)
@@ -223,13 +240,16 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         "held-out arithmetic": (arithmetic_prompts(args.model, args.num_arith), 48, "exact match"),
         "HumanEval prompts": (humaneval_prompts(args.num_humaneval), 64, "syntax OK"),
     }
+    sets = {name: value for name, value in sets.items() if value[0]}     # --num-... 0: the set is skipped
     # Warm-up (allocator, lazy inits) so the first timed row is not penalised.
-    run_spec(model, tokenizer, sets["held-out arithmetic"][0][:2], specs[0], max_new_tokens=8, seed=0, progress=False)
-    out_dir = pathlib.Path(args.out)
+    run_spec(model, tokenizer, next(iter(sets.values()))[0][:2], specs[0], max_new_tokens=8, seed=0, progress=False)
+    out_dir = pathlib.Path(args.out) if args.out is not None else fresh_out_dir("bench")
     out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"writing {out_dir}/ (sweep.md and sweep.json after every row)", flush=True)
     machine = (f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
                f"{args.dtype}, batch 1, greedy")
-    md = [f"# Benchmark sweep\n\nCommand: `./run.sh bench {' '.join(argv or [])}`".rstrip() + "  ",
+    command = shlex.join(argv or ["hf-dllm-spec", "bench"])
+    md = [f"# Benchmark sweep\n\nCommand: `{command}`  ",
           f"Machine: {machine}  ", f"Date: {time.strftime('%Y-%m-%d')}\n"]
     raw: dict = {}
     for name, (prompts, max_new, metric) in sets.items():
@@ -238,17 +258,21 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
             r = run_spec(model, tokenizer, prompts, spec, max_new_tokens=max_new, seed=args.seed,
                          progress=args.progress)
             results.append(r)
+            accuracy = "-" if not r.scored else f"{r.accuracy:5.1f}%"
             print(f"{name:20s} {spec.label:40s} nfe={r.stats.nfe:6d} wall={r.stats.wall_time_s:7.2f}s "
-                  f"{metric}={r.accuracy:5.1f}%", flush=True)
-        md += [f"## {name} ({len(prompts)} prompts, max_new_tokens={max_new}, metric: {metric})\n",
-               table(results, results[0], metric), ""]
-        if any(r.spec.decoding_strategy == "simsd" for r in results):
-            md += ["SimSD against the target alone (accepted per block: accepted / drafted tokens per block):\n",
-                   simsd_summary(results, metric), ""]
-        raw[name] = [{"label": r.spec.label, "decoding_strategy": r.spec.decoding_strategy, "params": r.spec.params,
-                      "accuracy": r.accuracy, "metric": metric, **r.stats.to_dict()} for r in results]
-    (out_dir / "sweep.md").write_text("\n".join(md) + "\n")
-    (out_dir / "sweep.json").write_text(json.dumps(raw, indent=1))
+                  f"{metric}={accuracy}", flush=True)
+            raw[name] = [{"label": r.spec.label, "decoding_strategy": r.spec.decoding_strategy,
+                          "params": r.spec.params, "accuracy": r.accuracy, "metric": metric, **r.stats.to_dict()}
+                         for r in results]
+            section = [f"## {name} ({len(prompts)} prompts, max_new_tokens={max_new}, metric: {metric})\n",
+                       table(results, results[0], metric), ""]
+            if any(r.spec.decoding_strategy == "simsd" for r in results):
+                section += ["SimSD against the target alone (accepted per block: accepted / drafted tokens per "
+                            "block):\n", simsd_summary(results, metric), ""]
+            # Every row is on disk as soon as it finishes: an interrupted sweep keeps what it measured.
+            (out_dir / "sweep.md").write_text("\n".join(md + section + [LEGEND]) + "\n")
+            (out_dir / "sweep.json").write_text(json.dumps(raw, indent=1))
+        md += section
     frontier_plot(raw, out_dir / "frontier.png", pathlib.Path(args.model).name)
     print(f"wrote {out_dir / 'sweep.md'}, {out_dir / 'sweep.json'}, {out_dir / 'frontier.png'}")
 

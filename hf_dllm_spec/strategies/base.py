@@ -10,9 +10,9 @@ import torch
 
 from ..configuration import DecodingConfig
 from ..outputs import BatchStats
-from ..runner import ModelRunner
-from ..sampling import Sampler
-from ..streaming import TokenStream
+from ..runtime.runner import ModelRunner
+from ..maths.sampling import Sampler
+from .streaming import TokenStream
 from ..validation import invalid
 
 
@@ -24,7 +24,7 @@ class DecodingSession:
         prompts (`list[torch.Tensor]`): each row's prompt without padding, `(P_n,)` int64, on `target.device`.
         target (`ModelRunner`): the model whose output is decoded (the self-drafting model of S2D2). The loop's
             tensors (blocks, probabilities, counters, the sampler's draws) live on its execution device
-            (`target.device`, see :func:`~hf_dllm_spec.placement.execution_device`).
+            (`target.device`, see :func:`~hf_dllm_spec.runtime.placement.execution_device`).
         sampler (`Sampler`): logits -> distributions and tokens; holds the generator.
         stats (`BatchStats`): per-row counters, updated in place.
         mask_token_id (`int`): the target's mask token (0 as a placeholder input where none is needed: AR
@@ -94,7 +94,7 @@ class DecodingStrategy(ABC):
         uses_drafter (`bool`): whether the strategy runs a separate `draft_model` (then required).
         requires_draft_mask_token (`bool`): whether that drafter needs a mask token (a diffusion drafter).
         decodes_whole_blocks (`bool`): whether every block on the grid is denoised whole, also past the budget (then
-            a block larger than the whole sequence is refused, :func:`~hf_dllm_spec.checks.check_block_budget`).
+            a block larger than the whole sequence is refused, :func:`~hf_dllm_spec.integration.checks.check_block_budget`).
     """
 
     name: ClassVar[str]
@@ -129,6 +129,19 @@ class DecodingStrategy(ABC):
     @abstractmethod
     def decode(self) -> list[torch.Tensor]:
         """Run the decoding loop; return each prompt's committed tokens, `(n_i,)` int64 (untrimmed)."""
+
+    def stream_draft(self, final: torch.Tensor, provisional: torch.Tensor) -> None:
+        """Batch 1 with a streamer: show `provisional` `(k,)`, the tokens that follow the row's `final` tokens
+        `(n,)` and that a later step may still change, to a streamer with `put_draft` (transformers'
+        `TextDiffusionStreamer` protocol); cut to the budget, nothing once a stop id is final. No-op without one."""
+        s = self.session
+        if s.stream is None or not s.stream.takes_drafts:
+            return
+        room = s.max_new_tokens - final.shape[0]
+        stops = torch.tensor(s.stop_token_ids, device=final.device)
+        if room <= 0 or bool(torch.isin(final, stops).any()):
+            return
+        s.stream.draft(provisional[:room])
 
     def should_stop(self, prompt_index: int, generated: torch.Tensor) -> bool:
         """Stop after a stop id, at the token budget, or when the caller's criteria say so (they are told of every

@@ -19,10 +19,10 @@ from typing import ClassVar
 import torch
 
 from ..configuration import DecodingConfig, check_bool, check_int
-from ..editing import EditingConfig, EditRule
-from ..masks import block_causal_mask, concat_segments, full_mask, left_pad, partially_causal_draft_mask
-from ..sampling import entropy
-from ..unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
+from ..maths.editing import EditingConfig, EditRule
+from ..maths.masks import block_causal_mask, concat_segments, full_mask, left_pad, partially_causal_draft_mask
+from ..maths.sampling import entropy
+from ..maths.unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
 from .base import DecodingStrategy
 
@@ -179,8 +179,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
     """Block diffusion with `low_confidence_dynamic` / `_static`, `sequential` or `entropy_bounded` unmasking.
 
     Source: S2D2 (arXiv 2603.25702) Algorithms 1-2; SDAR's `block_diffusion_generate` (JetAstra/SDAR).
-    Subclasses change one denoising step (:meth:`denoise_step`); an :class:`~hf_dllm_spec.editing.EditRule` in
-    `edit_rule` (built from the config when it is an :class:`~hf_dllm_spec.editing.EditingConfig` with
+    Subclasses change one denoising step (:meth:`denoise_step`); an :class:`~hf_dllm_spec.maths.editing.EditRule` in
+    `edit_rule` (built from the config when it is an :class:`~hf_dllm_spec.maths.editing.EditingConfig` with
     `editing_threshold`) re-decides committed tokens of the current block at every step.
     """
 
@@ -229,13 +229,15 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 # 1. one denoising forward for every row, storing last step's finished blocks on the way
                 began_full = ~block.masked.any(dim=1) if self.edit_rule is not None else None
                 logits = self.draft_forward(block, pending)
+                if s.stream is not None:
+                    self.stream_proposal(block, logits, generated[s.stats.active[0]])
                 # 2. edit and commit tokens; which rows finished their block
                 self.denoise_step(block, logits)
                 done = self.finish_step(block, began_full)
                 block.step += 1
             done_rows = done.tolist()
-            if s.stream is not None and self.edit_rule is None:
-                s.stream.push(torch.cat([generated[s.stats.active[0]], self.final_prefix(block, 0)]))
+            if s.stream is not None:
+                self.stream_step(block, generated[s.stats.active[0]])
             pending = None
             if not any(done_rows):
                 continue
@@ -246,6 +248,27 @@ class BlockDiffusionStrategy(DecodingStrategy):
             if finished:
                 pending = self.drop_rows(block, done_rows, finished, pending)
         return generated
+
+    def stream_step(self, block: BlockState, generated: torch.Tensor) -> None:
+        """Batch 1, after a denoising step: the block's committed prefix left of its first mask as final tokens
+        (not with token editing, which may still change them); `generated` `(n,)`: the row's finished blocks."""
+        if self.edit_rule is None:
+            self.session.stream.push(torch.cat([generated, self.final_prefix(block, 0)]))
+
+    def stream_proposal(self, block: BlockState, logits: torch.Tensor, generated: torch.Tensor) -> None:
+        """Batch 1, before a denoising step commits: the block after the streamed tokens as a draft, its undecided
+        positions filled with the model's most likely token (argmax of the step's logits `(1, B, V)`, MASK
+        excluded: the "argmax canvas" of transformers' diffusion models; nothing is drawn, so decoding is
+        unchanged). `generated` `(n,)`: the row's finished blocks. No drafts at block size 1 (AR)."""
+        s = self.session
+        if not s.stream.takes_drafts or self.block_size == 1:
+            return
+        scores = logits[0].clone()
+        scores[:, s.mask_token_id] = float("-inf")
+        canvas = torch.where(block.masked[0], scores.argmax(dim=-1), block.tokens[0])
+        fixed = int(block.num_fixed[0])
+        start = fixed + max(s.stream.sent - generated.shape[0], 0)        # this block's tokens already streamed
+        self.stream_draft(torch.cat([generated, canvas[fixed:start]]), canvas[start:])
 
     def collect_finished_blocks(self, block: BlockState, done_rows: list[bool],
                                 generated: list[torch.Tensor]) -> list[int]:
@@ -297,7 +320,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         rows = block.undecided[:, 0]
         if not bool(rows.any()):
             return
-        tokens, _ = self.session.sampler.choose(self.session.sampler.probs(carry[:, None, :]))
+        tokens, _ = self.session.sampler.choose(self.session.sampler.probs(carry[:, None, :]), draw=rows[:, None])
         block.tokens[:, 0] = torch.where(rows, tokens[:, 0], block.tokens[:, 0])
         block.undecided[:, 0] &= ~rows
         self.session.stats.accumulate("num_fallback_tokens", rows.long())
@@ -334,6 +357,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         s.target.select_rows(index)
         if s.drafter is not None:
             s.drafter.select_rows(index)
+        s.sampler.select_rows(index)            # per-row generators follow their rows
         s.stats.select(index.tolist())
 
     def final_prefix(self, block: BlockState, row: int) -> torch.Tensor:

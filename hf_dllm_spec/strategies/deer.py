@@ -7,8 +7,10 @@ id).
 
 One cycle per row (batched):
 
-1. the drafter (:class:`~hf_dllm_spec.drafting.OneStepDrafter`) reads the verified prefix once and proposes
-   k tokens y_1..y_k ~ q_theta(. | x_{1:j}) (argmax at T = 0), the drafter's MASK suppressed;
+1. the drafter (:class:`~hf_dllm_spec.strategies.drafting.OneStepDrafter`) reads the verified prefix once and proposes
+   k tokens y_1..y_k ~ q_theta(. | x_{1:j}) (argmax at T = 0), the drafter's MASK suppressed; near the budget
+   a row verifies fewer drafts, the first ones of a block of k masks drafted as always (so a row's drafts do not
+   depend on the other rows of a batch);
 2. one target forward over ``[x_j | y_1 .. y_k]`` (x_j: the last committed token, not yet in the target's
    cache) stores all k + 1 tokens and gives p_AR at every draft position plus the bonus position;
 3. acceptance left to right (`verification.rejection_sample`: min(1, p/q), residual max(0, p - q), bonus
@@ -30,10 +32,10 @@ from typing import Any, ClassVar
 import torch
 
 from ..configuration import DrafterConfig, check_int
-from ..drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter
-from ..masks import causal_mask, left_pad
+from .drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter
+from ..maths.masks import causal_mask, left_pad
 from ..validation import check_choice, invalid
-from ..verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
+from ..maths.verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
 from .base import DecodingStrategy
 
 
@@ -163,13 +165,19 @@ class DeerStrategy(DecodingStrategy):
         k, per_row = self.num_drafts()
         n = self.last.shape[0]
         if k:
-            # The drafter keeps its own device: it reads the ids there, its block logits come back here.
-            draft_logits = self.drafter.draft(self.new_tokens, k).to(self.last.device)           # (N, k, V)
+            # The drafter keeps its own device: it reads the ids there, its block logits come back here. It always
+            # drafts a whole block of `block_size` masks (full attention inside it: fewer masks would change the
+            # first ones' logits), so a row's drafts never depend on the budgets of the other rows in the batch.
+            draft_logits = self.drafter.draft(self.new_tokens, self.config.block_size)[:, :k]
+            draft_logits = draft_logits.to(self.last.device)                                       # (N, k, V)
             draft_probs = self.draft_sampler.probs(draft_logits)
-            draft_ids, _ = self.draft_sampler.choose(draft_probs)                               # (N, k)
+            drawn = torch.arange(k, device=per_row.device)[None] < per_row[:, None]             # a row's own k
+            draft_ids, _ = self.draft_sampler.choose(draft_probs, draw=drawn)                   # (N, k)
         else:
             draft_probs = torch.zeros(n, 0, 1, device=self.last.device)
             draft_ids = self.last.new_zeros(n, 0)
+        if s.stream is not None:          # the drafter's proposals, before the target verifies them
+            self.stream_draft(self.generated[s.stats.active[0]], draft_ids[0, :int(per_row[0])])
         query = torch.cat([self.last[:, None], draft_ids], dim=1)                              # (N, k + 1)
         positions = self.next_pos[:, None] + torch.arange(k + 1, device=query.device)[None]
         aligned = s.target.forward(query, positions, causal_mask(k + 1, query.device), kind="verify",
@@ -212,6 +220,7 @@ class DeerStrategy(DecodingStrategy):
         index = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long, device=self.last.device)
         s.target.select_rows(index)
         self.drafter.select_rows(index)
+        s.sampler.select_rows(index)            # per-row generators follow their rows
         s.stats.select(index.tolist())
         self.last, self.next_pos = self.last[index], self.next_pos[index]
         self.new_tokens = [self.new_tokens[i] for i in index.tolist()]

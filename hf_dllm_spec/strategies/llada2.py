@@ -12,7 +12,7 @@ Differences from the Hub loop, all fixes or generalisations: a KV cache (prefill
 forwards, each finished block stored once, fused with the next block's first forward; the Hub recomputes the
 whole window at every step); a hard block-causal mask (the 2.1 Hub mask is additive 1/0 and does not block,
 families.md §4.5); batches of any size; fp32 as well as bf16; the mask token and stop ids from the model. It is
-block diffusion with :class:`~hf_dllm_spec.editing.EditingConfig`, so the class only sets the family defaults.
+block diffusion with :class:`~hf_dllm_spec.maths.editing.EditingConfig`, so the class only sets the family defaults.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..editing import EditingConfig
+from ..maths.editing import EditingConfig
 from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
 
 

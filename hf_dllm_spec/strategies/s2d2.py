@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 import torch
 
 from ..configuration import check_bool, check_int
-from ..editing import EditingConfig
-from ..masks import causal_mask, verifier_2l_mask
-from ..routing import (
+from ..maths.editing import EditingConfig
+from ..maths.masks import causal_mask, verifier_2l_mask
+from ..maths.routing import (
     ESTIMATORS,
     POLICIES,
     SCORE_TYPES,
@@ -43,10 +43,10 @@ from ..routing import (
     ucb_context_buckets,
     verify_score,
 )
-from ..sampling import entropy
-from ..unmasking import first_masked_span
+from ..maths.sampling import entropy, rows_of
+from ..maths.unmasking import first_masked_span
 from ..validation import check_choice, check_range, invalid
-from ..verification import greedy_match, rejection_sample
+from ..maths.verification import greedy_match, rejection_sample
 from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
 
 _SDAR_AR_CACHING = {"cache_ver": True, "draft_ver": True, "token_acceptance_estimator": "soft_entropy_negexp"}
@@ -190,7 +190,7 @@ def build_policy(config: "S2D2Config", *, ucb_counts_prompt_tail: bool) -> Routi
     """The routing policy named by `do_verify_policy`, with its thresholds (Algorithm 4, App. A.6).
 
     `ucb_counts_prompt_tail` is the target family's UCB progress convention
-    (`FamilyPatch.ucb_progress_counts_prompt_tail`, see :func:`~hf_dllm_spec.routing.ucb_progress_bin`); the
+    (`FamilyPatch.ucb_progress_counts_prompt_tail`, see :func:`~hf_dllm_spec.maths.routing.ucb_progress_bin`); the
     other policies ignore it.
     """
     if config.do_verify_policy == "mask_span_length":
@@ -351,7 +351,8 @@ class S2D2Strategy(BlockDiffusionStrategy):
             span_draft_probs = draft_probs[rows[:, None], idx]
             result = rejection_sample(span_tokens, span_draft_probs, target_probs, num_drafts=lengths,
                                       gamma=self.config.ssd_ratio_tempering_factor,
-                                      allow_resample=self.config.allow_resample, generator=s.sampler.generator)
+                                      allow_resample=self.config.allow_resample,
+                                      generator=rows_of(s.sampler.generator, rows))
         # Commit each row's tokens at block positions start .. start + num_tokens - 1.
         relative = block.offsets - start[rows, None]                                      # (M, B)
         write = (relative >= 0) & (relative < result.num_tokens[:, None])

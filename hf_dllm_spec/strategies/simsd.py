@@ -12,7 +12,7 @@ the block's known part, SimSD's "leftover", is the prompt tail plus earlier comm
    step. The drafter's schedule is `remasking_strategy` / `steps_per_block` / `confidence_threshold` (the
    published protocols: `low_confidence_static`, one reveal per step);
 2. verify: one target forward (cache read-only). `verify_layout="paired"` (the paper): ``[data | mask slots]``
-   with the token-level temporal causal mask (:func:`~hf_dllm_spec.masks.temporal_verify_mask`, Eq. 1), mask slot
+   with the token-level temporal causal mask (:func:`~hf_dllm_spec.maths.masks.temporal_verify_mask`, Eq. 1), mask slot
    k at data position k's RoPE position. `verify_layout="stacked"`: one copy of the block per reveal step, copy s
    holding the block as it was before step s (full attention inside each copy): exact, at s times the query;
 3. accept in position order (default, the reference; position order can accept a token whose context held
@@ -50,11 +50,11 @@ from typing import Any, ClassVar
 import torch
 
 from ..configuration import DrafterConfig, check_int
-from ..masks import full_mask, temporal_verify_mask
-from ..sampling import Sampler, entropy
-from ..unmasking import scheduled_tokens, select_transfer
+from ..maths.masks import full_mask, temporal_verify_mask
+from ..maths.sampling import Sampler, entropy
+from ..maths.unmasking import scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
-from ..verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
+from ..maths.verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
 from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
 
 VERIFY_LAYOUTS = ("paired", "stacked")
@@ -237,7 +237,7 @@ def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, ta
         residual = (probs - draft_probs[rows, slot]).clamp_min(0.0).index_fill(1, stop, 0.0)
         other = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, other)
     other = other / other.sum(dim=1, keepdim=True).clamp_min(torch.finfo(other.dtype).tiny)
-    replacement, _ = sampler.choose(other)
+    replacement, _ = sampler.choose(other, draw=gated)
     out = committed_ids.clone()
     out[rows, slot] = torch.where(gated, replacement, token)
     return out
@@ -298,6 +298,9 @@ class SimSDStrategy(BlockDiffusionStrategy):
         pending: tuple | None = None
         while block.tokens.shape[0]:
             drafts = self.draft(block, pending)
+            if s.stream is not None:           # the drafter's proposal for the undecided positions, before verify
+                final = torch.cat([blocks_done[s.stats.active[0]], self.final_prefix(block, 0)])
+                self.stream_draft(final, drafts.tokens[0, int(block.first_masked[0]):])
             target_probs = self.session.sampler.probs(self.verify(block, drafts, pending))
             self.commit(block, drafts, target_probs)
             done = ~block.undecided.any(dim=1)
@@ -338,7 +341,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
                                           kind="draft", rows=still)
             pending = None
             probs = self.draft_sampler.probs(logits)
-            chosen, confidence = self.draft_sampler.choose(probs)
+            chosen, confidence = self.draft_sampler.choose(probs, draw=still[:, None].expand_as(undecided))
             transfer = select_transfer(
                 cfg.remasking_strategy, masked=undecided, confidence=confidence,
                 num_tokens=scheduled_tokens(num_masks.clamp(min=1), self.steps_per_block,

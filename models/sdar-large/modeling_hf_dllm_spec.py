@@ -1,4 +1,4 @@
-"""Remote-code shim written by `hf_dllm_spec.export_checkpoint` (hf-dllm-spec 0.1.0.dev0).
+"""Remote-code shim written by hf-dllm-spec (0.1.0.dev0).
 
 `model_patches.sdar.SDARForCausalLM` lives in the installed `hf-dllm-spec` package; this file only imports it,
 so that `AutoModelForCausalLM.from_pretrained(<this checkpoint>, trust_remote_code=True)` works without
@@ -10,7 +10,7 @@ try:  # transformers' import check skips try blocks, so a missing package fails 
 except ImportError as error:
     raise ImportError(
         "This checkpoint's `SDARForCausalLM` comes from the `hf-dllm-spec` package, which could not be "
-        f"imported ({error}); pip install hf-dllm-spec"
+        f"imported ({error}); install the hf-dllm-spec package from its repository checkout: pip install -e <checkout>"
     ) from error
 
 

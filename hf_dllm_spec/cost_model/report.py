@@ -1,0 +1,176 @@
+"""Output of the cost model: the markdown tables, the plot, the machine description and JSON-ready results."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import platform
+from collections import Counter
+
+import torch
+
+
+def _f(value, fmt: str = ".2f", none: str = "-") -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return none
+    return format(value, fmt)
+
+
+def widths_summary(forwards: list[list], top: int = 4) -> str:
+    """'kind: q x n, ...' per role and kind, the `top` most frequent widths each (for the COUNT table)."""
+    by: dict[tuple[str, str], Counter] = {}
+    for role, kind, q, _ctx, _keep, n in forwards:
+        by.setdefault((role, kind), Counter())[q] += n
+    parts = []
+    for (role, kind), widths in sorted(by.items()):
+        common = ", ".join(f"{q}x{n}" for q, n in sorted(widths.most_common(top)))
+        more = "" if len(widths) <= top else f", +{len(widths) - top} widths"
+        parts.append(f"{'D ' if role == 'drafter' else ''}{kind}: {common}{more}")
+    return "; ".join(parts)
+
+
+def markdown(result: dict) -> str:
+    """The `.md` report of a result (`cli.main`): the command and machine, the COUNT table, and the TIME and
+    PREDICT tables when those phases ran."""
+    meta, count, timing, predict = result["meta"], result["count"], result.get("time"), result.get("predict")
+    lines = [f"# Cost model: {meta['shape']} shapes, {meta['device']}, {meta['dtype']}"
+             f"{', ' + meta['quant'] if meta['quant'] != 'none' else ''}\n",
+             f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ", f"Date: {meta['date']}  ",
+             f"COUNT: {count['num_prompts']} held-out arithmetic prompts per row, max_new_tokens="
+             f"{count['max_new_tokens']}, greedy, EOS on, bundled models, {count['device']} {count['dtype']}, "
+             f"{count['threads']} threads, fastest of {count.get('repeats', 1)} interleaved run(s)"
+             + (f" (reused from `{count['source']}`)" if count.get("source") else "") + "\n",
+             "## COUNT: bundled models, measured\n",
+             "wall/CPU: wall seconds over process CPU seconds of the prompt loop (1 torch thread: 1.0 = no other "
+             "process slowed the run).\n",
+             "| row | tokens | NFE (target / drafter) | tokens/forward | acceptance | wall s | tok/s | wall/CPU | "
+             "outside ms/step | outside share | exact match | forwards by kind (width x count) |",
+             "|" + "---|" * 12]
+    for r in count["rows"]:
+        lines.append(f"| {r['key']} | {r['tokens']} | {r['nfe']} ({r['target_forwards']} / {r['drafter_forwards']}) "
+                     f"| {r['tokens'] / max(1, r['decode_forwards']):.2f} | {_f(r['acceptance_rate'])} | "
+                     f"{r['wall_time_s']:.2f} | {r['tokens'] / r['wall_time_s']:.1f} | "
+                     f"{_f(r.get('call_cpu_s') and r['call_wall_s'] / r['call_cpu_s'])} | "
+                     f"{r['outside_s_per_step'] * 1e3:.2f} | {r['overhead_fraction']:.0%} | {r['accuracy']:.0f}% | "
+                     f"{widths_summary(r['forwards'])} |")
+    if timing:
+        lines += ["", f"## TIME: one forward, {meta.get('stat', 'median')} of {meta['reps']} after {meta['warmup']} "
+                  "warm-up\n",
+                  f"Load averages (1/5/15 min) at start, after COUNT, after TIME: {meta['load_average'].get('start')}, "
+                  f"{meta['load_average'].get('after_count')}, {meta['load_average'].get('after_time')}\n",
+                  "| shape | params | build s | cache length | wall/CPU | cached forward ms by query width q | "
+                  "prefill ms by q (empty cache) |", "|---|---|---|---|---|---|---|"]
+        for name, info in timing["shapes"].items():
+            if info["skipped"]:
+                lines.append(f"| {name} | {info['params'] / 1e6:.1f}M | - | - | - | skipped: {info['skipped']} | |")
+                continue
+            cached = ", ".join(f"{q}: {s * 1e3:.2f}" for q, s in sorted((int(k), v) for k, v in info["cached"].items()))
+            uncached = ", ".join(f"{q}: {s * 1e3:.2f}"
+                                 for q, s in sorted((int(k), v) for k, v in info["uncached"].items()))
+            lines.append(f"| {name} | {info['params'] / 1e6:.1f}M | {_f(info.get('build_s'), '.1f')} | "
+                         f"{info['context']} | {_f(info.get('wall_over_cpu'))} | {cached or '-'} | {uncached or '-'} |")
+    if predict:
+        tiny = meta["shape"] == "tiny"
+        lines += ["", "## PREDICT: tokens/s = tokens / (sum of t(q) over recorded forwards + steps x outside)\n",
+                  "efficiency = speedup over AR / forward-count ratio over AR (forwards per token, all models; "
+                  "'target' uses target-model forwards only). Measured: COUNT wall times of the bundled models.\n",
+                  "| row | shapes (target / drafter) | pred. forward s | pred. outside s | pred. tok/s | "
+                  + ("measured tok/s | pred./meas. | " if tiny else "") +
+                  "pred. speedup | forward ratio | pred. efficiency | pred. eff. (target) | measured speedup | "
+                  "measured efficiency | measured eff. (CPU time) |",
+                  "|" + "---|" * (14 if tiny else 12)]
+        for e in predict:
+            p, m = e.get("predicted", {}), e["measured"]
+            pt = e.get("predicted_target_only", {})
+            shapes = e["target_shape"] + (f" / {e['drafter_shape']}" if e["drafter_shape"] else "")
+            ptps = e.get("predicted_tokens_per_s")
+            lines.append(
+                f"| {e['key']} | {shapes} | {_f(e.get('predicted_forward_s'), '.3f')} | "
+                f"{_f(e.get('predicted_outside_s'), '.3f')} | {_f(ptps, '.1f')} | "
+                + (f"{e['measured_tokens_per_s']:.1f} | {_f(ptps and ptps / e['measured_tokens_per_s'])} | "
+                   if tiny else "")
+                + f"{_f(p.get('speedup'))}x | {_f(m['forward_ratio'])} | {_f(p.get('efficiency'))} | "
+                  f"{_f(pt.get('efficiency'))} | {m['speedup']:.2f}x | {_f(m['efficiency'])} | "
+                  f"{_f(e.get('measured_cpu_time', {}).get('efficiency'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+    """Left: forward time vs query width per shape (solid: cached, dashed: prefill). Right: predicted (and, at the
+    tiny shape, measured) tokens/s per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for i, (name, info) in enumerate(result["time"]["shapes"].items()):
+        color = f"C{i % 10}"
+        for key, style in (("cached", "-o"), ("uncached", "--s")):
+            pts = sorted((int(q), s) for q, s in info[key].items())
+            if pts:
+                left.plot([q for q, _ in pts], [s * 1e3 for _, s in pts], style, color=color, ms=4,
+                          label=f"{name} ({'ctx ' + str(info['context']) if key == 'cached' else 'prefill'})")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("query width q (tokens)")
+    left.set_ylabel("one forward (ms)")
+    left.set_title("forward time vs query width")
+    left.grid(alpha=0.3, which="both")
+    left.legend(fontsize=7)
+    rows = result["predict"]
+    y = range(len(rows))
+    pred = [e.get("predicted_tokens_per_s") or 0.0 for e in rows]
+    right.barh([v + 0.2 for v in y], pred, height=0.4, color="tab:red", label="predicted")
+    if result["meta"]["shape"] == "tiny":
+        right.barh([v - 0.2 for v in y], [e["measured_tokens_per_s"] for e in rows], height=0.4, color="tab:gray",
+                   label="measured (bundled models)")
+    right.set_yticks(list(y), [e["key"] for e in rows], fontsize=7)
+    right.invert_yaxis()
+    right.set_xlabel("tokens/s")
+    right.set_title(f"tokens/s per strategy ({result['meta']['shape']} shapes)")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3, axis="x")
+    meta = result["meta"]
+    fig.suptitle(f"Cost model, {meta['device']} {meta['dtype']}"
+                 f"{' ' + meta['quant'] if meta['quant'] != 'none' else ''}, {meta['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15 minute load averages (other processes on a shared machine), or None where unavailable."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_description(device: torch.device) -> str:
+    """One line for the report: the GPU name, or the CPU with its cores and torch threads; torch, transformers
+    and Python versions."""
+    if device.type == "cuda":
+        what = torch.cuda.get_device_name(device)
+    else:
+        what = f"{platform.machine()} CPU, {os.cpu_count()} cores (nproc), {torch.get_num_threads()} torch threads"
+    import transformers
+
+    return (f"{what}, torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def run_name(shape: str, device: torch.device, dtype: str, quant: str) -> str:
+    """Output file stem: `<shape>-<device type>-<dtype>[-<quant>]`."""
+    return f"{shape}-{device.type}-{dtype}" + (f"-{quant}" if quant != "none" else "")
+
+
+def json_ready(obj):
+    """`obj` with string keys everywhere, tuples as lists and NaN as None (strict JSON)."""
+    if isinstance(obj, dict):
+        return {str(k): json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    if isinstance(obj, float) and obj != obj:
+        return None
+    return obj

@@ -1,0 +1,347 @@
+"""From logits to per-position distributions, tokens and confidences.
+
+Temperature, top-k, top-p and token suppression are transformers' own `LogitsProcessor` objects, applied
+per position: a block's logits `(L, V)` are treated as a batch of `L` independent rows. The same processed
+distribution is used for drafting and for verification (speculative sampling, Leviathan et al. 2023 / Chen et
+al. 2023: both sides must carry the same transforms for rejection sampling to be lossless).
+
+Only position-independent processors are accepted. Context-dependent ones (repetition penalty, n-gram
+blocking, minimum length, forced tokens, grammars) need a left context per position, which is ill-defined
+when tokens are committed out of order; they raise `NotImplementedError` instead of being ignored.
+
+Randomness (`generate(..., generator=...)`): every random draw of a decoding goes through this module
+(:meth:`Sampler.choose`, :func:`draw_categorical`, :func:`draw_uniforms`), from one of two sources:
+
+- one `torch.Generator` (or `None`: torch's global RNG) shared by the batch: each draw is one call over the whole
+  batch, rows in order (the stream of earlier versions, unchanged);
+- a list of `torch.Generator`, one per row (:class:`RowGenerators`): every draw of row i comes from generator i,
+  and a row draws only what it would draw decoded alone, in the same order, so a sampled batch gives each row the
+  tokens of its single-prompt decode with that generator (`generator=[g]`). Per row and per decoding step the
+  order is: the token draw of each denoising step (one multinomial over the row's block positions, `(B, V)`;
+  DEER: over the row's own drafts; SimSD: every drafter step while the row still has masks), then the
+  verification of the row if it verifies (its `num_drafts` uniforms, then one residual draw on a rejection, or
+  one bonus draw after full acceptance; :func:`~hf_dllm_spec.maths.verification.rejection_sample`), then SimSD's stop-
+  id gate replacement when it fires; a right-shifted model with separate cache writes draws a new block's first
+  token from the carry before the block's first step. Rows that leave the batch take their generator along.
+  At batch size 1 a list `[g]` draws what `generator=g` draws, except SimSD's uniforms (a shared generator draws
+  one per block position, a row's own generator one per draft).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from ..validation import invalid
+
+#: Processors whose output at a position depends on that position's logits alone.
+POSITION_INDEPENDENT_PROCESSORS: tuple[type, ...] = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    SuppressTokensLogitsProcessor,
+)
+
+
+#: The `generate` option that makes transformers add each context-dependent processor (for the error message).
+_PROCESSOR_OPTIONS = {
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
+    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
+    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
+    "EncoderNoRepeatNGramLogitsProcessor": "encoder_no_repeat_ngram_size",
+    "NoBadWordsLogitsProcessor": "bad_words_ids",
+    "SequenceBiasLogitsProcessor": "sequence_bias",
+    "MinLengthLogitsProcessor": "min_length",
+    "MinNewTokensLengthLogitsProcessor": "min_new_tokens",
+    "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
+    "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id",
+    "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
+    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+    "InfNanRemoveLogitsProcessor": "remove_invalid_values",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "WatermarkLogitsProcessor": "watermarking_config",
+}
+
+
+def _position_independent(proc) -> bool:
+    """Exact class match (a user subclass may read `input_ids`, which the sampler cannot supply per position);
+    a sequence bias on single tokens only is a fixed per-token bias."""
+    if type(proc) in POSITION_INDEPENDENT_PROCESSORS:
+        return True
+    if type(proc) is SequenceBiasLogitsProcessor:
+        return all(len(sequence) == 1 for sequence in proc.sequence_bias)
+    return False
+
+
+def check_logits_processors(processors: LogitsProcessorList | None) -> None:
+    """Raise `NotImplementedError` unless every processor depends on each position's logits alone.
+
+    Accepted by exact class: the processors of :data:`POSITION_INDEPENDENT_PROCESSORS` and a
+    `SequenceBiasLogitsProcessor` whose sequences are single tokens (what transformers' token healing builds).
+
+    Raises:
+        NotImplementedError: naming the `generate` option that added the processor (e.g. `repetition_penalty`),
+            or `logits_processor` for a processor passed by the user, and listing the supported ones.
+    """
+    for proc in processors or []:
+        if _position_independent(proc):
+            continue
+        name = type(proc).__name__
+        option = _PROCESSOR_OPTIONS.get(name, "logits_processor") if type(proc).__module__.startswith(
+            "transformers.") else "logits_processor"
+        supported = ", ".join(c.__name__ for c in POSITION_INDEPENDENT_PROCESSORS)
+        raise invalid(option, f"<{name}>", "add only processors that depend on each position's logits alone "
+                      "(the context of a position is ill-defined when a diffusion decoder commits tokens out of "
+                      f"order; subclasses are refused because they may read `input_ids`). Supported: {supported}",
+                      f"drop `{option}`", error=NotImplementedError)
+
+
+class RowGenerators:
+    """One `torch.Generator` per batch row: per-row randomness (see the module docstring for the order).
+
+    Shared by every sampler of a decoding (target and drafter); :meth:`select` follows the rows that stay in the
+    batch, so each row keeps its own generator when finished rows leave.
+
+    Args:
+        generators (`Sequence[torch.Generator]`): row i's generator at index i (checked by
+            :func:`~hf_dllm_spec.integration.checks.check_generator` before any forward).
+    """
+
+    def __init__(self, generators: Sequence[torch.Generator]) -> None:
+        self.generators = list(generators)
+
+    def __len__(self) -> int:
+        return len(self.generators)
+
+    def __getitem__(self, row: int) -> torch.Generator:
+        return self.generators[row]
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> None:
+        """Keep the rows `index` `(M,)`, in that order (in place: every sampler sharing this object follows)."""
+        self.generators = [self.generators[i] for i in _as_list(index)]
+
+    def subset(self, index: torch.Tensor | Sequence[int]) -> "RowGenerators":
+        """A new object over the rows `index` `(M,)` (the same generator objects: drawing advances them)."""
+        return RowGenerators([self.generators[i] for i in _as_list(index)])
+
+
+#: What the draws accept: one generator for the batch, one per row, or None (torch's global RNG).
+Generators = torch.Generator | RowGenerators | None
+
+
+def _as_list(index: torch.Tensor | Sequence[int]) -> list[int]:
+    return index.tolist() if isinstance(index, torch.Tensor) else list(index)
+
+
+def rows_of(generator: Generators, index: torch.Tensor | Sequence[int]) -> Generators:
+    """The generators of the rows `index` `(M,)` of a batch, for a draw over those rows only; a shared generator
+    (or None) is returned as is."""
+    return generator.subset(index) if isinstance(generator, RowGenerators) else generator
+
+
+def _check_rows(generator: RowGenerators, rows: int, what: str) -> None:
+    if len(generator) != rows:
+        raise ValueError(f"{what}: {len(generator)} per-row generators for {rows} rows; pass rows_of(generator, "
+                         "rows) for a draw over some rows of the batch.")
+
+
+def draw_categorical(probs: torch.Tensor, generator: Generators, draw: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per position from `probs` (`torch.multinomial`, one sample).
+
+    Args:
+        probs (`torch.Tensor` of shape `(R, *S, V)`): a distribution per position (rows first).
+        generator (`torch.Generator`, `RowGenerators` or `None`): shared: one `torch.multinomial` call over every
+            position in row-major order (`draw` ignored); per row: row r draws from its generator only at the
+            positions `draw[r]` (all when None), in row-major order, in one call.
+        draw (`torch.Tensor` of shape `(R, *S)`, bool, *optional*): the positions whose token is used (per-row
+            generators only; the other positions get the argmax and consume no random number).
+
+    Returns:
+        `torch.Tensor` of shape `(R, *S)`, int64.
+
+    Raises:
+        ValueError: if a `RowGenerators` does not have `R` generators.
+    """
+    vocab = probs.shape[-1]
+    if not isinstance(generator, RowGenerators):
+        return torch.multinomial(probs.reshape(-1, vocab), 1, generator=generator).reshape(probs.shape[:-1])
+    _check_rows(generator, probs.shape[0], "draw_categorical")
+    flat = probs.reshape(probs.shape[0], -1, vocab)                                  # (R, P, V)
+    tokens = flat.argmax(dim=-1)                                                      # (R, P)
+    where = None if draw is None else draw.reshape(probs.shape[0], -1).to(probs.device)
+    for r in range(flat.shape[0]):
+        positions = flat[r] if where is None else flat[r][where[r]]
+        if positions.shape[0]:
+            picked = torch.multinomial(positions, 1, generator=generator[r])[:, 0]
+            if where is None:
+                tokens[r] = picked
+            else:
+                tokens[r, where[r]] = picked
+    return tokens.reshape(probs.shape[:-1])
+
+
+def draw_uniforms(lengths: torch.Tensor, width: int, generator: Generators, *, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Uniforms in [0, 1) for `R` rows of up to `width` positions (the rejection test of speculative sampling).
+
+    Args:
+        lengths (`torch.Tensor` of shape `(R,)`, int64): positions each row uses (<= `width`).
+        width (`int`): L.
+        generator (`torch.Generator`, `RowGenerators` or `None`): shared: one `torch.rand(R, L)` call; per row:
+            row r draws `lengths[r]` uniforms from its generator (the rest of its row is 1.0, never read).
+
+    Returns:
+        `torch.Tensor` of shape `(R, L)`.
+
+    Raises:
+        ValueError: if a `RowGenerators` does not have `R` generators.
+    """
+    rows = lengths.shape[0]
+    if not isinstance(generator, RowGenerators):
+        return torch.rand(rows, width, generator=generator, device=device, dtype=dtype)
+    _check_rows(generator, rows, "draw_uniforms")
+    out = torch.ones(rows, width, device=device, dtype=dtype)
+    for r, n in enumerate(lengths.tolist()):
+        if n:
+            out[r, :n] = torch.rand(n, generator=generator[r], device=device, dtype=dtype)
+    return out
+
+
+@dataclass
+class Sampler:
+    """Turns logits into the processed distribution, draws tokens and reports confidences.
+
+    Args:
+        logits_processor (`LogitsProcessorList`): transformers processors (warpers only when sampling).
+        do_sample (`bool`): sample from the processed distribution (True) or take its argmax (False).
+        suppress_token_ids (`list[int]`): ids that get zero probability everywhere (the mask token: a sampled
+            MASK would leave the position masked; suppressing it is a documented deviation from the references).
+        generator (`torch.Generator`, a list of them, `RowGenerators` or `None`): the only source of randomness;
+            `None` uses torch's global RNG; a list or tuple (one per row) becomes a :class:`RowGenerators` (module
+            docstring: the order of the draws).
+    """
+
+    logits_processor: LogitsProcessorList
+    do_sample: bool
+    suppress_token_ids: list[int]
+    generator: Generators | Sequence[torch.Generator] = None
+
+    def __post_init__(self) -> None:
+        check_logits_processors(self.logits_processor)
+        if isinstance(self.generator, (list, tuple)):
+            self.generator = RowGenerators(self.generator)
+        # The suppression SuppressTokensLogitsProcessor would apply, as one `index_fill` (no vocabulary-wide isin).
+        self._suppress = torch.tensor(sorted(set(self.suppress_token_ids)), dtype=torch.long)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Processed distribution per position.
+
+        Args:
+            logits (`torch.Tensor` of shape `(..., V)`, e.g. `(N, B, V)`): raw logits, any float dtype. Every
+                position is an independent row for the processors.
+
+        Returns:
+            `torch.Tensor` of the same shape, float32: softmax of the processed logits. Called p (draft) or q
+            (verifier) in S2D2 Algorithm 3.
+        """
+        return torch.softmax(self.scores(logits), dim=-1)
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy choice without the full distribution: the argmax of the processed logits and its probability.
+
+        What :meth:`choose` returns on :meth:`probs` when not sampling (up to float rounding of the probability),
+        from one max and one log-sum-exp over the vocabulary instead of a softmax written out, an argmax over it
+        and a gather; for the steps whose consumers read only the chosen token and its confidence.
+
+        Args:
+            logits (`torch.Tensor` of shape `(..., V)`): raw logits, any float dtype.
+
+        Returns:
+            `(token_ids, confidence)`: int64 and float32 of shape `(...)`.
+
+        Raises:
+            ValueError: when sampling (`do_sample=True`): a draw needs the distribution.
+        """
+        if self.do_sample:
+            raise ValueError("Sampler.greedy: the sampler draws tokens (`do_sample=True`); use probs() + choose().")
+        scores = self.scores(logits)
+        best, token_ids = scores.max(dim=-1)
+        return token_ids, torch.exp(best - torch.logsumexp(scores, dim=-1))
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed logits (suppression, then the processors in order), float32, same shape as `logits`."""
+        shape = logits.shape
+        scores = logits.float().reshape(-1, shape[-1])
+        dummy_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
+        if self._suppress.numel():
+            if self._suppress.device != scores.device:
+                self._suppress = self._suppress.to(scores.device)
+            scores = scores.index_fill(-1, self._suppress, -float("inf"))
+        for proc in self.logits_processor:
+            scores = proc(dummy_ids, scores)
+        return scores.reshape(shape)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the per-row generators of the rows `index` `(M,)` that stay in the batch (no-op for a shared
+        generator). Samplers sharing the generators (target and drafter) follow; call it once per selection."""
+        if isinstance(self.generator, RowGenerators):
+            self.generator.select(index)
+
+    def choose(self, probs: torch.Tensor, draw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pick one token per position and report its probability (the confidence).
+
+        Args:
+            probs (`torch.Tensor` of shape `(N, ..., V)`, float32): from :meth:`probs`, rows first.
+            draw (`torch.Tensor` of shape `(N, ...)`, bool, *optional*): the positions whose token the caller uses,
+                when that is not all of them; with per-row generators only these consume random numbers (what the
+                row's single decode draws). See :func:`draw_categorical`.
+
+        Returns:
+            `(token_ids, confidence)`: int64 and float32 of shape `(N, ...)`, the probability of the chosen token
+            under `probs`, as in SDAR's `block_diffusion_generate` (greedy: the float32 softmax probability of the
+            argmax). Greedy takes the argmax; sampling draws one token per position from the generator in
+            row-major order (one `torch.multinomial` call; per row with per-row generators).
+        """
+        if self.do_sample:
+            token_ids = draw_categorical(probs, self.generator, draw)
+        else:
+            token_ids = probs.argmax(dim=-1)
+        return token_ids, probs.gather(-1, token_ids[..., None])[..., 0]
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy per position in nats.
+
+    Args:
+        probs (`torch.Tensor` of shape `(..., V)`).
+
+    Returns:
+        `torch.Tensor` of shape `(...)`: -sum_v p log p, with 0 log 0 = 0.
+    """
+    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
+
+
+def top2_margin(probs: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 probability per position, `(..., V) -> (...)` (m_i in S2D2 §4.3)."""
+    top = probs.topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]

@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over a :class:`~hf_dllm_spec.serving.batcher.Batcher`.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with `stream=true`),
+`GET /v1/models`, `GET /health` (the queue and the batch in progress). Responses are the `openai` package's own
+types (as in transformers' `serve`), with two additions: `usage` in every response (also in the last streamed
+chunk) and `dllm_stats`, the library's statistics of the request's row (NFE, tokens per forward, acceptance
+rate). A streamed response only carries final tokens in its choices; with `stream_drafts=true` in the body
+(batch 1) it also carries, between them, chunks marked `dllm_draft` (`{"text", "token_ids"}`: the provisional
+tokens after the final ones, e.g. the current block's argmax canvas or a drafter's proposals, each replacing the
+previous one; transformers' `TextDiffusionStreamer` protocol). Errors are `{"error": {"message", "type", "param"}}`
+with HTTP 4xx and the library's own message.
+
+>>> served = load_served_model("models/sdar-tiny-arith", strategy="s2d2")   # doctest: +SKIP
+>>> uvicorn.run(create_app(served), port=8000)                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .batcher import Batcher, Job, Result
+from .protocol import RequestError, ensure_chat_template, parse_request
+
+
+@dataclass
+class ServedModel:
+    """A loaded model and how the server decodes with it.
+
+    Attributes:
+        name (`str`): the `model` id clients pass (default: the checkpoint folder's name).
+        model, tokenizer: the target and its tokenizer; drafter (*optional*): the strategies' `draft_model`.
+        default_strategy (`str`): the strategy of requests that name none.
+        default_params (`dict`): its parameters (`serve --param k=v`), under the request's own.
+        default_max_tokens (`int`): the budget of requests without `max_tokens`.
+        max_batch_size (`int`): most requests per batch.
+    """
+
+    name: str
+    model: Any
+    tokenizer: Any
+    default_strategy: str
+    drafter: Any = None
+    default_params: dict = field(default_factory=dict)
+    default_max_tokens: int = 256
+    max_batch_size: int = 16
+
+
+def load_served_model(path: str, *, draft_model: str | None = None, strategy: str | None = None,
+                      params: dict | None = None, dtype: str = "float32", device: str = "cpu",
+                      name: str | None = None, **options: Any) -> ServedModel:
+    """Load a checkpoint (and drafter) as `hf_dllm_spec.jobs.evaluation.load` does, without remote code.
+
+    The default strategy is `strategy`, else the one stored in the model's generation config, else its family's
+    native decoding. A tokenizer without a chat template gets :data:`~.protocol.MINIMAL_CHAT_TEMPLATE` (in memory).
+
+    Raises:
+        ValueError: no strategy can be chosen (a plain causal LM: pass `strategy`), or a bad strategy parameter.
+    """
+    import torch
+
+    from ..jobs.evaluation import load
+    from ..strategies.registry import resolve_config
+    from ..validation import invalid
+
+    if strategy is not None:             # a bad option fails before anything is loaded
+        resolve_config(strategy, overrides=params or {})
+    tokenizer, model = load(path, dtype=getattr(torch, dtype))
+    model.to(device)
+    drafter = load(draft_model, dtype=getattr(torch, dtype))[1].to(device) if draft_model else None
+    default = strategy or (model.default_decoding_strategy() if hasattr(model, "default_decoding_strategy")
+                           else None)
+    if default is None:
+        raise invalid("strategy", None, f"be given for model_type `{model.config.model_type}`, which stores no "
+                      "decoding strategy", "pass --strategy ar (or a strategy with --draft-model)")
+    resolve_config(default, generation_config=model.generation_config, overrides=params or {})
+    ensure_chat_template(tokenizer)
+    return ServedModel(name or pathlib.Path(path).name, model, tokenizer, default, drafter, dict(params or {}),
+                       **options)
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "not_found_error" if status == 404 else ("invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                        status_code=status)
+
+
+class TextDeltas:
+    """Token ids -> text increments: the decoded text grows by what each call adds (held back while it ends in an
+    incomplete UTF-8 character, "\\ufffd")."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(payload: dict) -> str:
+    import json
+
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def create_app(served: ServedModel) -> FastAPI:
+    """The FastAPI app serving `served`; its batcher thread starts now and stops at the app's shutdown."""
+    from contextlib import asynccontextmanager
+
+    batcher = Batcher(served.model, served.drafter, max_batch_size=served.max_batch_size)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        batcher.close()
+
+    app = FastAPI(title="hf-dllm-spec", lifespan=lifespan)
+    app.state.served, app.state.batcher = served, batcher
+    created = int(time.time())
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, err: RequestError) -> JSONResponse:
+        return _error(err.status, str(err), err.param)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": served.name, **batcher.status()}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
+                                            "owned_by": "hf-dllm-spec"}]}
+
+    async def handle(request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except ValueError as err:
+            raise RequestError(f"the request body must be JSON ({err})") from err
+        parsed = parse_request(body, chat=chat, tokenizer=served.tokenizer, served_name=served.name,
+                               default_strategy=served.default_strategy, default_params=served.default_params,
+                               generation_config=served.model.generation_config,
+                               default_max_tokens=served.default_max_tokens)
+        job = Job(parsed, asyncio.get_running_loop())
+        batcher.submit(job)
+        try:
+            first = await job.events.get()        # the library refuses a request before any forward
+        except BaseException:
+            job.cancelled.set()
+            raise
+        if first[0] == "error":
+            return _error(*first[1])
+        shape = _ChatShape(job, served.name) if chat else _TextShape(job, served.name)
+        if parsed.stream:
+            return StreamingResponse(_stream(job, first, shape, served.tokenizer), media_type="text/event-stream")
+        try:
+            event, tokens = first, []
+            while event[0] == "tokens":
+                tokens += event[1]
+                event = await job.events.get()
+        finally:
+            job.cancelled.set()                   # no-op once done; frees the row if the client went away
+        if event[0] == "error":
+            return _error(*event[1])
+        result: Result = event[1]
+        text = served.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        return JSONResponse(shape.whole(text, result, len(parsed.prompt_ids)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+class _TextShape:
+    """`/v1/completions` payloads (`Completion`, `text_completion` chunks)."""
+
+    object = "text_completion"
+
+    def __init__(self, job: Job, model: str) -> None:
+        self.base = {"id": job.id, "created": int(time.time()), "model": model}
+
+    def whole(self, text: str, result: Result, prompt_tokens: int) -> dict:
+        return {**self.base, "object": self.object,
+                "choices": [{"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}],
+                "usage": _usage(prompt_tokens, len(result.tokens)), "dllm_stats": result.stats}
+
+    def first(self) -> list[dict]:
+        return []
+
+    def chunk(self, text: str, finish_reason: str | None = None) -> dict:
+        return {**self.base, "object": self.object,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+
+    def draft(self, text: str, token_ids: list[int]) -> dict:
+        """A chunk that adds no text and carries a provisional draft in `dllm_draft` (it replaces the previous
+        draft; final text only ever arrives in the choices)."""
+        return {**self.chunk(""), "dllm_draft": {"text": text, "token_ids": token_ids}}
+
+
+class _ChatShape(_TextShape):
+    """`/v1/chat/completions` payloads (`ChatCompletion`, `chat.completion.chunk`)."""
+
+    def __init__(self, job: Job, model: str) -> None:
+        super().__init__(job, model)
+        self.base["id"] = "chat" + job.id
+
+    def whole(self, text: str, result: Result, prompt_tokens: int) -> dict:
+        return {**self.base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": result.finish_reason, "logprobs": None}],
+                "usage": _usage(prompt_tokens, len(result.tokens)), "dllm_stats": result.stats}
+
+    def first(self) -> list[dict]:
+        return [{**self.base, "object": "chat.completion.chunk",
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+
+    def chunk(self, text: str, finish_reason: str | None = None) -> dict:
+        return {**self.base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}]}
+
+
+async def _stream(job: Job, first: tuple, shape: _TextShape, tokenizer):
+    """Server-sent events: a chunk per batch of newly final tokens, the last with `finish_reason`, `usage` and
+    `dllm_stats`, then `[DONE]`. A client that goes away cancels the job, which frees its row."""
+    deltas, done = TextDeltas(tokenizer), False
+    try:
+        for payload in shape.first():
+            yield _sse(payload)
+        event = first
+        while True:
+            ids = []
+            while event[0] == "tokens":              # everything final so far, in one chunk
+                ids += event[1]
+                try:
+                    event = job.events.get_nowait()
+                except asyncio.QueueEmpty:
+                    event = None
+                    break
+            if ids and (text := deltas.add(ids)):
+                yield _sse(shape.chunk(text))
+            if event is not None and event[0] == "draft":
+                yield _sse(shape.draft(tokenizer.decode(event[1], skip_special_tokens=True), event[1]))
+                event = None
+            if event is None:
+                event = await job.events.get()
+                continue
+            if event[0] == "error":
+                yield _sse({"error": {"message": event[1][1], "type": "server_error", "param": None, "code": None}})
+                done = True
+                return
+            result: Result = event[1]
+            text = deltas.add([], final=True)
+            final = shape.chunk(text, result.finish_reason)
+            final["usage"] = _usage(len(job.request.prompt_ids), len(result.tokens))
+            final["dllm_stats"] = result.stats
+            done = True
+            yield _sse(final)
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        if not done:
+            job.cancelled.set()
+
+
+@contextlib.contextmanager
+def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
+    """Run `app` with uvicorn in a daemon thread of this process until the block ends; yields the base URL
+    (`http://host:port`; port 0 picks a free one). For tests and benchmarks.
+
+    Raises:
+        RuntimeError: the server did not start within `timeout` seconds.
+    """
+    import socket
+    import threading
+
+    import uvicorn
+
+    if port == 0:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="hf-dllm-spec-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError(f"the server did not start on {host}:{port} within {timeout:g} s")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)

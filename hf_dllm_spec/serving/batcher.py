@@ -1,0 +1,279 @@
+"""The request queue of the server: concurrent requests decoded together in the library's padded batches.
+
+One worker thread owns the model. Requests wait in a queue while a batch decodes; when it ends, the worker takes
+the oldest waiting request and every other waiting request with the same decoding options
+(:attr:`~hf_dllm_spec.serving.protocol.DecodingOptions.batch_key`), up to `max_batch_size`, and decodes them with
+one `model.generate` call: prompts left-padded, `max_new_tokens` the largest budget of the batch. A row leaves the
+batch when it finishes (the library drops finished rows from its forwards), at its stop id, at its own budget or
+when its client goes away.
+
+Per-row budgets, streaming and cancellation ride on `generate`'s stopping criteria, which the library calls on the
+whole batch once every row's token t is final (:class:`RowStreams`): each row's tokens are streamed as they
+become final (never a token a later step could revise), and a criterion that fires ends the row there. A row's
+tokens do not depend on the other rows of its batch (the library's batch == one by one property; a sampled row
+draws from its own seeded generator, `generate(generator=[g_0, g_1, ...])`), so a request gets the tokens of its
+own batch-1 `generate` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import model_patches
+
+from ..runtime.placement import execution_device
+from ..strategies.registry import get_strategy
+from .protocol import ParsedRequest
+
+_ids = itertools.count()
+
+
+@dataclass
+class Result:
+    """A finished request: its new tokens, why it ended and the library's statistics of its row."""
+
+    tokens: list[int]
+    finish_reason: str            # "stop" (a stop id) or "length" (the budget)
+    stats: dict[str, Any]
+
+
+@dataclass
+class Job:
+    """One request in flight. The worker thread posts `(kind, payload)` events to `events` on the request's event
+    loop: `("tokens", [ids])` as tokens become final, then `("done", Result)` or `("error", (status, message))`.
+    Setting `cancelled` (the client went away) ends the row at its next final token."""
+
+    request: ParsedRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    id: str = field(default_factory=lambda: f"cmpl-{next(_ids)}-{random.getrandbits(32):08x}")
+
+    def emit(self, kind: str, payload: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:          # the event loop is closed: nobody listens any more
+            self.cancelled.set()
+
+
+def row_stats(stats, decoding_strategy: str, batch_size: int) -> dict[str, Any]:
+    """The library's statistics of one row (`SpecDecodingStats`) for a response's `dllm_stats` field: NFE (the
+    forwards the row took part in), tokens per forward, acceptance rate and mean acceptance length (None without
+    drafts), the rows its batch started with."""
+    drafts = stats.num_draft_tokens > 0
+    return {"decoding_strategy": decoding_strategy, "nfe": stats.nfe, "tokens_per_forward": stats.tpf,
+            "acceptance_rate": stats.acceptance_rate if drafts else None,
+            "mean_acceptance_length": stats.mean_acceptance_length if stats.num_drafts else None,
+            "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens, "batch_size": batch_size,
+            "wall_time_s": stats.wall_time_s}
+
+
+class RowStreams(StoppingCriteria):
+    """Stopping criterion that streams each row's final tokens and ends rows at their own budget or cancellation.
+
+    The library evaluates stopping criteria position by position on the whole batch, `(N, P + t)`, once every
+    row's token t is final or the row has ended (rows that ended are continued with padding). Position t of row n
+    is streamed to its job unless the row has already ended (a stop id, its budget, its cancellation).
+
+    Args:
+        jobs (`list[Job]`): the batch's requests, in row order.
+        prompt_width (`int`): P, the padded prompt width.
+        stop_ids (`list[int]`): the stop ids `generate` uses (a row ends after the first one, kept).
+    """
+
+    def __init__(self, jobs: list[Job], prompt_width: int, stop_ids: list[int]) -> None:
+        self.jobs, self.width, self.stop_ids = jobs, prompt_width, set(stop_ids)
+        self.sent = [0] * len(jobs)
+        self.closed = [False] * len(jobs)
+        self.by_streamer = [False] * len(jobs)
+
+    def streamer(self, n: int) -> "_DraftStreamer":
+        """A streamer for row `n` (batch 1: `generate`'s `streamer`) that takes over its streaming: final tokens
+        from `put` (as soon as they are final, also inside a block) and drafts from `put_draft`, posted as
+        `("draft", [ids])` events; the criterion then only ends the row."""
+        self.by_streamer[n] = True
+        return _DraftStreamer(self, n)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        t = input_ids.shape[1] - self.width
+        last = input_ids[:, -1].tolist()
+        fired = []
+        for n, job in enumerate(self.jobs):
+            if not self.closed[n] and self.sent[n] == t - 1 and not self.by_streamer[n]:
+                job.emit("tokens", [last[n]])
+                self.sent[n] = t
+                self.closed[n] = last[n] in self.stop_ids or t >= job.request.max_tokens
+            stop = t >= job.request.max_tokens or job.cancelled.is_set()
+            self.closed[n] = self.closed[n] or stop
+            fired.append(stop)
+        return torch.tensor(fired, dtype=torch.bool, device=input_ids.device)
+
+
+class _DraftStreamer:
+    """transformers' `TextDiffusionStreamer` protocol for one job: `put` (the prompt first, then final tokens),
+    `put_draft` (provisional tokens, `(1, k)`), `end`."""
+
+    def __init__(self, streams: RowStreams, n: int) -> None:
+        self.streams, self.n, self.prompt_seen = streams, n, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:                 # `generate` puts the prompt first
+            self.prompt_seen = True
+            return
+        ids = value.reshape(-1).tolist()
+        self.streams.jobs[self.n].emit("tokens", ids)
+        self.streams.sent[self.n] += len(ids)
+
+    def put_draft(self, value: torch.Tensor) -> None:
+        self.streams.jobs[self.n].emit("draft", value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+class Batcher:
+    """The worker thread and its queue (see the module docstring).
+
+    Args:
+        model (`PreTrainedModel`): the target.
+        drafter (`PreTrainedModel`, *optional*): passed as `draft_model` to the strategies that use one.
+        max_batch_size (`int`, defaults to 16): most rows per `generate` call.
+        pad_token_id (`int`, *optional*): left padding of the prompts (default: the generation config's, else
+            the first stop id).
+    """
+
+    def __init__(self, model, drafter=None, *, max_batch_size: int = 16, pad_token_id: int | None = None) -> None:
+        from ..integration.generate import dllm_generate
+        from ..integration.mixin import DllmGenerationMixin
+
+        self.model, self.drafter, self.max_batch_size = model, drafter, max_batch_size
+        self.device = execution_device(model)
+        self.stop_ids = list(model_patches.get_patch(model).stop_token_ids(model, model.generation_config))
+        gc_pad = model.generation_config.pad_token_id
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (
+            gc_pad if gc_pad is not None else (self.stop_ids[0] if self.stop_ids else 0))
+        self.entry = {} if isinstance(model, DllmGenerationMixin) else {"custom_generate": dllm_generate}
+        self.queue: deque[Job] = deque()
+        self.cond = threading.Condition()
+        self.running = 0
+        self.counts = {"requests": 0, "batches": 0, "cancelled": 0, "errors": 0}
+        self.history: deque[dict] = deque(maxlen=1024)     # finished rows: id, tokens, reason, batch size
+        self.closed = False
+        self.thread = threading.Thread(target=self._work, name="hf-dllm-spec-batcher", daemon=True)
+        self.thread.start()
+
+    # -- the event-loop side ---------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            self.queue.append(job)
+            self.counts["requests"] += 1
+            self.cond.notify()
+
+    def status(self) -> dict[str, Any]:
+        with self.cond:
+            return {"queued": len(self.queue), "running": self.running, **self.counts}
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop taking batches; the batch in progress finishes first."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout)
+
+    # -- the worker thread -----------------------------------------------------------------------------------
+    def _take(self) -> list[Job]:
+        with self.cond:
+            while not self.closed and not self.queue:
+                self.cond.wait()
+            if self.closed:
+                return []
+            waiting = [j for j in self.queue if not j.cancelled.is_set()]
+            self.counts["cancelled"] += len(self.queue) - len(waiting)
+            if not waiting:
+                self.queue.clear()
+                return []
+            key = waiting[0].request.options.batch_key
+            batch = [j for j in waiting if j.request.options.batch_key == key and not j.request.stream_drafts]
+            batch = [waiting[0]] if waiting[0].request.stream_drafts else batch[: self.max_batch_size]
+            taken = {id(j) for j in batch}
+            self.queue = deque(j for j in waiting if id(j) not in taken)
+            self.running = len(batch)
+            return batch
+
+    def _work(self) -> None:
+        while not self.closed:
+            jobs = self._take()
+            if not jobs:
+                continue
+            try:
+                self._run(jobs)
+            finally:
+                with self.cond:
+                    self.running = 0
+
+    def _run(self, jobs: list[Job]) -> None:
+        """Decode a batch; if the library refuses it (ValueError, before any forward), each request alone, so
+        only the bad one gets the error (a budget that fits one prompt may not fit the batch's largest)."""
+        try:
+            self._decode(jobs)
+        except ValueError as err:
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._run([job])
+                return
+            self.counts["errors"] += 1
+            jobs[0].emit("error", (400, str(err)))
+        except Exception as err:                                  # noqa: BLE001 - reported to the client
+            traceback.print_exc()
+            for job in jobs:
+                self.counts["errors"] += 1
+                job.emit("error", (500, f"{type(err).__name__}: {err}"))
+
+    def _decode(self, jobs: list[Job]) -> None:
+        options = jobs[0].request.options
+        prompts = [j.request.prompt_ids for j in jobs]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for n, p in enumerate(prompts):
+            ids[n, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[n, width - len(p):] = 1
+        kwargs = options.generate_kwargs()
+        if get_strategy(options.decoding_strategy).uses_drafter and self.drafter is not None:
+            kwargs["draft_model"] = self.drafter
+        if options.do_sample:             # one generator per row: a request's draws do not depend on its batch
+            kwargs["generator"] = [torch.Generator(self.device).manual_seed(
+                j.request.options.seed if j.request.options.seed is not None else random.getrandbits(63))
+                for j in jobs]
+        streams = RowStreams(jobs, width, self.stop_ids)
+        if jobs[0].request.stream_drafts:            # batch 1: the library's streamer protocol, drafts included
+            kwargs["streamer"] = streams.streamer(0)
+        out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
+                                  max_new_tokens=max(j.request.max_tokens for j in jobs),
+                                  pad_token_id=self.pad_token_id, return_dict_in_generate=True,
+                                  stopping_criteria=StoppingCriteriaList([streams]), **self.entry, **kwargs)
+        self.counts["batches"] += 1
+        for n, job in enumerate(jobs):
+            stats = out.spec_stats_per_row[n]
+            tokens = out.sequences[n, width:][: stats.num_generated_tokens].tolist()
+            if streams.sent[n] < len(tokens):                  # not yet streamed (never expected): send the rest
+                job.emit("tokens", tokens[streams.sent[n]:])
+            reason = "stop" if tokens and tokens[-1] in self.stop_ids else "length"
+            if job.cancelled.is_set():
+                self.counts["cancelled"] += 1
+                reason = "cancelled"
+            self.history.append({"id": job.id, "tokens": len(tokens), "finish_reason": reason,
+                                 "batch_size": len(jobs), "time": time.time()})
+            job.emit("done", Result(tokens, reason, row_stats(stats, options.decoding_strategy, len(jobs))))

@@ -1,0 +1,142 @@
+"""One-step block drafting (DEER §3.2, Eq. 5): k draft distributions from one drafter forward.
+
+Given each row's verified prefix x_{1:j}, one forward of a diffusion drafter over ``[prefix | MASK x k]``
+(plus an optional SEP token) yields q_theta(. | x_{1:j}) at the k masked positions. Each draft conditions on
+the prefix only, never on the other drafts.
+
+Two attention layouts (``draft_attention``):
+
+- ``"causal_prefix"`` (default): the prefix is causal and stored in the drafter's KV cache; the masked block
+  sees the whole prefix and itself (full attention inside the block) and is read-only. Committed tokens never
+  change, so the cached prefix equals a fresh forward (tested): each cycle feeds only the newly committed
+  tokens plus the masks. This is how block-diffusion drafters (SDAR) attend, and the layout the D2A recipe
+  (`recipes/objectives.py`, ``d2a``) trains.
+- ``"full"``: bidirectional attention over prefix and block (Open-dCoder-style drafters, families.md §6); a KV
+  cache would be invalid once the suffix changes, so every cycle recomputes the whole context (DEER App. F).
+
+Alignment follows the drafter's family: a right-shifted drafter (Open-dCoder, Fast-dLLM v2) scores the first
+draft from the last prefix position; the runner applies the shift.
+
+SEP (``sep_token_id``, DEER Stage I's continuation-boundary marker): ``"after_masks"`` appends it at position
+j + k (the paper's Fig. 3), ``"before_masks"`` puts it at position j and the masks at j + 1 .. j + k. Without a
+SEP token (the default) the block is just the masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..maths.masks import causal_mask, concat_segments, full_mask, left_pad
+from ..runtime.runner import ModelRunner
+from ..validation import invalid
+
+DRAFT_ATTENTIONS = ("causal_prefix", "full")
+SEP_POSITIONS = ("after_masks", "before_masks")
+
+
+def draft_block_layout(num_draft_tokens: int, mask_token_id: int, sep_token_id: int | None,
+                       sep_position: str) -> tuple[list[int], list[int], list[int]]:
+    """Token ids, position offsets (from the first position after the prefix) and draft slots of the block.
+
+    Shared by inference (:class:`OneStepDrafter`) and training (the ``d2a`` objective), so both see the same
+    layout.
+
+    Args:
+        num_draft_tokens (`int`): k.
+        mask_token_id (`int`): the drafter's mask token.
+        sep_token_id (`int` or `None`): the SEP token, none when `None`.
+        sep_position (`str`): "after_masks" or "before_masks".
+
+    Returns:
+        `(token_ids, offsets, slots)`: lists of length k (+ 1 with SEP); `slots[i]` is the block index of draft
+        i, whose position offset is i.
+
+    Raises:
+        ValueError: for an unknown `sep_position`.
+    """
+    if sep_position not in SEP_POSITIONS:
+        raise invalid("sep_position", sep_position, f"be one of {SEP_POSITIONS}", "pass sep_position='after_masks'")
+    k = num_draft_tokens
+    if sep_token_id is None:
+        return [mask_token_id] * k, list(range(k)), list(range(k))
+    if sep_position == "after_masks":
+        return [mask_token_id] * k + [sep_token_id], list(range(k + 1)), list(range(k))
+    return [sep_token_id] + [mask_token_id] * k, [0] + list(range(k)), list(range(1, k + 1))
+
+
+class OneStepDrafter:
+    """A diffusion drafter that proposes k tokens per forward, conditioned on the verified prefix only.
+
+    Args:
+        runner (`ModelRunner`): the drafter, with its own (empty) cache and batch.
+        mask_token_id (`int`): the drafter's mask token.
+        draft_attention (`str`, defaults to "causal_prefix"): see the module docstring.
+        sep_token_id (`int`, *optional*), sep_position (`str`, defaults to "after_masks"): the SEP token.
+
+    Usage: call :meth:`draft` with each row's tokens committed since the previous call (the whole prompt the
+    first time); it returns the raw draft logits of the k masked positions.
+
+    Raises:
+        ValueError: for an unknown `draft_attention` or `sep_position`.
+    """
+
+    def __init__(self, runner: ModelRunner, mask_token_id: int, *, draft_attention: str = "causal_prefix",
+                 sep_token_id: int | None = None, sep_position: str = "after_masks") -> None:
+        if draft_attention not in DRAFT_ATTENTIONS:
+            raise invalid("draft_attention", draft_attention, f"be one of {DRAFT_ATTENTIONS}",
+                          "pass draft_attention='causal_prefix' (block-diffusion drafters) or 'full'")
+        draft_block_layout(1, mask_token_id, sep_token_id, sep_position)       # validates sep_position
+        self.runner, self.mask_token_id = runner, mask_token_id
+        self.draft_attention, self.sep_token_id, self.sep_position = draft_attention, sep_token_id, sep_position
+        n, device = runner.batch_size, runner.device
+        self.lengths = torch.zeros(n, dtype=torch.long, device=device)        # committed tokens seen, per row
+        self.context = [torch.empty(0, dtype=torch.long, device=device) for _ in range(n)]   # "full" only
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows `index` `(M,)` int64, in that order."""
+        index = index.to(self.runner.device)
+        self.runner.select_rows(index)
+        self.lengths = self.lengths[index]
+        self.context = [self.context[i] for i in index.tolist()]
+
+    def draft(self, new_tokens: list[torch.Tensor], num_draft_tokens: int) -> torch.Tensor:
+        """One drafter forward; returns the raw logits of the k draft positions.
+
+        Args:
+            new_tokens (`list[torch.Tensor]`): per row, the tokens committed since the previous call, `(m_n,)`
+                int64 (the prompt on the first call; may be empty).
+            num_draft_tokens (`int`): k >= 1.
+
+        Returns:
+            `torch.Tensor` of shape `(N, k, V)`, float32: entry i scores the token at position j + i, where j is
+            the row's committed length (q_theta(. | x_{1:j}) of DEER Eq. 5).
+        """
+        runner, device = self.runner, self.runner.device
+        ids, offsets, slots = draft_block_layout(num_draft_tokens, self.mask_token_id, self.sep_token_id,
+                                                 self.sep_position)
+        counts = torch.tensor([t.shape[0] for t in new_tokens], dtype=torch.long, device=device)
+        if self.draft_attention == "full":
+            self.context = [torch.cat([c, t.to(device)]) for c, t in zip(self.context, new_tokens)]
+            prefix = self.context
+        else:
+            prefix = new_tokens
+        start = self.lengths if self.draft_attention == "causal_prefix" else torch.zeros_like(self.lengths)
+        padded, valid, prefix_pos = left_pad(prefix, device, start)
+        width = padded.shape[1]
+        stored = width if self.draft_attention == "causal_prefix" else 0
+        self.lengths = self.lengths + counts
+        block_pos = self.lengths[:, None] + torch.tensor(offsets, device=device)[None]
+        block_ids = torch.tensor(ids, dtype=torch.long, device=device)[None].expand(len(prefix), -1)
+        query = torch.cat([padded, block_ids], dim=1)
+        positions = torch.cat([prefix_pos, block_pos], dim=1)
+        b = len(ids)
+        if self.draft_attention == "full":
+            see = torch.cat([valid, torch.ones(len(prefix), b, dtype=torch.bool, device=device)], dim=1)
+            eye = torch.eye(width + b, dtype=torch.bool, device=device)
+            intra = see[:, None, :] | eye
+            logits = runner.forward(query, positions, intra, kind="draft", logits_to_keep=b)
+        else:
+            intra = concat_segments(causal_mask(width, device), full_mask(b, device))
+            logits = runner.forward(query, positions, intra, kind="draft", store_len=stored,
+                                    store_valid=valid if stored else None, logits_to_keep=b)
+        return logits[:, slots]

@@ -1,0 +1,337 @@
+"""The OpenAI-compatible server (`hf_dllm_spec.serving`): the stock `openai` client against `model.generate`.
+
+Each server runs in-process (uvicorn in a thread) on 127.0.0.1 at a free port, one per bundled model and module,
+and is stopped at the end. Tokens are compared with batch-1 `model.generate` calls of the same strategy,
+parameters and budget (greedy).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import http.client
+import json
+import pathlib
+import socket
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from hf_dllm_spec.integration.generate import dllm_generate  # noqa: E402
+from hf_dllm_spec.integration.mixin import DllmGenerationMixin  # noqa: E402
+from hf_dllm_spec.strategies.registry import get_strategy  # noqa: E402
+from hf_dllm_spec.serving.app import create_app, load_served_model, serve_in_background  # noqa: E402
+
+MODELS = pathlib.Path(__file__).resolve().parents[1] / "models"
+QUESTIONS = [json.loads(line)["question"] for line in (MODELS / "sdar-tiny-arith" / "heldout_arithmetic.jsonl")
+             .read_text().splitlines()[:16]]
+
+
+@contextlib.contextmanager
+def running(served):
+    """Serve `served` on a free port of 127.0.0.1; yield `(openai client, base url, app)`; stop the server."""
+    app = create_app(served)
+    with serve_in_background(app) as base:
+        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60, max_retries=0), base, app
+
+
+def post(base: str, path: str, body: dict) -> tuple[int, str]:
+    """(status, body) of a JSON POST, with the standard library (no client-side checks)."""
+    conn = http.client.HTTPConnection(base.split("//")[1], timeout=60)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def health(base: str) -> dict:
+    conn = http.client.HTTPConnection(base.split("//")[1], timeout=10)
+    try:
+        conn.request("GET", "/health")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+def reference(served, prompt_ids: list[int], max_tokens: int, strategy: str, **params) -> list[int]:
+    """Batch-1 `model.generate` tokens (what the server must return)."""
+    entry = {} if isinstance(served.model, DllmGenerationMixin) else {"custom_generate": dllm_generate}
+    if get_strategy(strategy).uses_drafter:
+        params["draft_model"] = served.drafter
+    out = served.model.generate(torch.tensor([prompt_ids]), decoding_strategy=strategy, max_new_tokens=max_tokens,
+                                return_dict_in_generate=True, **entry, **params)
+    return out.sequences[0, len(prompt_ids):][: out.spec_stats_per_row[0].num_generated_tokens].tolist()
+
+
+# (model, drafter, strategies); the first strategy is the server's default
+FAMILIES = [
+    pytest.param(("sdar-tiny-arith", None, ("block_diffusion", "s2d2")), id="sdar"),
+    pytest.param(("fast-dllm-v2-tiny", None, ("fast_dllm_v2",)), id="fast-dllm-v2"),
+    pytest.param(("llada2-tiny", None, ("llada2",)), id="llada2"),
+    pytest.param(("qwen2-tiny-ar", "deer-drafter-tiny", ("deer", "ar")), id="qwen2-deer"),
+    pytest.param(("sdar-large", "sdar-tiny-arith", ("simsd",)), id="sdar-large-simsd", marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, one_thread):
+    name, drafter, strategies = request.param
+    served = load_served_model(str(MODELS / name), draft_model=str(MODELS / drafter) if drafter else None,
+                               strategy=strategies[0])
+    with running(served) as (client, base, app):
+        yield served, client, strategies
+
+
+def _stream_text(stream) -> tuple[str, object]:
+    text, last = "", None
+    for chunk in stream:
+        if chunk.choices:
+            choice = chunk.choices[0]
+            text += (choice.delta.content or "") if hasattr(choice, "delta") else choice.text
+        last = chunk
+    return text, last
+
+
+def test_openai_client_gets_the_tokens_of_generate(family):
+    """Completions and chat, streamed and not, for each strategy: the text of the batch-1 `generate` tokens, the
+    token count in `usage`, the library's statistics in `dllm_stats`."""
+    served, client, strategies = family
+    tok = served.tokenizer
+    question = QUESTIONS[0]
+    prompt = f"Question: {question}\nAnswer:"
+    chat_ids = tok(tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    for strategy in strategies:
+        extra = {"decoding_strategy": strategy}
+        want = reference(served, tok(prompt)["input_ids"], 12, strategy)
+        want_text = tok.decode(want, skip_special_tokens=True)
+        r = client.completions.create(model=served.name, prompt=prompt, max_tokens=12, extra_body=extra)
+        assert r.choices[0].text == want_text, strategy
+        assert r.usage.completion_tokens == len(want) and r.usage.prompt_tokens == len(tok(prompt)["input_ids"])
+        assert r.model_extra["dllm_stats"]["decoding_strategy"] == strategy
+        assert r.model_extra["dllm_stats"]["nfe"] >= 1
+        text, last = _stream_text(client.completions.create(model=served.name, prompt=prompt, max_tokens=12,
+                                                            stream=True, extra_body=extra))
+        assert text == want_text and last.usage.completion_tokens == len(want), strategy
+        assert last.model_extra["dllm_stats"]["tokens_per_forward"] > 0
+
+        want = reference(served, chat_ids, 12, strategy)
+        want_text = tok.decode(want, skip_special_tokens=True)
+        messages = [{"role": "user", "content": question}]
+        r = client.chat.completions.create(model=served.name, messages=messages, max_tokens=12, extra_body=extra)
+        assert r.choices[0].message.content == want_text and r.usage.completion_tokens == len(want), strategy
+        text, last = _stream_text(client.chat.completions.create(model=served.name, messages=messages,
+                                                                 max_tokens=12, stream=True, extra_body=extra))
+        assert text == want_text and last.choices[0].finish_reason in ("stop", "length"), strategy
+
+
+@pytest.fixture(scope="module")
+def sdar(one_thread):
+    served = load_served_model(str(MODELS / "sdar-tiny-arith"))
+    with running(served) as (client, base, app):
+        yield served, client, base, app
+
+
+def test_concurrent_streams_are_batched_each_with_its_batch_one_tokens(sdar):
+    """16 streaming requests of different prompts and budgets at once: each gets its own batch-1 tokens, some
+    share a batch, and `/health` answers while they decode."""
+    served, client, base, app = sdar
+    tok = served.tokenizer
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS]
+    budgets = [3 + 2 * i for i in range(16)]
+    before = len(app.state.batcher.history)
+
+    def ask(i):
+        return _stream_text(client.completions.create(model=served.name, prompt=prompts[i], max_tokens=budgets[i],
+                                                      stream=True))[0]
+
+    answers = []
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(ask, i) for i in range(16)]
+        while not all(f.done() for f in futures):
+            answers.append(health(base))
+            time.sleep(0.05)
+        texts = [f.result(timeout=60) for f in futures]
+    for i, text in enumerate(texts):
+        want = reference(served, tok(prompts[i])["input_ids"], budgets[i], served.default_strategy)
+        assert text == tok.decode(want, skip_special_tokens=True), i
+    rows = list(app.state.batcher.history)[before:]
+    assert len(rows) == 16 and max(r["batch_size"] for r in rows) > 1
+    assert any(h["running"] > 0 for h in answers) and all(h["status"] == "ok" for h in answers)
+
+
+def test_seeded_sampled_requests_share_a_batch_each_with_its_own_tokens(sdar):
+    """Sampling (temperature > 0) with a seed per request: concurrent requests are batched, and each gets the
+    tokens of `generate(do_sample=True, generator=[torch.Generator().manual_seed(seed)])` on its own."""
+    served, client, base, app = sdar
+    tok = served.tokenizer
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS[:6]]
+    before = len(app.state.batcher.history)
+
+    def ask(i):
+        return client.completions.create(model=served.name, prompt=prompts[i], max_tokens=8, temperature=0.9,
+                                         seed=100 + i).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(ask, range(6)))
+    for i, text in enumerate(texts):
+        want = reference(served, tok(prompts[i])["input_ids"], 8, served.default_strategy, do_sample=True,
+                         temperature=0.9, generator=[torch.Generator().manual_seed(100 + i)])
+        assert text == tok.decode(want, skip_special_tokens=True), i
+    assert max(r["batch_size"] for r in list(app.state.batcher.history)[before:]) > 1
+
+
+def test_stream_drafts_sends_the_drafts_of_generate_marked_as_such(sdar):
+    """`stream_drafts=true`: the chunks marked `dllm_draft` are the drafts a `TextDiffusionStreamer` gets from
+    `generate` (same tokens, same order, between the same commits); the choices carry only the final text."""
+    served, client, base, app = sdar
+    tok = served.tokenizer
+    prompt = f"Question: {QUESTIONS[2]}\nAnswer:"
+    ids = tok(prompt)["input_ids"]
+    events = []
+
+    class Recorder:
+        def put(self, value):
+            events.append(("put", value.reshape(-1).tolist()))
+
+        def put_draft(self, value):
+            events.append(("draft", value.reshape(-1).tolist()))
+
+        def end(self):
+            pass
+
+    served.model.generate(torch.tensor([ids]), decoding_strategy=served.default_strategy, max_new_tokens=12,
+                          streamer=Recorder())
+    want = [(kind, tokens) for kind, tokens in events[1:]]          # without the prompt
+    stream = client.completions.create(model=served.name, prompt=prompt, max_tokens=12, stream=True,
+                                       extra_body={"stream_drafts": True})
+    got, text = [], ""
+    for chunk in stream:
+        draft = (chunk.model_extra or {}).get("dllm_draft")
+        if draft is not None:
+            assert chunk.choices[0].text == ""
+            got.append(("draft", draft["token_ids"]))
+        elif chunk.choices and chunk.choices[0].text:
+            got.append(("text", chunk.choices[0].text))
+            text += chunk.choices[0].text
+    assert [t for kind, t in got if kind == "draft"] == [t for kind, t in want if kind == "draft"]
+    assert len([t for kind, t in want if kind == "draft"]) > 0
+    committed = [t for _, tokens in want if _ == "put" for t in tokens]
+    assert text == tok.decode(committed, skip_special_tokens=True)
+    code, body = post(base, "/v1/completions", {"model": served.name, "prompt": prompt, "stream_drafts": True})
+    assert code == 400 and "`stream_drafts` (=True) must come with stream=True" in body
+
+
+def test_a_client_that_goes_away_frees_its_row(sdar):
+    """A streamed request whose client closes the connection ends early (its row leaves the batch) and the
+    server keeps serving."""
+    served, client, base, app = sdar
+    history = app.state.batcher.history
+    before = len(history)
+    conn = http.client.HTTPConnection(base.split("//")[1], timeout=30)
+    body = {"model": served.name, "prompt": "#\n#\n#\n#\n", "max_tokens": 1500, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data:")
+    conn.close()                                   # the client goes away after its first chunk
+    deadline = time.monotonic() + 30
+    while (len(history) == before or health(base)["running"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health(base)["running"] == 0 and len(history) == before + 1
+    row = history[before]
+    assert row["finish_reason"] == "cancelled" and row["tokens"] < 1500
+    r = client.completions.create(model=served.name, prompt="Question: 1 + 1?\nAnswer:", max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+
+
+BAD = [
+    pytest.param({"model": "other"}, 404, "`model` (='other')", id="unknown-model"),
+    pytest.param({"decoding_strategy": "nope"}, 400, "`decoding_strategy` (='nope')", id="unknown-strategy"),
+    pytest.param({"block_size": 0}, 400, "`block_size` (=0)", id="bad-parameter"),
+    pytest.param({"no_such_option": 1}, 400, "`no_such_option` (=1) must be a parameter", id="unknown-parameter"),
+    pytest.param({"max_tokens": 0}, 400, "`max_tokens` (=0)", id="max-tokens-0"),
+    pytest.param({"max_tokens": -3}, 400, "`max_tokens` (=-3)", id="max-tokens-negative"),
+    pytest.param({"n": 2}, 400, "`n` (=2)", id="n-2"),
+    pytest.param({"prompt": [5] * 2100}, 400, "`input_ids` (='<prompt of 2100 tokens>') must fit", id="too-long"),
+    pytest.param({"decoding_strategy": "simsd"}, 400, "`draft_model` (=None) must be given", id="no-drafter"),
+    pytest.param({"logprobs": 2}, 400, "`logprobs` (=2)", id="unsupported-field"),
+]
+
+
+@pytest.mark.parametrize("change, status, message", BAD)
+def test_bad_requests_get_4xx_with_the_library_message_and_the_server_keeps_serving(sdar, change, status, message):
+    served, client, base, app = sdar
+    body = {"model": served.name, "prompt": "Question: 1 + 1?\nAnswer:", "max_tokens": 4, **change}
+    for stream in (False, True):
+        code, text = post(base, "/v1/completions", {**body, "stream": stream})
+        assert code == status, text
+        assert message in json.loads(text)["error"]["message"]
+    assert health(base)["status"] == "ok"
+    assert client.completions.create(model=served.name, prompt="Question: 1 + 1?\nAnswer:",
+                                     max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_models_route_lists_the_served_model(sdar):
+    served, client, base, app = sdar
+    assert [m.id for m in client.models.list()] == [served.name]
+
+
+def test_serve_command_refuses_a_bad_option_before_serving(capsys):
+    from hf_dllm_spec.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(MODELS / "sdar-tiny-arith"), "--strategy", "s2d2", "--param", "block_size=0"])
+    assert exit_info.value.code == 2 and "`block_size` (=0) must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_command_serves_until_stopped(tmp_path):
+    """`hf-dllm-spec serve MODEL --port P` in a subprocess: `/health` answers, the `openai` client gets the
+    tokens of `generate` with the `--strategy` and `--param` given, and the process stops when terminated."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model = MODELS / "sdar-tiny-arith"
+    process = subprocess.Popen([sys.executable, "-m", "hf_dllm_spec.cli", "serve", str(model), "--port", str(port),
+                                "--strategy", "s2d2", "--param", "block_size=4"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                assert health(base)["status"] == "ok"
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, process.stdout.read().decode()
+                time.sleep(0.2)
+        served = load_served_model(str(model), strategy="s2d2", params={"block_size": 4})
+        prompt = f"Question: {QUESTIONS[1]}\nAnswer:"
+        want = reference(served, served.tokenizer(prompt)["input_ids"], 10, "s2d2", block_size=4)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60, max_retries=0)
+        r = client.completions.create(model="sdar-tiny-arith", prompt=prompt, max_tokens=10)
+        assert r.choices[0].text == served.tokenizer.decode(want, skip_special_tokens=True)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_benchmark_reports_every_setting_with_the_baseline_texts(one_thread, capsys):
+    """`hf_dllm_spec.serving.bench` (tiny settings): a row per setting, each run returned the baseline's texts."""
+    from hf_dllm_spec.serving import bench
+
+    bench.main(["--num-prompts", "3", "--max-tokens", "4", "--concurrency", "1", "3", "--repeats", "1"])
+    table = capsys.readouterr().out
+    assert "| generate, one at a time |" in table and "| server, 3 concurrent clients |" in table
+    assert table.count("| yes |") == 3 and "| NO |" not in table
