@@ -188,8 +188,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator passed to generate (default 0)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--device", default="cpu", help="e.g. cpu, cuda (default cpu)")
-    p.add_argument("--stream", action="store_true", help="print the text as tokens become final; in a terminal, also the current block's drafts "
-                   "(TextDiffusionStreamer)")
+    p.add_argument("--stream", action="store_true",
+                   help="print the text as tokens become final; in a terminal, also the current block's drafts "
+                        "(TextDiffusionStreamer)")
     p.add_argument("--stats", action="store_true", help="print the spec-decoding statistics to stderr")
     add_strategy_parameters(p)
     p.set_defaults(handler=_generate, parser=p)

@@ -3,9 +3,9 @@
 A `FamilyPatch` is stateless. It resolves the mask token, stop ids and trained block size from a loaded
 model, states the prediction alignment, and runs one forward with an explicit float 4D mask, explicit
 `position_ids` and a `DynamicCache` (transformers 5.x; the cache keyword of each version comes from
-:mod:`model_patches.compat`). This package never imports the decoding code
-(`hf_dllm_spec.integration.generate`, the strategies): the library reaches a patch through :func:`model_patches.get_patch`,
-and model classes reach `generate` through the lazy `hf_dllm_spec.integration.mixin`.
+:mod:`model_patches.compat`). This package never imports the decoding library (`hf_dllm_spec`): the library
+reaches a patch through :func:`model_patches.get_patch`, and the model classes reach the library's `generate`
+through the decoding backend that :mod:`model_patches.generation` finds by entry point.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ that names a strategy (or a diffusion model's call that names none) to a **decod
 
 found, on first use, among the callables registered with :func:`register_decoding_backend`, else through the
 Python entry point group ``model_patches.decoding_backends`` (the `hf-dllm-spec` distribution declares
-`hf_dllm_spec.integration.mixin:generate_with_strategy` there in its `pyproject.toml`, so an installed package serves the
-family classes in a process that never imported it, e.g. a checkpoint loaded with `trust_remote_code=True`).
+`hf_dllm_spec.integration.mixin:generate_with_strategy` there in its `pyproject.toml`, so an installed package
+serves the family classes in a process that never imported it, e.g. a checkpoint loaded with
+`trust_remote_code=True`).
 
 A diffusion model never decodes with transformers' left-to-right sampling (which produces garbage on it):
 without `decoding_strategy`, `generate` runs the strategy stored in the generation config under
