@@ -141,19 +141,7 @@ class ModelRunner:
         """
         n, q = input_ids.shape
         s = store_len
-        intra = intra_mask.expand(n, q, q) if intra_mask.dim() == 2 else intra_mask
-        if self.check_layouts and s:
-            self._check_layout(intra, s, store_valid)
-        query_valid = None                                        # (N, q) bool; None = no padding in the query
-        if store_valid is not None:
-            query_valid = torch.ones(n, q, dtype=torch.bool, device=self.device)
-            query_valid[:, :s] = store_valid
-            # Padding is seen by nobody but itself (a row with no visible key would be ill-defined).
-            intra = (intra & query_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=self.device)
-        keep = logits_to_keep or q
-        keep_raw = keep if self.alignment == "position" else min(q, keep + 1)
-        if self.alignment != "position" and s:
-            keep_raw = max(keep_raw, q - s + 1)                    # the last stored token's logits: the carry
+        intra, query_valid, keep, keep_raw = self._prepare_query(n, q, intra_mask, s, store_valid, logits_to_keep)
         self.stats.count_forward(kind, rows, draft_model=self.timer_span == DRAFT_MODEL_SPAN)
         self._maybe_compact()
         with self.timer.span("forward"), self._own_span(), self._traced(kind, n, q, s, keep_raw):
@@ -175,6 +163,33 @@ class ModelRunner:
         if self.alignment == "position":
             return raw[:, -keep:]
         return self._align_right_shift(raw, query_valid, q, keep, s)
+
+    def _prepare_query(self, n: int, q: int, intra_mask: torch.Tensor, s: int, store_valid: torch.Tensor | None,
+                       logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+        """What every runtime does with a query before its forward (see :meth:`forward` for the arguments).
+
+        Returns:
+            `(intra, query_valid, keep, keep_raw)`: the `(N, q, q)` pattern with query padding seen by itself only;
+            the `(N, q)` bool validity of the query tokens (None: no padding); the logits returned; the logits the
+            model computes (one more on right-shifted families, and the last stored token's, the carry).
+
+        Raises:
+            ValueError: with `check_layouts`, if a stored row would see a later query token.
+        """
+        intra = intra_mask.expand(n, q, q) if intra_mask.dim() == 2 else intra_mask
+        if self.check_layouts and s:
+            self._check_layout(intra, s, store_valid)
+        query_valid = None                                        # (N, q) bool; None = no padding in the query
+        if store_valid is not None:
+            query_valid = torch.ones(n, q, dtype=torch.bool, device=self.device)
+            query_valid[:, :s] = store_valid
+            # Padding is seen by nobody but itself (a row with no visible key would be ill-defined).
+            intra = (intra & query_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=self.device)
+        keep = logits_to_keep or q
+        keep_raw = keep if self.alignment == "position" else min(q, keep + 1)
+        if self.alignment != "position" and s:
+            keep_raw = max(keep_raw, q - s + 1)                    # the last stored token's logits: the carry
+        return intra, query_valid, keep, keep_raw
 
     def _own_span(self):
         return self.timer.span(self.timer_span) if self.timer_span else contextlib.nullcontext()

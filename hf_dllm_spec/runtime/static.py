@@ -327,22 +327,17 @@ class StaticModelRunner(ModelRunner):
         if compile_mode not in self.COMPILE_MODES:
             raise invalid("compile_mode", compile_mode, f"be one of {self.COMPILE_MODES}",
                           "use `compile_plan(model, generation_config)`")
-        self.model, self.patch, self.stats, self.use_cache = model, patch, stats, True
-        self.timer_span = timer_span
-        self.alignment = patch.alignment_of(model)
-        self.device = execution_device(model)
-        self.dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-        self.timer = timer if timer is not None else ForwardTimer(self.device)
+        dtype = model.dtype if model.dtype.is_floating_point else torch.float32
+        role = f"{'drafter' if timer_span == DRAFT_MODEL_SPAN else 'target'}:{dtype}:{execution_device(model)}"
+        self._state = _state_of(model, role, batch_size, max_cache_len)
+        super().__init__(model, patch, stats, batch_size=batch_size, cache=self._state.cache, timer=timer,
+                         timer_span=timer_span)
         self.compile_mode = compile_mode
         self.runtime_note = f"static cache, {compile_mode}" + (f" ({compile_reason})" if compile_reason else "")
-        role = f"{'drafter' if timer_span == DRAFT_MODEL_SPAN else 'target'}:{self.dtype}:{self.device}"
-        self._state = _state_of(model, role, batch_size, max_cache_len)
-        self.cache = self._state.cache
         self._call = (_CallProxy(model.get_compiled_call(compile_config)) if compile_mode == "compile" else model)
         self._compiled_keys: set = model.__dict__.setdefault("_hf_dllm_spec_compiled_keys", set())
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)     # write position per row
         self._bound = 0                          # host-side upper bound of max(lengths), no sync to keep it
-        self.carry: torch.Tensor | None = None
 
     @property
     def stored_len(self) -> int:
@@ -371,18 +366,7 @@ class StaticModelRunner(ModelRunner):
         n, q = input_ids.shape
         s = store_len
         device = self.device
-        intra = intra_mask.expand(n, q, q) if intra_mask.dim() == 2 else intra_mask
-        if self.check_layouts and s:
-            self._check_layout(intra, s, store_valid)
-        query_valid = None
-        if store_valid is not None:
-            query_valid = torch.ones(n, q, dtype=torch.bool, device=device)
-            query_valid[:, :s] = store_valid
-            intra = (intra & query_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=device)
-        keep = logits_to_keep or q
-        keep_raw = keep if self.alignment == "position" else min(q, keep + 1)
-        if self.alignment != "position" and s:
-            keep_raw = max(keep_raw, q - s + 1)
+        intra, query_valid, keep, keep_raw = self._prepare_query(n, q, intra_mask, s, store_valid, logits_to_keep)
         width = width_bucket(q)
         kept = min(width, width_bucket(keep_raw))
         self.stats.count_forward(kind, rows, draft_model=self.timer_span == DRAFT_MODEL_SPAN)
