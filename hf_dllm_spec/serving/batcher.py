@@ -32,6 +32,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import model_patches
 
+from ..maths.masks import left_pad
 from ..runtime.placement import execution_device
 from ..strategies.registry import get_strategy
 from .protocol import ParsedRequest
@@ -243,13 +244,8 @@ class Batcher:
 
     def _decode(self, jobs: list[Job]) -> None:
         options = jobs[0].request.options
-        prompts = [j.request.prompt_ids for j in jobs]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(jobs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for n, p in enumerate(prompts):
-            ids[n, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[n, width - len(p):] = 1
+        ids, valid, _ = left_pad([torch.tensor(j.request.prompt_ids, dtype=torch.long) for j in jobs])
+        ids, mask, width = ids.masked_fill(~valid, self.pad_token_id), valid.long(), ids.shape[1]
         kwargs = options.generate_kwargs()
         if get_strategy(options.decoding_strategy).uses_drafter and self.drafter is not None:
             kwargs["draft_model"] = self.drafter
