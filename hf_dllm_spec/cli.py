@@ -5,6 +5,7 @@
     hf-dllm-spec main --num-arith 10           # the main job (`./run.sh main` runs it too)
     hf-dllm-spec bench                         # the sweep -> runs/bench-<date>-<time>/sweep.{md,json}, frontier.png
     hf-dllm-spec bench-batch                   # batch of 8 against 8 sequential calls, writes batch.md
+    hf-dllm-spec bench-gpu                     # GPU: static runtime vs stock AR -> runs/bench-gpu-<date>-<time>/
     hf-dllm-spec export SOURCE OUTPUT_DIR      # hf_dllm_spec.hub.export.export_checkpoint
     hf-dllm-spec strategies                    # the strategies, their parameters and presets
 
@@ -301,6 +302,46 @@ def _export(args: argparse.Namespace, argv: list[str]) -> None:
     print(f"exported {args.source} -> {result if result is not None else args.output_dir}")
 
 
+BENCH_GPU_DEFAULTS = {"device": "cuda", "dtype": "bfloat16", "runtime": "static", "count_device": None,
+                      "count_runtime": "static", "shape": "1.7b", "out": None}
+BENCH_GPU_SMOKE = ("hf-dllm-spec bench-gpu --device cpu --dtype float32 --shape tiny --groups sdar --num-prompts 1 "
+                   "--threads 1")
+
+
+def _add_bench_gpu(sub) -> None:
+    from .cost_model import cli as cost_model_cli
+
+    p = sub.add_parser("bench-gpu", help="GPU benchmark: the static runtime against stock transformers' compiled AR",
+                       formatter_class=_RAW,
+                       description="The cost model (benchmarks/cost_model.py) with GPU defaults: --device cuda "
+                                   "--dtype bfloat16 --runtime static --count-runtime static --shape 1.7b, COUNT on "
+                                   "--device unless --count-device says otherwise. Times every forward width through "
+                                   "the static runtime (CUDA graphs), stock transformers generate(cache_implementation"
+                                   "='static') greedy AR in the same process, and prints each target of issue 25 with "
+                                   "met / not met. Writes a new folder runs/bench-gpu-<date>-<time>/ unless --out "
+                                   "names one (the committed results only with --out benchmarks/results/...).",
+                       epilog="examples:\n  hf-dllm-spec bench-gpu      # on a GPU: 1.7B shapes, all groups\n  "
+                              + BENCH_GPU_SMOKE + "      # the CPU smoke run")
+    cost_model_cli.add_arguments(p, BENCH_GPU_DEFAULTS)
+    p.set_defaults(handler=_bench_gpu, parser=p)
+
+
+def _bench_gpu(args: argparse.Namespace, argv: list[str]) -> None:
+    """`hf-dllm-spec bench-gpu`: `hf_dllm_spec.cost_model.cli.run` with the GPU defaults; no CUDA device for
+    --device / --count-device is a usage error (exit 2) that names the CPU smoke command."""
+    import shlex
+
+    from .cost_model import cli as cost_model_cli
+    from .jobs import fresh_out_dir
+
+    if args.count_device is None:
+        args.count_device = args.device
+    if args.out is None:
+        args.out = str(fresh_out_dir("bench-gpu"))
+    cost_model_cli.run(args, shlex.join(["hf-dllm-spec", "bench-gpu", *argv]), cpu_hint="run the CPU smoke: "
+                       + BENCH_GPU_SMOKE)
+
+
 def _add_strategies(sub) -> None:
     p = sub.add_parser("strategies", help="list the strategies, their parameters and presets",
                        description="The registered decoding strategies, their parameters (defaults) and presets.")
@@ -332,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job(sub, "main", main_job, "the main job: AR, dynamic and S2D2 on prompt sets, tables (bundled model)")
     _add_job(sub, "bench", sweep, "the benchmark sweep: block size x unmasking rule x S2D2 preset against AR")
     _add_job(sub, "bench-batch", batch, "benchmark: one batched call against sequential calls, tokens/s")
+    _add_bench_gpu(sub)
     _add_job(sub, "serve", serve, "an OpenAI-compatible server over the strategies (extra `serve`)")
     _add_export(sub)
     _add_strategies(sub)

@@ -260,16 +260,20 @@ class BatchStats:
         self._pending.setdefault(name, []).append((rows, values))
 
     def observe_verification(self, rows: "torch.Tensor", num_draft_tokens: "torch.Tensor",
-                             num_accepted: "torch.Tensor", recovered: "torch.Tensor", bonus: "torch.Tensor") -> None:
+                             num_accepted: "torch.Tensor", recovered: "torch.Tensor", bonus: "torch.Tensor",
+                             width: int | None = None) -> None:
         """Record one verification cycle for each of `rows` (vLLM `observe_draft` analogue, batched).
 
         Args:
             rows (`torch.Tensor` of shape `(M,)`, int64): batch rows that verified.
             num_draft_tokens, num_accepted (`torch.Tensor` of shape `(M,)`, int64): drafts submitted / passed.
             recovered, bonus (`torch.Tensor` of shape `(M,)`, bool): the extra committed token's origin.
+            width (`int`, *optional*): `num_draft_tokens.max()` when the caller knows it on the host (else read
+                from the device: one synchronisation).
         """
         drafted = num_draft_tokens > 0
-        width = int(num_draft_tokens.max()) if num_draft_tokens.numel() else 0
+        if width is None:
+            width = int(num_draft_tokens.max()) if num_draft_tokens.numel() else 0
         positions = torch.arange(max(width, 1), device=rows.device)[None]
         self.accumulate("num_drafts", drafted, rows)
         self.accumulate("num_draft_tokens", num_draft_tokens, rows)

@@ -254,6 +254,14 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = ["e_score_correction_bias", "mlp.gate.weight"]
 
     @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """True: the routed experts use `@use_experts_implementation`. transformers decides this by searching the
+        source of the class's module for that decorator; a subclass defined in a checkpoint's remote-code file (which
+        only imports this module) would otherwise fall back to the "eager" experts (a Python loop over experts
+        with a host synchronisation per expert, which a CUDA graph cannot capture) instead of "grouped_mm"."""
+        return True
+
+    @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained` with the Hub-layout conversion registered (per-expert weights fused)."""
         register_conversion_mapping()

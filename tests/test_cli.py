@@ -15,7 +15,7 @@ from hf_dllm_spec import cli
 from hf_dllm_spec.jobs.evaluation import DEFAULT_MODEL, ROOT, arithmetic_prompts, load
 from hf_dllm_spec.strategies.registry import STRATEGIES, resolve_config
 
-SUBCOMMANDS = ("generate", "main", "bench", "bench-batch", "export", "strategies")
+SUBCOMMANDS = ("generate", "main", "bench", "bench-batch", "export", "strategies", "serve", "bench-gpu")
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

@@ -173,3 +173,174 @@ def test_smoke_count_and_time_phases_on_the_bundled_model(tmp_path):
     assert saved["meta"]["shape"] == "tiny" and saved["predict"]
     assert "## PREDICT" in (tmp_path / "tiny-cpu-float32.md").read_text()
     assert (tmp_path / "tiny-cpu-float32.png").stat().st_size > 0
+
+
+# -- the static-runtime mode (`--runtime static`, `hf-dllm-spec bench-gpu`, issue 25) --------------------------------
+def _hand_targets_inputs():
+    """One shape, a stock step of 10 ms, an AR row and a dynamic row (as `predict_phase` leaves them)."""
+    shape = SCALES["tiny"]["sdar"][0]
+    timing = {"shapes": {shape: {"cached": {"1": 0.012, "64": 0.014, "128": 0.030}, "uncached": {"20": 0.011},
+                                 "context": 30, "skipped": None}},
+              "outside": {"sdar/AR": 0.001, "sdar/fast": 0.004},
+              "baselines": {shape: {"step_s": 0.010, "baseline": "stock"}}}
+    count = {"device": "cuda", "runtime": "static", "rows": [
+        {"key": "sdar/AR", "group": "sdar", "strategy": "ar", "decode_forwards": 10,
+         "forwards": [["target", "prefill", 20, 0, 1, 1], ["target", "draft", 1, 25, 1, 10]]},
+        {"key": "sdar/fast", "group": "sdar", "strategy": "block_diffusion", "decode_forwards": 2,
+         "forwards": [["target", "prefill", 20, 0, 1, 1], ["target", "draft", 64, 25, 64, 2]]}]}
+    predict = [{"key": "sdar/AR", "target_shape": shape, "predicted_forward_s": 0.131, "outside_s_per_step": 0.001,
+                "predicted_tokens_per_s": 70.0, "measured": {"speedup": 1.0, "forward_ratio": 1.0, "efficiency": 1.0}},
+               {"key": "sdar/fast", "target_shape": shape, "predicted_forward_s": 0.039, "outside_s_per_step": 0.004,
+                "predicted_tokens_per_s": 250.0,
+                "measured": {"speedup": 3.0, "forward_ratio": 4.0, "efficiency": 0.75}}]
+    return count, timing, predict
+
+
+def test_targets_by_hand_meet_and_miss():
+    """Ratios are the plain divisions and every met / not met follows its number (both outcomes occur)."""
+    from hf_dllm_spec.cost_model.predict import targets_phase
+
+    count, timing, predict = _hand_targets_inputs()
+    targets = targets_phase(count, timing, predict, "tiny")
+    widths = {(w["curve"], w["q"]): w for w in targets["widths"]}
+    assert widths["cached", 1]["ratio"] == pytest.approx(1.2) and widths["cached", 1]["met"] is True
+    assert widths["cached", 64]["ratio"] == pytest.approx(1.4) and widths["cached", 64]["met"] is False
+    assert widths["cached", 128]["target"] is None and widths["cached", 128]["met"] is None     # wider than 64
+    assert widths["prefill", 20]["ratio"] == pytest.approx(1.1) and widths["prefill", 20]["met"] is True
+    outside = {o["key"]: o for o in targets["outside"]}
+    assert outside["sdar/AR"]["forward_s_per_step"] == pytest.approx(0.012)        # 10 x q=1 at 12 ms over 10 steps
+    assert outside["sdar/AR"]["share"] == pytest.approx(0.001 / 0.013) and outside["sdar/AR"]["met"] is True
+    assert outside["sdar/fast"]["share"] == pytest.approx(0.004 / 0.018) and outside["sdar/fast"]["met"] is False
+    speed = {s["key"]: s for s in targets["strategies"]}
+    assert speed["sdar/AR"]["stock_tokens_per_s"] == pytest.approx(100.0)
+    assert speed["sdar/AR"]["target"] is None and speed["sdar/AR"]["met"] is None
+    assert speed["sdar/fast"]["ratio"] == pytest.approx(2.5) and speed["sdar/fast"]["met"] is True
+    (e2e,) = targets["end_to_end"]
+    assert (e2e["key"], e2e["efficiency"], e2e["met"], e2e["count_runtime"]) == ("sdar/fast", 0.75, False, "static")
+    timing["baselines"] = {}                                              # no baseline: no ratio, no verdict
+    assert all(w["ratio"] is None and w["met"] is None for w in targets_phase(count, timing, predict, "tiny")["widths"])
+
+
+def test_time_ar_steps_takes_the_prefill_out(monkeypatch):
+    """t(n) = 50 ms + 10 ms x n on a fake clock: the step is 10 ms, the whole call 90 ms for 4 tokens."""
+    import torch
+
+    from hf_dllm_spec.cost_model import baseline
+
+    clock = [0.0]
+    monkeypatch.setattr(baseline, "now", lambda device: clock[0])
+
+    def call(n):
+        clock[0] += 0.050 + 0.010 * n
+
+    timing = baseline.time_ar_steps(call, torch.device("cpu"), new_tokens=4, reps=2)
+    assert timing["step_s"] == pytest.approx(0.010) and timing["call_s"] == pytest.approx(0.090)
+    assert timing["prefill_call_s"] == pytest.approx(0.060) and timing["per_token_s"] == pytest.approx(0.0225)
+    with pytest.raises(ValueError, match="--stock-tokens"):
+        baseline.time_ar_steps(call, torch.device("cpu"), new_tokens=1, reps=1)
+
+
+def test_stock_twins_have_the_dimensions_of_the_shape():
+    from hf_dllm_spec.cost_model.baseline import stock_twin
+    from hf_dllm_spec.cost_model.shapes import count_parameters
+
+    sdar, fast = stock_twin(SHAPES["tiny:sdar-tiny-arith"]), stock_twin(SHAPES["tiny:fast-dllm-v2-tiny"])
+    assert (sdar.family, fast.family) == ("qwen3", "qwen2")
+    assert count_parameters(sdar) == count_parameters(SHAPES["tiny:sdar-tiny-arith"])
+    assert count_parameters(fast) == count_parameters(SHAPES["tiny:fast-dllm-v2-tiny"])
+    assert stock_twin(SHAPES["tiny:qwen2-tiny-ar"]) is SHAPES["tiny:qwen2-tiny-ar"]     # already stock Qwen2
+    assert stock_twin(SHAPES["tiny:llada2-tiny"]) is None                               # no stock MoE class
+
+
+@pytest.mark.parametrize("name", ["tiny:sdar-tiny-arith", "tiny:qwen2-tiny-ar"])
+def test_static_time_forward_gives_the_eager_logits(name):
+    """The static TIME forward (StaticModelRunner, read-only over the stored context) and the eager path's model
+    call (`time_forward`'s EagerForward) give the same logits for one width; the write position stays put."""
+    import torch
+
+    from hf_dllm_spec.cost_model.measure import EagerForward, StaticForward, time_static_forward
+    from hf_dllm_spec.runtime.static import static_cache_length
+
+    model = build_model(SHAPES[name], torch.device("cpu"), torch.float32, "none", 0)
+    q, ctx = 3, 10
+    eager = EagerForward(model, q, ctx, q, seed=1)
+    with torch.inference_mode():
+        expected = eager()                                                    # (1, 3, V) raw model rows
+    static = StaticForward(model, eager.ids[:, :ctx], static_cache_length(ctx, 8, q))
+    got = static(eager.ids[:, ctx:], q)
+    if static.right_shift:      # the runner aligns: row i predicts query token i, i.e. the model's row i - 1
+        expected = expected[:, :-1]
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    assert time_static_forward(static, eager.ids[:, ctx:], q, reps=2, warmup=0) > 0
+    assert static.runner.lengths.tolist() == [ctx]                                   # read-only: nothing stored
+
+
+def test_static_mode_smoke_prints_the_stock_baseline_and_the_targets(tmp_path):
+    """`--runtime static` on the CPU at the tiny shape, 1 prompt: the report has the stock baseline, every ratio is
+    the division of the numbers in the JSON, and met / not met follows the numbers."""
+    result = main(["--groups", "sdar", "--rows", "dynamic 0.9 B=4", "--num-prompts", "1", "--max-new-tokens", "8",
+                   "--reps", "1", "--warmup", "0", "--max-widths", "2", "--outside-tokens", "4", "--outside-reps",
+                   "1", "--runtime", "static", "--stock-tokens", "3", "--stock-reps", "1", "--out", str(tmp_path),
+                   "--no-plot"])
+    saved = json.loads((tmp_path / "tiny-cpu-float32-static.json").read_text())
+    assert saved["meta"]["runtime"] == "static" and saved["time"]["runtime"] == "static"
+    shape = "tiny:sdar-tiny-arith"
+    base = saved["time"]["baselines"][shape]
+    assert (base["baseline"], base["class"], base["compiled"]) == ("stock", "Qwen3ForCausalLM", False)
+    assert base["step_s"] == pytest.approx((base["call_s"] - base["prefill_call_s"]) / 2)
+    info = saved["time"]["shapes"][shape]
+    assert info["runtime"].startswith("static cache, eager")
+    targets = saved["targets"]
+    assert targets == json.loads(json.dumps(result["targets"]))
+    for w in targets["widths"]:
+        table = info["cached" if w["curve"] == "cached" else "uncached"]
+        assert w["ratio"] == pytest.approx(table[str(w["q"])] / base["step_s"])
+        assert w["met"] == (w["ratio"] <= 1.3)
+    predicted = {e["key"]: e for e in saved["predict"]}
+    for r in targets["strategies"]:
+        assert r["ratio"] == pytest.approx(predicted[r["key"]]["predicted_tokens_per_s"] * base["step_s"])
+        assert r["met"] == (None if r["strategy"] == "ar" else r["ratio"] >= 2.0)
+    for o in targets["outside"]:
+        assert o["outside_s_per_step"] == saved["time"]["outside"][o["key"]]
+        assert o["met"] == (o["share"] <= 0.10)
+    (e2e,) = targets["end_to_end"]
+    measured = predicted["sdar/dynamic 0.9 B=4"]["measured"]
+    assert e2e["efficiency"] == pytest.approx(measured["speedup"] / measured["forward_ratio"])
+    assert e2e["met"] == (e2e["efficiency"] >= 0.85)
+    md = (tmp_path / "tiny-cpu-float32-static.md").read_text()
+    assert "stock step ms" in md and "Qwen3ForCausalLM" in md and "not compiled" in md
+    verdict = "met" if targets["strategies"][1]["met"] else "not met"
+    assert f"| >= 2.0 | {verdict} |" in md
+
+
+def test_count_phase_under_the_static_runtime_gives_the_eager_tokens():
+    (row,) = [r for r in default_rows() if r.key == "sdar/dynamic 0.9 B=4"]
+    eager = count_phase([row], num_prompts=1, max_new_tokens=8, seed=0)
+    static = count_phase([row], num_prompts=1, max_new_tokens=8, seed=0, runtime="static")
+    assert "runtime" not in eager and static["runtime"] == "static" and static["device"] == "cpu"
+    (e,), (s,) = eager["rows"], static["rows"]
+    assert (s["tokens"], s["nfe"], s["accuracy"]) == (e["tokens"], e["nfe"], e["accuracy"])
+    assert s["recorded_forwards"] == s["nfe"] and s["params"] == row.params        # no runtime flag in the row
+    with pytest.raises(ValueError, match="--count-runtime"):
+        count_phase([row], num_prompts=1, max_new_tokens=8, seed=0, runtime="graphs")
+
+
+def test_bench_gpu_without_cuda_exits_2_naming_device_and_the_cpu_smoke(capsys, monkeypatch, tmp_path):
+    import torch
+
+    from hf_dllm_spec import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench-gpu"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("hf-dllm-spec bench-gpu: error: argument --device: cuda: CUDA is not available")
+    assert "--device cpu" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()                                   # nothing ran, nothing written
+    args = cli.build_parser().parse_args(["bench-gpu"])
+    assert (args.device, args.dtype, args.runtime, args.count_runtime, args.shape, args.out) == \
+        ("cuda", "bfloat16", "static", "static", "1.7b", None)

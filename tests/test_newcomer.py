@@ -2,7 +2,8 @@
 
 One fresh interpreter per bundled model (stdin closed, offline, its own remote-code cache, never importing
 `hf_dllm_spec` or `model_patches` itself) loads the model with `AutoModelForCausalLM.from_pretrained(path,
-trust_remote_code=True)` and the tokenizer with `AutoTokenizer`, tokenizes a code snippet and decodes a few tokens
+trust_remote_code=True)` and the tokenizer with `AutoTokenizer` (also with `trust_remote_code=False`: no remote code
+runs and no `[y/N]` prompt; the same ids), tokenizes a code snippet and decodes a few tokens
 with the family's strategies. The tokens must equal those of the library's own classes in this process, and the
 tokenizer's ids those of the saved `tokenizer.json` read by the `tokenizers` library (the tokenizer as trained).
 """
@@ -45,7 +46,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 jobs, code, prompt, new = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 assert not {"hf_dllm_spec", "model_patches"} & set(sys.modules), "imported before loading"
 for path, drafter_path, calls in jobs:
+    remote = {name for name in sys.modules if name.startswith("transformers_modules")}
+    plain = AutoTokenizer.from_pretrained(path, trust_remote_code=False)   # no remote code, no prompt
+    assert remote == {name for name in sys.modules if name.startswith("transformers_modules")}, "ran remote code"
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    assert plain(code).input_ids == tokenizer(code).input_ids, "the tokenizer depends on trust_remote_code"
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
     drafter = None
     if drafter_path:

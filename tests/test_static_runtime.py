@@ -27,6 +27,8 @@ from hf_dllm_spec.outputs import BatchStats
 from hf_dllm_spec.runtime.runner import ModelRunner
 from hf_dllm_spec.runtime.static import (STATE_ATTRIBUTE, StaticModelRunner, clear_static_state, compile_plan,
                                          width_bucket)
+from hf_dllm_spec.runtime.syncs import count_host_syncs
+from hf_dllm_spec.runtime.trace import trace_forwards
 
 MODELS = ROOT / "models"
 MAX_NEW_TOKENS = 8
@@ -57,8 +59,8 @@ def _generate(model, tokenizer, texts, spec, **kwargs):
     entry = {} if isinstance(model, hf_dllm_spec.DllmGenerationMixin) else {"custom_generate": hf_dllm_spec.custom_generate}
     drafter = {"draft_model": spec.draft_model} if spec.draft_model is not None else {}
     return model.generate(enc.input_ids, attention_mask=enc.attention_mask, decoding_strategy=spec.decoding_strategy,
-                          max_new_tokens=MAX_NEW_TOKENS, return_dict_in_generate=True, **entry, **spec.params,
-                          **drafter, **kwargs)
+                          return_dict_in_generate=True, **entry, **spec.params, **drafter,
+                          **{"max_new_tokens": MAX_NEW_TOKENS, **kwargs})
 
 
 def _assert_same(eager, static, label):
@@ -227,8 +229,8 @@ def test_compiled_forward_gives_the_eager_tokens(sdar_model, one_thread):
                                              ("llada2-tiny", ["llada2"]), ("sdar-large", ["simsd"]),
                                              ("qwen2-tiny-ar", ["deer"])])
 def test_cuda_graphs_replay_the_eager_tokens(name, strategies):
-    """On a GPU: replayed graphs give the eager tokens and counts; later calls capture nothing new; memory stays
-    flat over repeated calls."""
+    """On a GPU: replayed graphs give the eager tokens and counts; every forward is captured (none falls back);
+    later calls capture nothing new; memory stays flat over 100 calls."""
     tokenizer, model = load(MODELS / name)
     model.to("cuda")
     drafter_name = CASES[name][1]
@@ -242,12 +244,16 @@ def test_cuda_graphs_replay_the_eager_tokens(name, strategies):
         _assert_same(eager, static, f"{name} / {spec.label}, CUDA graphs")
         states = [*model.__dict__[STATE_ATTRIBUTE].values(),
                   *(spec.draft_model.__dict__[STATE_ATTRIBUTE].values() if spec.draft_model is not None else [])]
-        assert all(state.graphs.captures > 0 or state.graphs.failed for state in states)
+        # every forward is free of host syncs (test_forwards_are_sync_free_and_steps_sync_little): all captured
+        assert all(state.graphs.captures > 0 and not state.graphs.failed for state in states), \
+            [state.graphs.failed for state in states]
+        assert "eager" not in static.spec_stats.runtime and "cuda_graph" in static.spec_stats.runtime
         captures = [state.graphs.captures for state in states]
         memory = []
-        for _ in range(5):
+        for call in range(100):
             again = _generate(model, tokenizer, texts, spec, cache_implementation="static")
-            _assert_same(eager, again, f"{name} / {spec.label}, replayed")
+            if call % 20 == 0:
+                _assert_same(eager, again, f"{name} / {spec.label}, replayed")
             torch.cuda.synchronize()
             memory.append(torch.cuda.memory_allocated())
         assert [state.graphs.captures for state in states] == captures, "a graph was captured twice"
@@ -264,3 +270,69 @@ def test_stats_name_the_runtime_and_its_warmup(sdar_model, prompt):
     assert static.spec_stats.runtime.startswith("target: static cache")
     assert static.spec_stats.warmup_time_s == 0.0            # nothing is captured or compiled on the CPU
     assert torch.equal(eager.sequences, static.sequences)
+
+
+# -- host synchronisations: none inside a forward (a CUDA graph can capture it), few per decoding step ------------
+def test_host_sync_counter_counts_what_makes_the_host_wait():
+    t = torch.arange(6)
+    with count_host_syncs() as syncs:
+        _ = t + 1, t.sum(), t.reshape(2, 3), t[1:3], t[torch.tensor([0, 2])]        # none of these waits
+        assert syncs.total == 0
+        t.sum().item(), t.tolist(), bool(t.any()), int(t.max()), t[t > 2], t.nonzero()
+    assert syncs.total == 6
+    assert syncs.by_operation == {"item": 1, "tolist": 1, "__bool__": 1, "__int__": 1, "boolean index": 1,
+                                  "nonzero": 1}
+    assert set(syncs.by_site) == {("<outside>", 0)}                 # no frame of the library's packages
+
+
+#: Host synchronisations per decoding forward at batch 1 (the counted syncs between the first decoding forward and
+#: the last one, over the forwards in between), as users run it (`check_layouts` off): one read of the step's
+#: decisions per forward; SimSD also reads its compact verify width and the drafts' count (1.64 measured).
+MAX_SYNCS_PER_FORWARD = {"simsd": 1.7}
+
+
+@pytest.mark.parametrize("name,strategy", [(name, s) for name, (rows, _) in CASES.items() for s in rows])
+def test_forwards_are_sync_free_and_steps_sync_little(name, strategy, bundled, monkeypatch, one_thread):
+    """Under the static runtime no forward (target or drafter) reads a device value on the host, so a CUDA graph
+    can capture every forward of every strategy and family; and the decoding loop reads the device once per
+    forward (`MAX_SYNCS_PER_FORWARD`)."""
+    tokenizer, model, spec = _spec(bundled, name, strategy)
+    inside, before = [], []                  # per forward: the syncs inside it; all syncs of the call before it
+    run = StaticModelRunner._run
+
+    def counted_run(self, *args):
+        before.append(syncs.total)
+        with count_host_syncs() as inner:
+            out = run(self, *args)
+        inside.append(inner.by_site)
+        return out
+
+    monkeypatch.setattr(StaticModelRunner, "_run", counted_run)
+    monkeypatch.setattr(ModelRunner, "check_layouts", False)          # as users run it (the suite turns it on)
+    with count_host_syncs() as syncs:
+        _generate(model, tokenizer, _texts(name, 1), spec, cache_implementation="static", max_new_tokens=24)
+    assert inside and not any(inside), f"{spec.label}: host syncs inside forwards: {[s for s in inside if s]}"
+    assert len(before) > 4
+    forwards = len(before) - 2                           # from the second forward (after the prefill) to the last
+    per_forward = (before[-1] - before[1]) / forwards
+    assert per_forward <= MAX_SYNCS_PER_FORWARD.get(spec.decoding_strategy, 1.0), syncs.by_site.most_common(6)
+
+
+def test_remote_code_llada2_routes_experts_without_host_syncs():
+    """Loaded through its checkpoint's remote code (a module that only imports `model_patches`), LLaDA2 still gets
+    transformers' "grouped_mm" experts (one fixed-shape kernel per projection), not the "eager" loop over experts
+    that synchronises per expert and cannot be captured; its logits equal the eager experts'."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    path = MODELS / "llada2-tiny"
+    remote = get_class_from_dynamic_module("modeling_hf_dllm_spec.LLaDA2MoeModelLM", path)
+    assert remote.__module__.startswith("transformers_modules")          # the checkpoint's shim, not the library's
+    model = remote.from_pretrained(path, dtype=torch.float32)
+    assert model.config._experts_implementation == "grouped_mm"
+    ids = torch.randint(0, 90, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), count_host_syncs() as syncs:
+        grouped = model(ids).logits
+    assert syncs.total == 0, syncs.by_site
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, grouped, rtol=1e-4, atol=1e-4)

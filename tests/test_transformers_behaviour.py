@@ -141,3 +141,41 @@ def test_token_healing_with_tokenizer(bundled):
     assert torch.equal(out, model.generate(healed, max_new_tokens=6))
     with pytest.raises(ValueError, match="`tokenizer`"):
         model.generate(ids, max_new_tokens=6, token_healing=True)
+
+
+def test_default_criteria_are_decided_by_the_budget_and_the_stop_ids():
+    """transformers' own `MaxLengthCriteria` (prompt + budget) and `EosTokenCriteria` (the stop ids) fire exactly
+    where a row ends anyway, so the loop does not call them; a shorter max length, other eos ids, subclasses and
+    custom criteria are still called."""
+    from transformers import EosTokenCriteria, MaxLengthCriteria
+
+    from hf_dllm_spec.integration.generate import criteria_to_scan
+
+    class MyMaxLength(MaxLengthCriteria):
+        pass
+
+    custom = StopAtLength(9)
+    kept = criteria_to_scan(StoppingCriteriaList([MaxLengthCriteria(7 + 16), EosTokenCriteria([2, 5]), custom]),
+                            stop_ids=[2, 5, 8], prompt_width=7, max_new_tokens=16)
+    assert list(kept) == [custom]
+    shorter, other_eos, subclass = MaxLengthCriteria(7 + 15), EosTokenCriteria(9), MyMaxLength(7 + 16)
+    kept = criteria_to_scan([shorter, other_eos, subclass], stop_ids=[2], prompt_width=7, max_new_tokens=16)
+    assert list(kept) == [shorter, other_eos, subclass]
+    assert len(criteria_to_scan(None, [2], 7, 16)) == 0
+
+
+def test_explicit_default_criteria_give_the_same_tokens(sdar_model):
+    """Passing the criteria transformers would add anyway (budget, eos) changes nothing, the shorter max length
+    cuts as stock `generate` does."""
+    from transformers import EosTokenCriteria, MaxLengthCriteria
+
+    free = sdar_model.generate(PROMPT, decoding_strategy="s2d2", max_new_tokens=12, eos_token_id=None)
+    stop = int(free[0, PROMPT.shape[1] + 5])
+    plain = sdar_model.generate(PROMPT, decoding_strategy="s2d2", max_new_tokens=12, eos_token_id=stop)
+    other = [StopAtLength(PROMPT.shape[1] + 30)]             # a custom criterion keeps the scan on
+    scanned = sdar_model.generate(PROMPT, decoding_strategy="s2d2", max_new_tokens=12, eos_token_id=stop,
+                                  stopping_criteria=StoppingCriteriaList(other + [EosTokenCriteria(stop)]))
+    assert torch.equal(plain, scanned)
+    cut = sdar_model.generate(PROMPT, decoding_strategy="s2d2", max_new_tokens=12, eos_token_id=None,
+                              stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(PROMPT.shape[1] + 3)]))
+    assert torch.equal(cut, free[:, :PROMPT.shape[1] + 3])

@@ -5,6 +5,7 @@
         --counts benchmarks/results/cost_model/tiny-cpu-float32.json           # CPU, SDAR-1.7B: reuse the counts
     python benchmarks/cost_model.py --shape 1.7b --device cuda --dtype bfloat16 --quant nf4 \\
         --counts benchmarks/results/cost_model/tiny-cpu-float32.json           # GPU (bitsandbytes installed)
+    hf-dllm-spec bench-gpu                     # GPU: static runtime vs stock AR, the targets -> runs/bench-gpu-*/
 
 On a shared CPU machine use one torch thread: with two OpenMP threads and another process on one of the two
 cores, forwards ran up to 10x slower (threads wait at barriers); with one thread the wall/CPU time ratio the
@@ -23,8 +24,15 @@ Three phases, one module each (docs/performance.md states the equations):
    steps * outside-per-step), t_shape(q) piecewise-linear over the measured widths; the efficiency figure
    (speedup over AR / forward-count ratio over AR) per strategy.
 
+The static-runtime mode (`--runtime static`; `hf-dllm-spec bench-gpu` runs it with GPU defaults) times each width
+as the static runtime runs it (`measure.StaticForward`: CUDA-graph replays on a GPU), measures the outside time
+with `cache_implementation="static"`, times stock transformers `generate(cache_implementation="static")` greedy AR
+on a stock class of each shape's dimensions in the same process (`baseline`), and checks the targets of issue 25
+(`predict.targets_phase`); `--count-device` / `--count-runtime` run the COUNT phase on a GPU and under the static
+runtime, for the end-to-end figures.
+
 `report` writes the tables, plots and the machine description; `cli` is the command line
-(`benchmarks/cost_model.py`). Outputs in `--out` (default `benchmarks/results/cost_model/`):
+(`benchmarks/cost_model.py`, `hf-dllm-spec bench-gpu`). Outputs in `--out` (default `benchmarks/results/cost_model/`):
 `<shape>-<device>-<dtype>[-<quant>].json`, the same name `.md` (tables) and `.png` (forward time vs query width
 per shape; predicted tokens/s per strategy). This is a measurement, not a test: record the machine and the
 command next to the numbers.

@@ -105,9 +105,15 @@ def tally(records: Iterable[ForwardRecord]) -> list[list]:
 
 
 def count_phase(rows: list[Row], num_prompts: int, max_new_tokens: int, seed: int, repeats: int = 1,
-                progress: bool = False) -> dict:
-    """Run every row on the bundled models (CPU, fp32, greedy, batch 1) and record its forwards (`tally` of the
-    runtime's forward trace).
+                progress: bool = False, device: torch.device | str = "cpu", runtime: str = "eager") -> dict:
+    """Run every row on the bundled models (fp32, greedy, batch 1; by default on the CPU with the eager runtime)
+    and record its forwards (`tally` of the runtime's forward trace).
+
+    `device` moves the bundled models there (e.g. "cuda"); `runtime="static"` runs every row with
+    `cache_implementation="static"` (the static runtime: CUDA graphs on a GPU), so the measured speedups and
+    efficiencies are those of that runtime; each row then first runs once over all its prompts, untimed, so that
+    every forward width is captured before the timed runs. Under the static runtime the trace records each
+    forward at its width bucket (the width it runs at).
 
     With `repeats` > 1 all rows run again in turn (interleaved, so a slow spell of a shared machine hits every row
     alike) and each row keeps its fastest run; the recorded forwards are the same in every repeat (greedy).
@@ -121,24 +127,31 @@ def count_phase(rows: list[Row], num_prompts: int, max_new_tokens: int, seed: in
         settings.
 
     Raises:
-        ValueError: if `repeats` < 1.
+        ValueError: if `repeats` < 1 or `runtime` is not "eager" or "static".
     """
     from hf_dllm_spec.jobs.evaluation import StrategySpec, arithmetic_prompts, load, run as run_spec
 
     if repeats < 1:
         raise ValueError(f"count_phase: `repeats` (={repeats}) must be >= 1; pass --count-repeats 1 or more.")
+    if runtime not in ("eager", "static"):
+        raise ValueError(f"count_phase: `runtime` (={runtime!r}) must be 'eager' or 'static'; pass --count-runtime "
+                         "eager or --count-runtime static.")
+    device = torch.device(device)
+    runtime_params = {"cache_implementation": "static"} if runtime == "static" else {}
     models: dict[str, tuple] = {}
     for name in dict.fromkeys([r.target for r in rows] + [r.drafter for r in rows if r.drafter]):
-        models[name] = load(MODELS_DIR / name)
+        tokenizer, model = load(MODELS_DIR / name)
+        models[name] = (tokenizer, model.to(device) if device.type != "cpu" else model)
     best: dict[str, dict] = {}
     for rep in range(repeats):
         for row in rows:
             tokenizer, target = models[row.target]
             drafter = models[row.drafter][1] if row.drafter else None
             prompts = arithmetic_prompts(MODELS_DIR / row.target, num_prompts)
-            spec = StrategySpec(row.label, row.strategy, dict(row.params), draft_model=drafter)
-            if rep == 0:      # allocator and lazy inits, so the measured run is warm
-                run_spec(target, tokenizer, prompts[:1], spec, max_new_tokens=8, seed=seed, progress=False)
+            spec = StrategySpec(row.label, row.strategy, dict(row.params, **runtime_params), draft_model=drafter)
+            if rep == 0:      # allocator and lazy inits (static runtime: every width's capture), so the run is warm
+                run_spec(target, tokenizer, prompts if runtime_params else prompts[:1], spec,
+                         max_new_tokens=max_new_tokens if runtime_params else 8, seed=seed, progress=False)
             wall0, cpu0 = time.perf_counter(), time.process_time()
             with trace_forwards() as trace:
                 result = run_spec(target, tokenizer, prompts, spec, max_new_tokens=max_new_tokens, seed=seed,
@@ -172,6 +185,9 @@ def count_phase(rows: list[Row], num_prompts: int, max_new_tokens: int, seed: in
                 "accuracy": result.accuracy, "forwards": forwards, "recorded_forwards": recorded,
                 "call_wall_s": call_wall, "call_cpu_s": call_cpu,
             }
-    return {"rows": [best[row.key] for row in rows], "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
-            "seed": seed, "repeats": repeats, "device": "cpu", "dtype": "float32",
-            "threads": torch.get_num_threads()}
+    out = {"rows": [best[row.key] for row in rows], "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
+           "seed": seed, "repeats": repeats, "device": str(device), "dtype": "float32",
+           "threads": torch.get_num_threads()}
+    if runtime != "eager":
+        out["runtime"] = runtime
+    return out

@@ -163,3 +163,143 @@ def predict_phase(count: dict, timing: dict, scale: str, groups: list[str]) -> l
             entry["predicted_target_only"] = efficiency(entry["predicted_tokens_per_s"],
                                                         ar["predicted_tokens_per_s"], tfpt, ar_tfpt)
     return out
+
+
+# -- the targets of issue 25 (the static-runtime mode: `--runtime static`, `hf-dllm-spec bench-gpu`) ----------------
+#: A forward of any width up to `MAX_TARGET_WIDTH` costs at most this many stock compiled AR steps.
+WIDTH_TARGET = 1.3
+MAX_TARGET_WIDTH = 64
+#: Time outside forwards: at most this share of a decoding step.
+OUTSIDE_TARGET = 0.10
+#: Predicted tokens/s over stock compiled AR, for the strategies of `SPEEDUP_STRATEGIES`.
+SPEEDUP_TARGET = 2.0
+SPEEDUP_STRATEGIES = ("s2d2", "block_diffusion", "fast_dllm_v2", "llada2", "deer")
+#: End to end (bundled models): wall speedup over the library's AR >= this x the forward-count ratio.
+EFFICIENCY_TARGET = 0.85
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None when either is missing or the denominator is not positive."""
+    if numerator is None or denominator is None or denominator != denominator or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def _met(value: float | None, target: float | None, at_most: bool) -> bool | None:
+    """Whether `value` meets `target` (<= when `at_most`, else >=); None when either is missing."""
+    if value is None or target is None or value != value:
+        return None
+    return value <= target if at_most else value >= target
+
+
+def _step_of(baseline: dict | None) -> float | None:
+    """Seconds of the baseline's AR decode step, None when it was skipped or not measured."""
+    return None if not baseline or "skipped" in baseline else baseline.get("step_s")
+
+
+def width_targets(timing: dict) -> list[dict]:
+    """Per timed shape and width: seconds of one forward, the shape's stock step, their ratio and the 1.3 target
+    (widths up to 64; wider ones carry no target).
+
+    Returns:
+        `list[dict]` with "shape", "curve" ("cached" / "prefill"), "q", "seconds", "stock_step_s", "ratio",
+        "target" (None above 64 tokens), "met" (None when not applicable).
+    """
+    out = []
+    baselines = timing.get("baselines", {})
+    for name, info in timing["shapes"].items():
+        if info.get("skipped"):
+            continue
+        step = _step_of(baselines.get(name))
+        for curve, key in (("cached", "cached"), ("prefill", "uncached")):
+            for q, seconds in sorted((int(k), float(v)) for k, v in info[key].items()):
+                target = WIDTH_TARGET if q <= MAX_TARGET_WIDTH else None
+                ratio = _ratio(seconds, step)
+                out.append({"shape": name, "curve": curve, "q": q, "seconds": seconds, "stock_step_s": step,
+                            "ratio": ratio, "target": target, "met": _met(ratio, target, at_most=True)})
+    return out
+
+
+def outside_targets(count: dict, timing: dict, predict: list[dict], scale: str) -> list[dict]:
+    """Per predicted row: seconds outside forwards per decoding step, the predicted forward seconds per decoding
+    step (its non-prefill forwards over its decoding steps), and the outside share of a step,
+    o / (o + forward seconds per step), against the 10% target.
+
+    Returns:
+        `list[dict]` with "key", "outside_s_per_step", "forward_s_per_step", "share", "target", "met".
+    """
+    curves = curves_of(timing)
+    rows = {r["key"]: r for r in count["rows"]}
+    out = []
+    for entry in predict:
+        if "predicted_forward_s" not in entry:
+            continue
+        row = rows[entry["key"]]
+        target_name, drafter_name = SCALES[scale][row["group"]]
+        shape_of = {"target": target_name, "drafter": drafter_name}
+        decode = [(f[0], f[2], f[3], f[5]) for f in row["forwards"] if f[1] != "prefill"]
+        fwd, _ = predict_seconds(decode, lambda role, q, ctx: curves[shape_of[role]].seconds(q, ctx), 0, 0.0)
+        per_step = _ratio(fwd, row["decode_forwards"])
+        o = entry["outside_s_per_step"]
+        share = _ratio(o, o + per_step) if per_step is not None else None
+        out.append({"key": entry["key"], "outside_s_per_step": o, "forward_s_per_step": per_step, "share": share,
+                    "target": OUTSIDE_TARGET, "met": _met(share, OUTSIDE_TARGET, at_most=True)})
+    return out
+
+
+def strategy_targets(count: dict, timing: dict, predict: list[dict]) -> list[dict]:
+    """Per predicted row: predicted tokens/s against the stock compiled AR tokens/s of its target shape
+    (1 / the stock decode step), and the 2x target for the strategies of `SPEEDUP_STRATEGIES`.
+
+    Returns:
+        `list[dict]` with "key", "strategy", "target_shape", "predicted_tokens_per_s", "stock_tokens_per_s",
+        "ratio", "target" (None for AR and the strategies without one), "met".
+    """
+    strategies = {r["key"]: r["strategy"] for r in count["rows"]}
+    baselines = timing.get("baselines", {})
+    out = []
+    for entry in predict:
+        strategy = strategies[entry["key"]]
+        step = _step_of(baselines.get(entry["target_shape"]))
+        stock_tps = _ratio(1.0, step)
+        ratio = _ratio(entry.get("predicted_tokens_per_s"), stock_tps)
+        target = SPEEDUP_TARGET if strategy in SPEEDUP_STRATEGIES else None
+        out.append({"key": entry["key"], "strategy": strategy, "target_shape": entry["target_shape"],
+                    "predicted_tokens_per_s": entry.get("predicted_tokens_per_s"), "stock_tokens_per_s": stock_tps,
+                    "ratio": ratio, "target": target, "met": _met(ratio, target, at_most=False)})
+    return out
+
+
+def end_to_end_targets(count: dict, predict: list[dict]) -> list[dict]:
+    """Per non-AR row: the COUNT phase's measured wall speedup over the library's AR, the forward-count ratio,
+    their quotient (the measured efficiency) and the 0.85 target, with the COUNT device and runtime.
+
+    Returns:
+        `list[dict]` with "key", "speedup", "forward_ratio", "efficiency", "target", "met", "count_device",
+        "count_runtime".
+    """
+    strategies = {r["key"]: r["strategy"] for r in count["rows"]}
+    out = []
+    for entry in predict:
+        if strategies[entry["key"]] == "ar":
+            continue
+        m = entry["measured"]
+        eff = m["efficiency"] if m["efficiency"] == m["efficiency"] else None
+        out.append({"key": entry["key"], "speedup": m["speedup"], "forward_ratio": m["forward_ratio"],
+                    "efficiency": eff, "target": EFFICIENCY_TARGET, "met": _met(eff, EFFICIENCY_TARGET, False),
+                    "count_device": count.get("device", "cpu"), "count_runtime": count.get("runtime", "eager")})
+    return out
+
+
+def targets_phase(count: dict, timing: dict, predict: list[dict], scale: str) -> dict:
+    """Every target of issue 25 against the numbers of a static-runtime run (pure; the report prints it).
+
+    Returns:
+        `dict` with "widths" (:func:`width_targets`), "outside" (:func:`outside_targets`), "strategies"
+        (:func:`strategy_targets`), "end_to_end" (:func:`end_to_end_targets`) and "limits" (the target values).
+    """
+    return {"widths": width_targets(timing), "outside": outside_targets(count, timing, predict, scale),
+            "strategies": strategy_targets(count, timing, predict), "end_to_end": end_to_end_targets(count, predict),
+            "limits": {"width_ratio_at_most": WIDTH_TARGET, "max_width": MAX_TARGET_WIDTH,
+                       "outside_share_at_most": OUTSIDE_TARGET, "speedup_over_stock_at_least": SPEEDUP_TARGET,
+                       "speedup_strategies": list(SPEEDUP_STRATEGIES), "efficiency_at_least": EFFICIENCY_TARGET}}

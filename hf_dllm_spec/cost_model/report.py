@@ -34,11 +34,13 @@ def markdown(result: dict) -> str:
     PREDICT tables when those phases ran."""
     meta, count, timing, predict = result["meta"], result["count"], result.get("time"), result.get("predict")
     lines = [f"# Cost model: {meta['shape']} shapes, {meta['device']}, {meta['dtype']}"
-             f"{', ' + meta['quant'] if meta['quant'] != 'none' else ''}\n",
+             f"{', ' + meta['quant'] if meta['quant'] != 'none' else ''}"
+             f"{', ' + meta['runtime'] + ' runtime' if meta.get('runtime', 'eager') != 'eager' else ''}\n",
              f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ", f"Date: {meta['date']}  ",
              f"COUNT: {count['num_prompts']} held-out arithmetic prompts per row, max_new_tokens="
              f"{count['max_new_tokens']}, greedy, EOS on, bundled models, {count['device']} {count['dtype']}, "
              f"{count['threads']} threads, fastest of {count.get('repeats', 1)} interleaved run(s)"
+             + (f", {count['runtime']} runtime" if count.get("runtime", "eager") != "eager" else "")
              + (f" (reused from `{count['source']}`)" if count.get("source") else "") + "\n",
              "## COUNT: bundled models, measured\n",
              "wall/CPU: wall seconds over process CPU seconds of the prompt loop (1 torch thread: 1.0 = no other "
@@ -57,7 +59,11 @@ def markdown(result: dict) -> str:
         lines += ["", f"## TIME: one forward, {meta.get('stat', 'median')} of {meta['reps']} after {meta['warmup']} "
                   "warm-up\n",
                   f"Load averages (1/5/15 min) at start, after COUNT, after TIME: {meta['load_average'].get('start')}, "
-                  f"{meta['load_average'].get('after_count')}, {meta['load_average'].get('after_time')}\n",
+                  f"{meta['load_average'].get('after_count')}, {meta['load_average'].get('after_time')}\n"]
+        if timing.get("runtime") == "static":
+            lines += ["Runtime: static (each width run as `StaticModelRunner.forward` runs it: padded to its width "
+                      "bucket, read-only over the stored context; CUDA: captured graphs replayed, CPU: eager).\n"]
+        lines += [
                   "| shape | params | build s | cache length | wall/CPU | cached forward ms by query width q | "
                   "prefill ms by q (empty cache) |", "|---|---|---|---|---|---|---|"]
         for name, info in timing["shapes"].items():
@@ -92,7 +98,83 @@ def markdown(result: dict) -> str:
                 + f"{_f(p.get('speedup'))}x | {_f(m['forward_ratio'])} | {_f(p.get('efficiency'))} | "
                   f"{_f(pt.get('efficiency'))} | {m['speedup']:.2f}x | {_f(m['efficiency'])} | "
                   f"{_f(e.get('measured_cpu_time', {}).get('efficiency'))} |")
+    if result.get("targets"):
+        lines += targets_markdown(result)
     return "\n".join(lines) + "\n"
+
+
+def _verdict(met: bool | None) -> str:
+    return "-" if met is None else ("met" if met else "not met")
+
+
+def _ms(seconds: float | None) -> str:
+    return _f(seconds * 1e3 if seconds is not None else None)
+
+
+def baselines_markdown(timing: dict) -> list[str]:
+    """The AR baselines of a static-runtime run: per shape, the model timed, whether it was compiled, the decode
+    step and the whole call per token."""
+    lines = ["### AR baselines (same process)\n",
+             "Stock step: (t(N new tokens) - t(1)) / (N - 1) of greedy `generate(cache_implementation=\"static\")`, "
+             "EOS off, after a warm-up call (on CUDA the compilation): one decode step, prefill excluded. "
+             "Whole call: t(N) / N, prefill included.\n",
+             "| shape | baseline | model timed | compiled | why | stock step ms | whole call ms/token | N |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, b in timing.get("baselines", {}).items():
+        if "skipped" in b:
+            lines.append(f"| {name} | skipped: {b['skipped']} | {b.get('shape', '-')} | - | - | - | - | - |")
+            continue
+        compiled = {True: "yes", False: "no", None: "unknown"}[b["compiled"]]
+        timed = b["shape"] if b["shape"] != name else f"{b['class']} (this shape)"
+        lines.append(f"| {name} | {b['baseline']} | {timed} | {compiled} | {b['compile_note']}"
+                     + (f"; {b['note']}" if b.get("note") else "")
+                     + f" | {_ms(b['step_s'])} | {_ms(b['per_token_s'])} | {b['new_tokens']} |")
+    return lines
+
+
+def targets_markdown(result: dict) -> list[str]:
+    """The targets section of a static-runtime run (`result["targets"]`, `predict.targets_phase`): baselines,
+    forward widths against the stock step, outside share, predicted tokens/s against stock, end to end."""
+    targets, timing, count = result["targets"], result["time"], result["count"]
+    limits = targets["limits"]
+    lines = ["", "## Targets (issue 25): static runtime against stock transformers, same process\n"]
+    lines += baselines_markdown(timing)
+    lines += ["", f"### Forward widths: ms per forward / stock step (target <= {limits['width_ratio_at_most']} up to "
+              f"width {limits['max_width']})\n",
+              "| shape | curve | q | ms/forward | stock step ms | ratio | target | met? |",
+              "|---|---|---|---|---|---|---|---|"]
+    for w in targets["widths"]:
+        lines.append(f"| {w['shape']} | {w['curve']} | {w['q']} | {_ms(w['seconds'])} | {_ms(w['stock_step_s'])} | "
+                     f"{_f(w['ratio'])} | {'<= ' + str(w['target']) if w['target'] else '-'} | {_verdict(w['met'])} |")
+    lines += ["", f"### Outside forwards per decoding step (target <= {limits['outside_share_at_most']:.0%} of a "
+              "step)\n",
+              "share = outside / (outside + predicted forward ms per decoding step); outside: the library's "
+              "`generate` with `cache_implementation=\"static\"` on the random-weight models.\n",
+              "| row | outside ms/step | forward ms/step | share | target | met? |", "|---|---|---|---|---|---|"]
+    for o in targets["outside"]:
+        lines.append(f"| {o['key']} | {_ms(o['outside_s_per_step'])} | {_ms(o['forward_s_per_step'])} | "
+                     f"{_f(o['share'], '.1%')} | <= {o['target']:.0%} | {_verdict(o['met'])} |")
+    lines += ["", f"### Predicted tokens/s against stock AR (target >= {limits['speedup_over_stock_at_least']}"
+              f"x for {', '.join(limits['speedup_strategies'])})\n",
+              "stock tok/s = 1000 / stock step ms of the row's target shape (prefill excluded; the prediction "
+              "includes the row's prefill forwards); the baselines table says whether transformers compiled it.\n",
+              "| row | target shape | pred. tok/s | stock tok/s | ratio | target | met? |",
+              "|---|---|---|---|---|---|---|"]
+    for r in targets["strategies"]:
+        lines.append(f"| {r['key']} | {r['target_shape']} | {_f(r['predicted_tokens_per_s'], '.1f')} | "
+                     f"{_f(r['stock_tokens_per_s'], '.1f')} | {_f(r['ratio'])} | "
+                     f"{'>= ' + str(r['target']) if r['target'] else '-'} | {_verdict(r['met'])} |")
+    runtime = f"{count.get('device', 'cpu')}, {count.get('runtime', 'eager')} runtime"
+    lines += ["", f"### End to end, bundled models (COUNT on {runtime}; target efficiency >= "
+              f"{limits['efficiency_at_least']})\n",
+              "efficiency = measured wall speedup over the library's AR / forward-count ratio.\n",
+              "| row | measured speedup | forward ratio | measured efficiency | target | met? |",
+              "|---|---|---|---|---|---|"]
+    for e in targets["end_to_end"]:
+        lines.append(f"| {e['key']} | {_f(e['speedup'])}x | {_f(e['forward_ratio'])} | {_f(e['efficiency'])} | "
+                     f">= {e['target']} | {_verdict(e['met'])} |")
+    return lines
+
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
@@ -160,9 +242,10 @@ def machine_description(device: torch.device) -> str:
             f"Python {platform.python_version()}")
 
 
-def run_name(shape: str, device: torch.device, dtype: str, quant: str) -> str:
-    """Output file stem: `<shape>-<device type>-<dtype>[-<quant>]`."""
-    return f"{shape}-{device.type}-{dtype}" + (f"-{quant}" if quant != "none" else "")
+def run_name(shape: str, device: torch.device, dtype: str, quant: str, runtime: str = "eager") -> str:
+    """Output file stem: `<shape>-<device type>-<dtype>[-<quant>][-static]`."""
+    return (f"{shape}-{device.type}-{dtype}" + (f"-{quant}" if quant != "none" else "")
+            + (f"-{runtime}" if runtime != "eager" else ""))
 
 
 def json_ready(obj):

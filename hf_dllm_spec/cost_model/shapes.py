@@ -33,8 +33,9 @@ class Shape:
 
     Attributes:
         name (`str`): e.g. "SDAR-1.7B".
-        family (`str`): "sdar" (Qwen3 layout, SDAR classes), "qwen3" (transformers' Qwen3 AR model),
-            "fast_dllm_v2" (Qwen2 layout), "llada2" (LLaDA2 MoE), or "bundled" (the config.json of `models/<dir>`).
+        family (`str`): "sdar" (Qwen3 layout, SDAR classes), "qwen3" (transformers' Qwen3 AR model), "qwen2"
+            (transformers' Qwen2 AR model: the stock twins of `baseline`), "fast_dllm_v2" (Qwen2 layout),
+            "llada2" (LLaDA2 MoE), or "bundled" (the config.json of `models/<dir>`).
         config (`dict`): config keywords (for "bundled": {"dir": name}).
         source (`str`): where the numbers come from.
     """
@@ -128,6 +129,10 @@ def shape_config(shape: Shape):
         from transformers import Qwen3Config
 
         cfg = Qwen3Config(**kwargs)
+    elif shape.family == "qwen2":
+        from transformers import Qwen2Config
+
+        cfg = Qwen2Config(**kwargs)
     elif shape.family == "fast_dllm_v2":
         from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig
 
@@ -138,7 +143,7 @@ def shape_config(shape: Shape):
         cfg = LLaDA2MoeConfig(**kwargs)
     else:
         raise ValueError(f"shape_config: `family` (={shape.family!r}) of shape {shape.name} must be one of bundled, "
-                         "sdar, qwen3, fast_dllm_v2, llada2; fix the SHAPES entry.")
+                         "sdar, qwen3, qwen2, fast_dllm_v2, llada2; fix the SHAPES entry.")
     cfg._attn_implementation = "sdpa"
     return cfg
 

@@ -28,8 +28,8 @@ import warnings
 from typing import Any
 
 import torch
-from transformers import (GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList,
-                          StopStringCriteria)
+from transformers import (EosTokenCriteria, GenerationConfig, GenerationMixin, LogitsProcessorList,
+                          MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria)
 
 import model_patches
 from model_patches.compat import find_cache
@@ -186,14 +186,9 @@ def check_model_pair(target, target_patch, drafter, drafter_patch, generation_co
                           f"align the drafter's generation config (`draft_model.generation_config.{key} = {value}`)")
 
 
-def _trim(generated: torch.Tensor, max_new_tokens: int, stop_ids: list[int]) -> torch.Tensor:
-    """Cut to the budget, then after the first stop id (kept, HF convention)."""
-    generated = generated[:max_new_tokens]
-    if stop_ids:
-        hits = torch.isin(generated, torch.tensor(stop_ids, device=generated.device)).nonzero()
-        if hits.numel():
-            generated = generated[: int(hits[0, 0]) + 1]
-    return generated
+def _stop_cut(ids: list[int], stop_ids: set[int]) -> int:
+    """Length of `ids` up to and including the first stop id (kept, HF convention); all of them without one."""
+    return next((k + 1 for k, token in enumerate(ids) if token in stop_ids), len(ids))
 
 
 @torch.no_grad()
@@ -304,6 +299,35 @@ def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
     return assistant_model
 
 
+def criteria_to_scan(criteria, stop_ids: list[int], prompt_width: int, max_new_tokens: int) -> StoppingCriteriaList:
+    """The stopping criteria the decoding loop must call: those of `criteria` that the budget and the stop ids do
+    not already decide.
+
+    transformers' `generate` always adds a `MaxLengthCriteria` (prompt width + `max_new_tokens`) and an
+    `EosTokenCriteria` (the eos ids); a row already ends at its budget and after its first stop id, so these two
+    fire exactly where the row ends anyway, and calling them for every position of every finished block (a few
+    kernels and one host read each) changes nothing. A `MaxLengthCriteria` shorter than the budget, an
+    `EosTokenCriteria` with ids outside `stop_ids`, subclasses of either and every other criterion are kept.
+
+    Args:
+        criteria (`StoppingCriteriaList` or `None`): as `generate` prepared them.
+        stop_ids (`list[int]`): the ids a row stops after. prompt_width (`int`): P, the padded prompt width the
+            criteria see first. max_new_tokens (`int`): the budget.
+
+    Returns:
+        `StoppingCriteriaList` (empty when none is left).
+    """
+    kept = StoppingCriteriaList()
+    for criterion in criteria or []:
+        if type(criterion) is MaxLengthCriteria and criterion.max_length - prompt_width >= max_new_tokens:
+            continue
+        if type(criterion) is EosTokenCriteria and set(
+                torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist()) <= set(stop_ids):
+            continue
+        kept.append(criterion)
+    return kept
+
+
 class _CriteriaScan:
     """transformers' stopping criteria, called as transformers calls them: the whole batch in, one verdict per row.
 
@@ -331,26 +355,39 @@ class _CriteriaScan:
         the row ends, or None while no criterion has fired for it."""
         self.tokens[prompt_index] = tokens
         self.ended[prompt_index] = self.ended[prompt_index] or ended
+        verdicts = []
         while self.checked < self.max_new_tokens and all(self._settled(n) for n in range(len(self.tokens))):
-            self._evaluate(self.checked + 1)
-        return self.cut[prompt_index]
+            self.checked += 1
+            verdicts.append((self.checked, self._call(self.checked)))
+            if len(self.tokens) > 1:           # a batch: a row cut at t is continued with padding after t: read now
+                self._apply(verdicts)
+                verdicts = []
+        self._apply(verdicts)                  # batch 1: one host read for all positions (after its cut the row's
+        return self.cut[prompt_index]          # verdicts no longer matter, so the criteria may see its tokens)
 
     def _settled(self, n: int) -> bool:
         """Whether row n's token at position `checked + 1` is known (or the row has ended before it)."""
         return self.ended[n] or self.cut[n] is not None or self.tokens[n].shape[0] > self.checked
 
-    def _evaluate(self, t: int) -> None:
+    def _call(self, t: int) -> torch.Tensor:
+        """Call the criteria on position t (every row's first t tokens, padded after its cut); `(N,)` bool."""
         rows = []
         for n, tokens in enumerate(self.tokens):
             length = tokens.shape[0] if self.cut[n] is None else self.cut[n]
             row = tokens[:min(t, length)].to(self.input_ids.device)
             rows.append(torch.cat([row, row.new_full((t - row.shape[0],), self.pad)]))
         fired = self.criteria(torch.cat([self.input_ids, torch.stack(rows)], dim=1), None)
-        fired = torch.as_tensor(fired, device=self.input_ids.device).expand(len(rows))
-        for n, tokens in enumerate(self.tokens):
-            if self.cut[n] is None and tokens.shape[0] >= t and bool(fired[n]):
-                self.cut[n] = t
-        self.checked = t
+        return torch.as_tensor(fired, device=self.input_ids.device).expand(len(rows))
+
+    def _apply(self, verdicts: list[tuple[int, torch.Tensor]]) -> None:
+        """Cut each row at the first position whose verdict fires for it (the verdicts read on the host at once)."""
+        if not verdicts:
+            return
+        fired = torch.stack([v for _, v in verdicts]).tolist()
+        for (t, _), row_fired in zip(verdicts, fired):
+            for n, tokens in enumerate(self.tokens):
+                if self.cut[n] is None and tokens.shape[0] >= t and row_fired[n]:
+                    self.cut[n] = t
 
 
 def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, kwargs, *, streamer,
@@ -454,18 +491,30 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     stats = BatchStats(batch_size)
     use_cache = generation_config.use_cache is not False          # None (unset) means the default: cached
     prompts = [input_ids[n, input_ids.shape[1] - lengths[n]:].to(device) for n in range(batch_size)]
+    stopping_criteria = criteria_to_scan(stopping_criteria, stop_ids, input_ids.shape[1], max_new_tokens)
     scan = _CriteriaScan(stopping_criteria, input_ids, pad_id, max_new_tokens) if stopping_criteria else None
 
+    stop_set = set(stop_ids)
+
+    def final_tokens(prompt_index: int, generated: torch.Tensor, ended: bool = False,
+                     host_ids: list[int] | None = None) -> tuple[torch.Tensor, bool]:
+        """What a row returns of its final tokens `(n,)` (the budget, the first stop id, the first criterion match;
+        `ended`: the row decodes no more), and whether the row ends there. One host read of the tokens, none when
+        the caller passes them as `host_ids`."""
+        kept = generated[:max_new_tokens]
+        ids = host_ids[:max_new_tokens] if host_ids is not None else kept.tolist()
+        cut = _stop_cut(ids, stop_set)
+        tokens = kept[:cut]
+        ended = (ended or cut < generated.shape[0] or cut >= max_new_tokens
+                 or (cut > 0 and ids[cut - 1] in stop_set))
+        if scan is not None:
+            criteria_cut = scan.observe(prompt_index, tokens, ended=ended)
+            if criteria_cut is not None:
+                return tokens[:criteria_cut], True
+        return tokens, ended
+
     def output_tokens(prompt_index: int, generated: torch.Tensor, ended: bool = False) -> torch.Tensor:
-        """What a row returns of its final tokens: the budget, the first stop id, the first criterion match
-        (`ended`: the row decodes no more)."""
-        tokens = _trim(generated, max_new_tokens, stop_ids)
-        if scan is None:
-            return tokens
-        ended = (ended or tokens.shape[0] < generated.shape[0] or tokens.shape[0] >= max_new_tokens
-                 or (tokens.shape[0] > 0 and int(tokens[-1]) in stop_ids))
-        cut = scan.observe(prompt_index, tokens, ended=ended)
-        return tokens if cut is None else tokens[:cut]
+        return final_tokens(prompt_index, generated, ended)[0]
 
     suppress = [resolved_mask] if resolved_mask is not None else []
     cache_len = static_cache_length(input_ids.shape[1], max_new_tokens, max(block_size, draft_block_size or 0))
@@ -479,8 +528,7 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                         generator=generator),
         stats=stats, mask_token_id=resolved_mask if resolved_mask is not None else 0, stop_token_ids=stop_ids,
         max_new_tokens=max_new_tokens, block_size=block_size,
-        stop_check=(lambda i, generated: output_tokens(i, generated).shape[0] < generated.shape[0])
-        if scan is not None else None,
+        stop_check=lambda i, generated, host_ids: final_tokens(i, generated, host_ids=host_ids)[1],
         drafter=make_runner(draft_model, drafter_patch, stats, batch_size=batch_size, use_cache=use_cache,
                             timer=timer, timer_span=DRAFT_MODEL_SPAN, generation_config=generation_config,
                             max_cache_len=cache_len) if draft_model is not None else None,

@@ -39,8 +39,9 @@ def left_pad(rows: list[torch.Tensor], device: torch.device | str | None = None,
         `(ids, valid, positions)`, each `(N, W)` with W = max L_n: ids (padding 0), the real columns
         (:func:`left_padded_valid`), and absolute positions (padding clamped to 0; nobody sees it).
     """
-    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long, device=device)
-    width = int(lengths.max()) if len(rows) else 0
+    sizes = [r.shape[0] for r in rows]
+    lengths = torch.tensor(sizes, dtype=torch.long, device=device)
+    width = max(sizes, default=0)                                            # on the host: no device read
     ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     for n, row in enumerate(rows):
         if row.shape[0]:

@@ -240,12 +240,18 @@ class ModelRunner:
     def _check_layout(intra: torch.Tensor, s: int, store_valid: torch.Tensor | None) -> None:
         """Raise `ValueError` if stored rows see read-only rows, or padding follows a real stored token."""
         q = intra.shape[-1]
-        if bool(intra[:, :s, s:].any()):
+        if not 0 < s < q and (store_valid is None or store_valid.shape[1] < 2):
+            return                                             # nothing to check: no host read
+        no = torch.zeros((), dtype=torch.bool, device=intra.device)
+        read_only = intra[:, :s, s:].any() if 0 < s < q else no
+        padding = (store_valid[:, :-1] & ~store_valid[:, 1:]).any().to(intra.device) if store_valid is not None else no
+        sees_read_only, bad_padding = torch.stack([read_only, padding]).tolist()     # one host read for both
+        if sees_read_only:
             raise ValueError(
                 f"ModelRunner.forward: the {s} stored query rows must not see the {q - s} read-only rows after "
                 "them; fix the intra mask."
             )
-        if store_valid is not None and bool((store_valid[:, :-1] & ~store_valid[:, 1:]).any()):
+        if bad_padding:
             raise ValueError("ModelRunner.forward: `store_valid` must put a row's padding before its real tokens "
                              "(left padding); the right-shift carry reads the last stored token.")
 
@@ -258,9 +264,7 @@ class ModelRunner:
         offset = q - keep_raw                                      # query index of raw[:, 0]
         carry = self.carry if self.carry is not None else raw.new_zeros(n, vocab)
         prev = torch.arange(q - keep, q, device=raw.device) - 1    # predecessor query index of each kept token
-        has_prev = prev >= 0
-        prev_valid = torch.zeros(n, keep, dtype=torch.bool, device=raw.device)
-        prev_valid[:, has_prev] = query_valid[:, prev[has_prev]]
+        prev_valid = query_valid[:, prev.clamp(min=0)] & (prev >= 0)         # no boolean index: no host read
         shifted = raw[:, (prev - offset).clamp(min=0)]
         aligned = torch.where(prev_valid[..., None], shifted, carry[:, None, :])
         if s:

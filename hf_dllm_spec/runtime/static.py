@@ -16,9 +16,10 @@ verifier's copies) are thus written past the write position and never become vis
 columns `>= lengths[n]` except its own. No `torch.cat`, no crop; `discard_tail` moves the write position back and
 `select_rows` gathers rows into the leading rows of the same buffers.
 
-Fixed shapes. Every forward sees input ids, positions and write columns of shape `(N, W)` and a float mask
-`(N, 1, W, L)`, for a small set of `(N, W, kept logits)`: on CUDA each is captured once in a `torch.cuda.CUDAGraph`
-(:class:`_CudaGraphs`, three warm-up runs on a side stream, then capture) and replayed after copying the new inputs
+Fixed shapes. Every forward takes input ids, positions and write columns of shape `(N, W)`, the query's own
+visibility `(N, W, W)` and the write positions `(N,)`, and builds its float mask `(N, 1, W, L)` from them inside,
+for a small set of `(N, W, kept logits)`: on CUDA each is captured once in a `torch.cuda.CUDAGraph` (mask included;
+:class:`_CudaGraphs`, three warm-up runs on a side stream, then capture) and replayed after copying the new inputs
 into its static buffers; with `compile_config` the forward goes through `model.get_compiled_call(compile_config)`
 (torch.compile, transformers' meaning). Cache, buffers and graphs live on the model (:func:`_state_of`) and are
 reused by later calls with the same or smaller shapes; a call that needs a longer cache reallocates it (and drops the
@@ -26,8 +27,13 @@ graphs). So one `generate` call at a time may use a model's static runtime (as w
 and compiled forward); concurrent calls on one model need the eager runtime. Compilation follows transformers'
 `_valid_auto_compile_criteria` (:func:`compile_plan`).
 
-Not yet done (GPU work): the per-step maths between forwards (sampling, commit rules, acceptance, routing) still
-syncs with the host several times per step; the masks are built with a few small kernels outside the graph.
+Host synchronisations. No forward of any family reads a device value on the host (so each can be captured; LLaDA2's
+routed experts run transformers' "grouped_mm", also when loaded through a checkpoint's remote code), and the
+decoding loop reads the device once per forward at batch 1 (the step's decisions and committed tokens in one
+transfer; SimSD 1.6: its compact verify width; `hf_dllm_spec.runtime.syncs`, counted in
+`tests/test_static_runtime.py`). Not yet done (GPU work): the per-step maths (sampling, commit rules, acceptance,
+routing) and masks compiled or captured with the forward (about 170 to 250 small tensor operations per forward
+on the bundled models, each a kernel launch on a GPU).
 
 Source: issue 25 (measurements on an H100 in `shared/reference/platform.md`, "Static caches, compilation and CUDA
 graphs"); transformers `StaticCache` / `StaticLayer`, `CompileConfig`; PyTorch "CUDA Graphs" (whole-network capture).
@@ -228,24 +234,27 @@ class _CudaGraphs:
         self.captures = 0
         self.failed: str = ""            # why capture failed once (the forward syncs with the host, ...): eager since
 
-    def run(self, key, run_forward, ids, pos, mask, columns, cache: RowStaticCache):
-        """Replay (or capture, the first time) the forward of `key`; returns a fresh copy of its logits."""
+    def run(self, key, run_forward, inputs: tuple, cache: RowStaticCache):
+        """Replay (or capture, the first time) `run_forward(*inputs)` for `key`; returns a fresh copy of its logits.
+
+        `inputs`: `(ids, pos, wide, columns, lengths)` (:meth:`StaticModelRunner._run`); they are copied into the
+        graph's static buffers, and the cache's layers read the write columns from their buffer."""
         entry = self.graphs.get(key)
         if entry is None:
-            buffers = [ids.clone(), pos.clone(), mask.clone(), columns.clone()]
+            buffers = [value.clone() for value in inputs]
             cache.set_write_columns(buffers[3])
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(self.WARMUP_RUNS):
-                    out = run_forward(*buffers[:3])
+                    out = run_forward(*buffers)
             torch.cuda.current_stream().wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
-                    static_out = run_forward(*buffers[:3])
+                    static_out = run_forward(*buffers)
             except RuntimeError as error:          # e.g. a host sync inside the forward (data-dependent MoE routing)
                 self.failed = f"CUDA graph capture failed ({str(error).splitlines()[0][:120]}); eager forwards"
                 logger.warning("hf_dllm_spec: %s", self.failed)
@@ -254,7 +263,8 @@ class _CudaGraphs:
             self.captures += 1
             return out.clone()
         graph, buffers, static_out = entry
-        for buffer, value in zip(buffers, (ids, pos, mask, columns)):
+        cache.set_write_columns(buffers[3])
+        for buffer, value in zip(buffers, inputs):
             buffer.copy_(value)
         graph.replay()
         return static_out.clone()
@@ -382,32 +392,37 @@ class StaticModelRunner(ModelRunner):
         offset = torch.cat([torch.arange(q, width, device=device).expand(n, front), offset], dim=1)   # (N, W)
         self._ensure_length(width)
         columns = self.lengths[:, None] + offset
-        wide = torch.zeros(n, width, width, dtype=torch.bool, device=device)
+        wide = torch.zeros(n, width, width, dtype=torch.bool, device=device)              # query visibility
         wide[:, front:, front:] = intra
         wide[:, :front, :front] = torch.eye(front, dtype=torch.bool, device=device)
-        length = self.cache.max_cache_len
-        visible = (torch.arange(length, device=device)[None, None, :] < self.lengths[:, None, None]).expand(
-            n, width, length).clone()
-        visible.scatter_(2, columns[:, None, :].expand(n, width, width), wide)
-        mask = to_additive(visible, self.dtype)                                           # (N, 1, W, L)
         ids = torch.zeros(n, width, dtype=input_ids.dtype, device=device)
         ids[:, front:] = input_ids
         pos = torch.zeros(n, width, dtype=position_ids.dtype, device=device)
         pos[:, front:] = position_ids
         with self.timer.span("forward"), self._own_span(), self._traced(kind, n, width, s, kept):
-            raw = self._run(ids, pos, mask, columns, kept)[:, kept - keep_raw:]
+            raw = self._run(ids, pos, wide, columns, kept)[:, kept - keep_raw:]
         self.lengths = self.lengths + stored
         self._bound += s
         if self.alignment == "position":
             return raw[:, -keep:]
         return self._align_right_shift(raw, query_valid, q, keep, s)
 
-    def _run(self, ids, pos, mask, columns, kept) -> torch.Tensor:
-        """One forward of the padded query (eager, replayed graph or compiled call); `(N, kept, V)` float32."""
+    def _run(self, ids, pos, wide, columns, kept) -> torch.Tensor:
+        """One forward of the padded query (eager, replayed graph or compiled call); `(N, kept, V)` float32.
 
-        def run_forward(ids, pos, mask):
-            return self.patch.forward(self._call, ids, position_ids=pos, attention_mask=mask, cache=self.cache,
-                                      logits_to_keep=kept)
+        The attention mask `(N, 1, W, L)` is built inside (so a CUDA graph replays it with the forward): row n's
+        stored columns `[0, lengths[n])` are visible to every query token, and the query's own columns follow
+        `wide` `(N, W, W)`."""
+        dtype = self.dtype
+
+        def run_forward(ids, pos, wide, columns, lengths):
+            n, width = ids.shape
+            length = self.cache.max_cache_len
+            visible = (torch.arange(length, device=ids.device)[None, None, :] < lengths[:, None, None]).expand(
+                n, width, length).clone()
+            visible.scatter_(2, columns[:, None, :].expand(n, width, width), wide)
+            return self.patch.forward(self._call, ids, position_ids=pos, attention_mask=to_additive(visible, dtype),
+                                      cache=self.cache, logits_to_keep=kept)
 
         key = (ids.shape[0], ids.shape[1], kept, self.cache.max_cache_len)
         if self.compile_mode == "cuda_graph" and self._state.graphs.failed:
@@ -415,7 +430,8 @@ class StaticModelRunner(ModelRunner):
         if self.compile_mode == "cuda_graph":
             first = key[:3] not in self._state.graphs.graphs
             with self.timer.span("warmup") if first else contextlib.nullcontext():
-                return self._state.graphs.run(key[:3], run_forward, ids, pos, mask, columns, self.cache)
+                return self._state.graphs.run(key[:3], run_forward, (ids, pos, wide, columns, self.lengths),
+                                              self.cache)
         self.cache.set_write_columns(columns)
         if self.compile_mode == "compile":
             if torch.cuda.is_available() and ids.is_cuda:
@@ -423,8 +439,8 @@ class StaticModelRunner(ModelRunner):
             first = key not in self._compiled_keys
             self._compiled_keys.add(key)
             with self.timer.span("warmup") if first else contextlib.nullcontext():
-                return run_forward(ids, pos, mask).clone()
-        return run_forward(ids, pos, mask)
+                return run_forward(ids, pos, wide, columns, self.lengths).clone()
+        return run_forward(ids, pos, wide, columns, self.lengths)
 
     def _ensure_length(self, width: int) -> None:
         """Make room for `width` more columns after the longest row: sync the exact bound, grow if still short."""

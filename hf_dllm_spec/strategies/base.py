@@ -36,8 +36,10 @@ class DecodingSession:
             `drafter.device` and the drafter's block logits back to `target.device`; neither cache ever moves.
         draft_mask_token_id (`int`, *optional*): the drafter's mask token (a mask id of one family can be a real
             token of another: never shared).
-        stop_check (`callable`, *optional*): `(prompt index, generated (n,)) -> bool`, the caller's stopping
-            criteria.
+        stop_check (`callable`, *optional*): `(prompt index, generated (n,), generated on the host or None) ->
+            bool`, whether the row ends after
+            `generated`: the budget, a stop id, or the caller's stopping criteria (`generate` passes one that reads
+            the tokens on the host once); without it, the budget and the stop ids decide.
         stream (`TokenStream`, *optional*): receives final tokens (batch size 1).
         block_size (`int`): the target's block size; draft_block_size (`int`, *optional*): the drafter's.
     """
@@ -53,7 +55,7 @@ class DecodingSession:
     drafter: ModelRunner | None = None
     draft_mask_token_id: int | None = None
     draft_block_size: int | None = None
-    stop_check: Callable[[int, torch.Tensor], bool] | None = None
+    stop_check: Callable[[int, torch.Tensor, list[int] | None], bool] | None = None
     stream: TokenStream | None = None
 
     @property
@@ -143,10 +145,12 @@ class DecodingStrategy(ABC):
             return
         s.stream.draft(provisional[:room])
 
-    def should_stop(self, prompt_index: int, generated: torch.Tensor) -> bool:
+    def should_stop(self, prompt_index: int, generated: torch.Tensor, host_ids: list[int] | None = None) -> bool:
         """Stop after a stop id, at the token budget, or when the caller's criteria say so (they are told of every
-        row's final tokens, also of a row that a stop id or the budget ends: they judge the whole batch)."""
+        row's final tokens, also of a row that a stop id or the budget ends: they judge the whole batch).
+        `host_ids`: `generated` already read on the host, when the caller has it (no further device read)."""
         s = self.session
-        stop = generated.shape[0] >= s.max_new_tokens or bool(
-            s.stop_token_ids and torch.isin(generated, torch.tensor(s.stop_token_ids, device=generated.device)).any())
-        return bool(s.stop_check is not None and s.stop_check(prompt_index, generated)) or stop
+        if s.stop_check is not None:
+            return s.stop_check(prompt_index, generated, host_ids)
+        ids = host_ids if host_ids is not None else generated.tolist()
+        return generated.shape[0] >= s.max_new_tokens or not set(ids).isdisjoint(s.stop_token_ids)

@@ -221,10 +221,13 @@ class BlockDiffusionStrategy(DecodingStrategy):
         block = self.first_blocks(aligned)
         self.commit_from_carry(block)
         generated = [s.prompts[0].new_empty(0) for _ in range(s.batch_size)]
+        host: list[list[int]] = [[] for _ in range(s.batch_size)]       # the same tokens, as read on the host
         pending: tuple | None = None      # finished blocks to store in the next forward (see draft_forward)
         while block.tokens.shape[0]:
-            if self.first_from_carry and not bool(block.masked.any()):
-                done = torch.ones_like(block.start, dtype=torch.bool)   # block size 1: the carry decided it
+            if self.first_from_carry and self.block_size == 1:
+                # the carry decided every block (a block of B > 1 always keeps a mask after the carry's commit:
+                # a prompt tail fills fewer than B positions, and an unfinished block is not restarted)
+                done = torch.ones_like(block.start, dtype=torch.bool)
             else:
                 # 1. one denoising forward for every row, storing last step's finished blocks on the way
                 began_full = ~block.masked.any(dim=1) if self.edit_rule is not None else None
@@ -235,14 +238,17 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 self.denoise_step(block, logits)
                 done = self.finish_step(block, began_full)
                 block.step += 1
-            done_rows = done.tolist()
+            # the step's one host read: which rows finished, where their new tokens start, the block's tokens
+            read = torch.cat([done[:, None].long(), block.num_fixed[:, None].to(done.device),
+                              block.tokens.to(done.device)], dim=1).tolist()
+            done_rows = [bool(row[0]) for row in read]
             if s.stream is not None:
                 self.stream_step(block, generated[s.stats.active[0]])
             pending = None
             if not any(done_rows):
                 continue
             # 3. append finished blocks, decide stops, schedule the cache writes, start the next blocks
-            finished = self.collect_finished_blocks(block, done_rows, generated)
+            finished = self.collect_finished_blocks(block, done_rows, generated, read, host)
             pending = self.schedule_writes(block, done, done_rows, finished)
             # 4. finished rows leave the batch
             if finished:
@@ -270,18 +276,25 @@ class BlockDiffusionStrategy(DecodingStrategy):
         start = fixed + max(s.stream.sent - generated.shape[0], 0)        # this block's tokens already streamed
         self.stream_draft(torch.cat([generated, canvas[fixed:start]]), canvas[start:])
 
-    def collect_finished_blocks(self, block: BlockState, done_rows: list[bool],
-                                generated: list[torch.Tensor]) -> list[int]:
-        """Append each finished block to its row's output; return the batch indices of rows that stop."""
+    def collect_finished_blocks(self, block: BlockState, done_rows: list[bool], generated: list[torch.Tensor],
+                                read: list[list[int]], host: list[list[int]]) -> list[int]:
+        """Append each finished block to its row's output; return the batch indices of rows that stop.
+
+        Args:
+            read (`list[list[int]]`): per batch row, `[done, num_fixed, *block tokens]` as read on the host this step.
+            host (`list[list[int]]`): per prompt, its `generated` tokens on the host (extended here), so the stop
+                decision reads nothing more from the device.
+        """
         s, finished = self.session, []
         for i in (i for i, is_done in enumerate(done_rows) if is_done):
-            prompt_index = s.stats.active[i]
-            new_tokens = block.tokens[i, int(block.num_fixed[i]):]
+            prompt_index, fixed = s.stats.active[i], read[i][1]
+            new_tokens = block.tokens[i, fixed:]
             s.stats.row(i).num_committed_tokens += new_tokens.shape[0]
             generated[prompt_index] = torch.cat([generated[prompt_index], new_tokens])
+            host[prompt_index].extend(read[i][2 + fixed:])
             if s.stream is not None:
                 s.stream.push(generated[prompt_index])
-            if self.should_stop(prompt_index, generated[prompt_index]):
+            if self.should_stop(prompt_index, generated[prompt_index], host[prompt_index]):
                 finished.append(i)
         return finished
 
@@ -299,7 +312,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
             continuing = done.clone()
             continuing[finished] = False
         pending = None
-        if self.config.fuse_cache_write and bool(continuing.any()):
+        if self.config.fuse_cache_write and any(d and i not in finished for i, d in enumerate(done_rows)):
             pending = (block.tokens.clone(), block.positions, continuing)
         block.restart(continuing)
         self.commit_from_carry(block)

@@ -132,6 +132,7 @@ class DeerStrategy(DecodingStrategy):
         self.next_pos = torch.tensor([p.shape[0] - 1 for p in s.prompts], device=device)
         self.new_tokens = [p.to(device) for p in s.prompts]                               # drafter's input
         self.generated = [s.prompts[0].new_empty(0, device=device) for _ in range(s.batch_size)]
+        self.host_generated: list[list[int]] = [[] for _ in range(s.batch_size)]   # the same, read on the host
         while s.stats.active:
             committed = self.cycle()
             self.finish_rows(committed)
@@ -154,10 +155,9 @@ class DeerStrategy(DecodingStrategy):
         """k for this cycle (never beyond the budget) and drafts per row `(N,)`: a row one token short of its
         budget drafts nothing and takes one AR step."""
         s = self.session
-        remaining = torch.tensor([s.max_new_tokens - self.generated[i].shape[0] for i in s.stats.active],
-                                 device=s.target.device)
-        per_row = (remaining - 1).clamp(min=0, max=self.config.block_size)
-        return int(per_row.max()), per_row
+        per_row = [min(max(s.max_new_tokens - self.generated[i].shape[0] - 1, 0), self.config.block_size)
+                   for i in s.stats.active]                                  # on the host: no device read
+        return max(per_row, default=0), torch.tensor(per_row, dtype=torch.long, device=s.target.device)
 
     def cycle(self) -> list[torch.Tensor]:
         """One draft/verify cycle for every active row; returns each row's committed tokens."""
@@ -196,10 +196,12 @@ class DeerStrategy(DecodingStrategy):
         accepted = result.num_accepted
         s.target.discard_tail(k - accepted, carry=target_logits[rows, accepted])
         drafted = per_row > 0           # a row without drafts took one plain AR step: a fallback token
-        s.stats.observe_verification(rows, per_row, accepted, result.recovered, result.bonus & drafted)
+        s.stats.observe_verification(rows, per_row, accepted, result.recovered, result.bonus & drafted, width=k)
         s.stats.accumulate("num_fallback_tokens", ~drafted)
         s.stats.accumulate("num_committed_tokens", result.num_tokens)
-        committed = [result.row(i) for i in range(n)]
+        read = torch.cat([result.num_tokens[:, None], result.token_ids], dim=1).tolist()   # the cycle's host read
+        committed = [result.token_ids[i, :row[0]] for i, row in enumerate(read)]
+        self.committed_on_host = [row[1:1 + row[0]] for row in read]
         self.last = torch.stack([c[-1] for c in committed])
         self.next_pos = self.next_pos + result.num_tokens
         self.new_tokens = committed
@@ -212,7 +214,8 @@ class DeerStrategy(DecodingStrategy):
         for i, tokens in enumerate(committed):
             prompt_index = s.stats.active[i]
             self.generated[prompt_index] = torch.cat([self.generated[prompt_index], tokens])
-            done.append(self.should_stop(prompt_index, self.generated[prompt_index]))
+            self.host_generated[prompt_index].extend(self.committed_on_host[i])
+            done.append(self.should_stop(prompt_index, self.generated[prompt_index], self.host_generated[prompt_index]))
         if s.stream is not None:
             s.stream.push(self.generated[s.stats.active[0]])
         if not any(done):

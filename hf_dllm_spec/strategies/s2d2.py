@@ -252,7 +252,8 @@ class S2D2Strategy(BlockDiffusionStrategy):
         if any(decisions):
             spans = [(c.span_start, c.span_start + c.span_length) for c, d in zip(contexts, decisions) if d]
             committed = committed + self.verify_spans(block, draft_probs, draft_tokens, start, end, decisions,
-                                                      min(a for a, _ in spans), max(b for _, b in spans))
+                                                      min(a for a, _ in spans), max(b for _, b in spans),
+                                                      max(b - a for a, b in spans))
         if not all(decisions):
             committed = committed + self.commit_by_rule(block, draft_probs, draft_tokens, confidence, rows=~verify)
         if any(policy.needs_feedback for policy in self.policies):
@@ -311,7 +312,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
 
     def verify_spans(self, block: BlockState, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
                      start: torch.Tensor, end: torch.Tensor, decisions: list[bool], first_start: int,
-                     last_end: int) -> torch.Tensor:
+                     last_end: int, width: int) -> torch.Tensor:
         """One verifier forward for the batch and acceptance over each verifying row's span.
 
         x~ = block with every mask filled by its draft; cache read-only. Rows that do not verify ride along in
@@ -319,7 +320,8 @@ class S2D2Strategy(BlockDiffusionStrategy):
         S = `first_start` and E = `last_end` (the least span start and the greatest span end of the verifying
         rows) a position-aligned model reads `[x~[:E] | MASK copies of S..E-1]`, width E + (E - S) instead of
         2B, and a right-shifted one `x~[:E]` instead of B; the logits read are those of the full layout (each
-        kept query sees the same keys), so the tokens are the same (tested against the full layout).
+        kept query sees the same keys), so the tokens are the same (tested against the full layout). `width`: the
+        longest span of the verifying rows (from the routing contexts, already on the host).
 
         Returns:
             `torch.Tensor` of shape `(N,)`, int64, tokens committed per row (0 for rows that do not verify).
@@ -340,7 +342,6 @@ class S2D2Strategy(BlockDiffusionStrategy):
         logits = s.target.forward(ids, positions, intra, kind="verify", logits_to_keep=keep, rows=decisions)
         rows = torch.tensor([i for i, d in enumerate(decisions) if d], device=filled.device)     # (M,)
         lengths = (end - start)[rows]
-        width = int(lengths.max())
         idx = (start[rows, None] + torch.arange(width, device=rows.device)[None]).clamp(max=last - 1)  # (M, L)
         span_tokens = draft_tokens[rows].gather(1, idx)
         target_logits = logits[rows[:, None], idx - first]                                 # (M, L, V)
@@ -359,15 +360,16 @@ class S2D2Strategy(BlockDiffusionStrategy):
         committed_ids = result.token_ids.gather(1, relative.clamp(0, result.token_ids.shape[1] - 1))
         block.tokens[rows] = torch.where(write, committed_ids, block.tokens[rows])
         block.undecided[rows] = block.undecided[rows] & ~write
-        self.observe_verification(rows, lengths, result)
+        self.observe_verification(rows, lengths, result, width)
         committed = torch.zeros_like(block.start)
         committed[rows] = result.num_tokens
         return committed
 
-    def observe_verification(self, rows: torch.Tensor, lengths: torch.Tensor, result) -> None:
-        """Add the verification counters of the verifying `rows` to the per-row statistics (on the device)."""
+    def observe_verification(self, rows: torch.Tensor, lengths: torch.Tensor, result, width: int) -> None:
+        """Add the verification counters of the verifying `rows` to the per-row statistics (on the device;
+        `width`: `lengths.max()`, known on the host)."""
         stats = self.session.stats
-        stats.observe_verification(rows, lengths, result.num_accepted, result.recovered, result.bonus)
+        stats.observe_verification(rows, lengths, result.num_accepted, result.recovered, result.bonus, width=width)
         # allow_resample=False commits the rejected draft itself: a fallback token, not a recovered one.
         stats.accumulate("num_fallback_tokens",
                          (result.num_tokens - result.num_accepted) * ~(result.recovered | result.bonus), rows)

@@ -295,6 +295,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
         block = self.first_blocks(aligned)
         blocks_done = [s.prompts[0].new_empty(0) for _ in range(s.batch_size)]    # full blocks, per prompt
         generated = [g.clone() for g in blocks_done]
+        host_done: list[list[int]] = [[] for _ in range(s.batch_size)]          # blocks_done, read on the host
         pending: tuple | None = None
         while block.tokens.shape[0]:
             drafts = self.draft(block, pending)
@@ -304,19 +305,24 @@ class SimSDStrategy(BlockDiffusionStrategy):
             target_probs = self.session.sampler.probs(self.verify(block, drafts, pending))
             self.commit(block, drafts, target_probs)
             done = ~block.undecided.any(dim=1)
-            done_rows, finished = done.tolist(), []
-            for i, is_done in enumerate(done_rows):
-                prompt_index = s.stats.active[i]
-                generated[prompt_index] = torch.cat([blocks_done[prompt_index], self.final_prefix(block, i)])
+            # the step's one host read: which rows finished, each block's committed prefix and its tokens
+            read = torch.cat([done[:, None].long(), block.num_fixed[:, None], block.first_masked[:, None],
+                              block.tokens], dim=1).tolist()
+            done_rows, finished = [bool(row[0]) for row in read], []
+            for i, (is_done, fixed, first_masked, *tokens) in enumerate(read):
+                prompt_index, end = s.stats.active[i], max(first_masked, fixed)
+                generated[prompt_index] = torch.cat([blocks_done[prompt_index], block.tokens[i, fixed:end]])
+                host_ids = host_done[prompt_index] + tokens[fixed:end]
                 if is_done:
-                    blocks_done[prompt_index] = generated[prompt_index]
-                if self.should_stop(prompt_index, generated[prompt_index]):
+                    blocks_done[prompt_index], host_done[prompt_index] = generated[prompt_index], host_ids
+                if self.should_stop(prompt_index, generated[prompt_index], host_ids):
                     finished.append(i)
             if s.stream is not None:
                 s.stream.push(generated[s.stats.active[0]])
             continuing = done.clone()
             continuing[finished] = False
-            pending = (block.tokens.clone(), block.positions, continuing) if bool(continuing.any()) else None
+            go_on = any(d and i not in finished for i, d in enumerate(done_rows))
+            pending = (block.tokens.clone(), block.positions, continuing) if go_on else None
             block.restart(continuing)
             if finished:
                 pending = self.drop_rows(block, done_rows, finished, pending)
@@ -334,11 +340,14 @@ class SimSDStrategy(BlockDiffusionStrategy):
         reveal_step = torch.zeros_like(tokens)
         probs_at_reveal: torch.Tensor | None = None
         step = 0
-        while bool(undecided.any()):
-            ids = torch.where(undecided, s.draft_mask_token_id, tokens)
+        while True:
             still = undecided.any(dim=1)
+            still_rows = still.tolist()                           # the drafter step's one host read
+            if not any(still_rows):
+                break
+            ids = torch.where(undecided, s.draft_mask_token_id, tokens)
             logits = self.drafter_forward(ids, block.positions, full_mask(self.block_size, ids.device), pending,
-                                          kind="draft", rows=still)
+                                          kind="draft", rows=still_rows)
             pending = None
             probs = self.draft_sampler.probs(logits)
             chosen, confidence = self.draft_sampler.choose(probs, draw=still[:, None].expand_as(undecided))
