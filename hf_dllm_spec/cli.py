@@ -29,8 +29,8 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from .jobs import (DTYPES, UsageError, add_model_argument, check_model, did_you_mean, load_checkpoint, positive_int,
-                   suggest)
+from .jobs import (CACHE_IMPLEMENTATIONS, DTYPES, UsageError, add_model_argument, check_model, did_you_mean,
+                   load_checkpoint, positive_int, suggest)
 
 PARAM_PREFIX = "strategy_param:"
 _RAW = argparse.RawDescriptionHelpFormatter
@@ -189,6 +189,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator passed to generate (default 0)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--device", default="cpu", help="e.g. cpu, cuda (default cpu)")
+    p.add_argument("--cache-implementation", default=None, choices=CACHE_IMPLEMENTATIONS,
+                   help="transformers' name: `static` runs the static runtime (preallocated cache; CUDA graphs on a "
+                        "GPU); default: the eager runtime")
     p.add_argument("--stream", action="store_true",
                    help="print the text as tokens become final; in a terminal, also the current block's drafts "
                         "(TextDiffusionStreamer)")
@@ -213,9 +216,12 @@ def _stats_table(stats) -> str:
                  ("tau", number(stats.mean_acceptance_length, ".2f"), "tokens committed per verify")]
     if stats.num_edited_tokens:
         rows.append(("edited", number(100 * stats.edit_rate, ".1f"), "% of committed tokens"))
+    if stats.warmup_time_s:
+        rows.append(("warm-up", number(stats.warmup_time_s, ".3f"), "s (graph capture / compilation, in wall time)"))
     width = max(len(name) for name, _, _ in rows)
     values = max(len(value) for _, value, _ in rows)
-    return "\n".join(f"  {name:<{width}}  {value:>{values}}  {unit}" for name, value, unit in rows)
+    table = "\n".join(f"  {name:<{width}}  {value:>{values}}  {unit}" for name, value, unit in rows)
+    return table + (f"\n  runtime: {stats.runtime}" if stats.runtime else "")
 
 
 def _generate(args: argparse.Namespace, argv: list[str]) -> None:
@@ -243,6 +249,8 @@ def _generate(args: argparse.Namespace, argv: list[str]) -> None:
             extra[name] = getattr(args, name)
     if args.preset is not None:
         extra["preset"] = args.preset
+    if args.cache_implementation is not None:
+        extra["cache_implementation"] = args.cache_implementation
     streamer = None
     if args.stream:   # in a terminal, the current block's drafts too (redrawn in place); piped: final text only
         from transformers import TextDiffusionStreamer, TextStreamer

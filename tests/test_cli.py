@@ -112,6 +112,19 @@ def test_generate_prints_what_generate_returns(capsys, bundled, strategy, argv, 
     assert f"spec stats ({strategy}):" in err and "forwards (NFE)" in err and "new tokens" in err
 
 
+def test_generate_with_the_static_runtime_prints_the_eager_text(capsys, bundled):
+    """`--cache-implementation static` runs the static runtime (stats say so) and prints the eager tokens' text."""
+    tokenizer, model, prompt = bundled
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    expected = model.generate(ids, decoding_strategy="s2d2", block_size=4, max_new_tokens=8,
+                              generator=torch.Generator().manual_seed(0))
+    code, out, err = run_cli(capsys, "generate", "--prompt", prompt, "--strategy", "s2d2", "--block-size", "4",
+                             "--max-new-tokens", "8", "--cache-implementation", "static", "--stats")
+    assert code == 0
+    assert out == tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
+    assert "static cache" in err
+
+
 def test_generate_with_a_preset_and_sampling(capsys, bundled):
     tokenizer, model, prompt = bundled
     ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 from hf_dllm_spec.integration.generate import dllm_generate  # noqa: E402
 from hf_dllm_spec.integration.mixin import DllmGenerationMixin  # noqa: E402
 from hf_dllm_spec.strategies.registry import get_strategy  # noqa: E402
+from hf_dllm_spec.runtime.static import STATE_ATTRIBUTE  # noqa: E402
 from hf_dllm_spec.serving.app import create_app, load_served_model, serve_in_background  # noqa: E402
 
 MODELS = pathlib.Path(__file__).resolve().parents[1] / "models"
@@ -335,3 +336,20 @@ def test_benchmark_reports_every_setting_with_the_baseline_texts(one_thread, cap
     table = capsys.readouterr().out
     assert "| generate, one at a time |" in table and "| server, 3 concurrent clients |" in table
     assert table.count("| yes |") == 3 and "| NO |" not in table
+
+
+def test_static_runtime_server_batches_give_the_eager_tokens(one_thread):
+    """`serve --cache-implementation static`: concurrent requests batched under the static runtime (target and
+    DEER drafter, whose static states then live on the models) return the eager runtime's batch-1 tokens."""
+    served = load_served_model(str(MODELS / "qwen2-tiny-ar"), draft_model=str(MODELS / "deer-drafter-tiny"),
+                               strategy="deer", cache_implementation="static")
+    assert served.model.generation_config.cache_implementation == "static"
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS[:4]]
+    served.model.generation_config.cache_implementation = None            # the eager reference
+    want = [served.tokenizer.decode(reference(served, served.tokenizer(p)["input_ids"], 10, "deer"),
+                                    skip_special_tokens=True) for p in prompts]
+    served.model.generation_config.cache_implementation = "static"
+    with running(served) as (client, base, app), concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: client.completions.create(model=served.name, prompt=p, max_tokens=10), prompts))
+    assert [r.choices[0].text for r in got] == want
+    assert STATE_ATTRIBUTE in served.model.__dict__ and STATE_ATTRIBUTE in served.drafter.__dict__

@@ -3,7 +3,9 @@
 Every strategy on every bundled model (drafter pairs, sub-blocks, LLaDA2.1 editing), a left-padded batch, greedy and
 seeded sampling, two calls that reuse the model's static state, and a cache / query width that overflows its
 bucket; plus the runner itself against the eager `ModelRunner` on logits. CPU: no CUDA graphs (transformers compiles
-only on accelerators); one slow test compiles a tiny model's forward with `compile_config` on the CPU.
+only on accelerators); one slow test compiles a tiny model's forward with `compile_config` on the CPU, and the
+CUDA-graph path runs with capture and replay stood in for by re-running the forward on the static buffers
+(`_ReplayedGraphs`). Host synchronisations are counted: none inside any forward, one per forward in the loop.
 """
 
 from __future__ import annotations
@@ -336,3 +338,68 @@ def test_remote_code_llada2_routes_experts_without_host_syncs():
     model.set_experts_implementation("eager")
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, grouped, rtol=1e-4, atol=1e-4)
+
+
+# -- the CUDA-graph bookkeeping on the CPU: capture and replay stood in for by re-running the forward -----------
+class _ReplayedGraphs(static_runtime._CudaGraphs):
+    """`_CudaGraphs` with its two CUDA calls replaced: the warm-up runs eagerly, and "replay" runs the forward again
+    on the static buffers into the static output. Everything else (keys, buffers, copies, write columns, counts,
+    the fallback) is the real code."""
+
+    fail = False
+
+    def _warm_up(self, run_forward, buffers):
+        for _ in range(self.WARMUP_RUNS):
+            out = run_forward(*buffers)
+        return out
+
+    def _capture(self, run_forward, buffers):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        static_out = run_forward(*buffers).clone()
+        return (lambda: static_out.copy_(run_forward(*buffers))), static_out
+
+
+@pytest.fixture
+def replayed_graphs(monkeypatch):
+    monkeypatch.setattr(static_runtime, "_CudaGraphs", _ReplayedGraphs)
+    monkeypatch.setattr(static_runtime, "compile_plan", lambda model, config: ("cuda_graph", ""))
+
+
+@pytest.mark.parametrize("name,strategy", [("sdar-tiny-arith", "s2d2"), ("fast-dllm-v2-tiny", "fast_dllm_v2"),
+                                           ("llada2-tiny", "llada2"), ("sdar-large", "simsd"),
+                                           ("qwen2-tiny-ar", "deer")])
+def test_graph_bookkeeping_replays_the_eager_tokens(name, strategy, bundled, replayed_graphs, one_thread):
+    """The "cuda_graph" path of the static runtime, capture and replay stood in for on the CPU: every forward after
+    the first of its shape replays from the static buffers (the inputs copied in, the write columns read from
+    their buffer), tokens and counters equal the eager runtime's, and a second call captures nothing new."""
+    tokenizer, model, spec = _spec(bundled, name, strategy)
+    texts = _texts(name)
+    for m in (model, spec.draft_model):
+        if m is not None:
+            clear_static_state(m)
+    eager = _generate(model, tokenizer, texts, spec)
+    first = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    states = [*model.__dict__[STATE_ATTRIBUTE].values(),
+              *(spec.draft_model.__dict__[STATE_ATTRIBUTE].values() if spec.draft_model is not None else [])]
+    captures = [state.graphs.captures for state in states]
+    second = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    _assert_same(eager, first, f"{name} / {spec.label}, captured")
+    _assert_same(eager, second, f"{name} / {spec.label}, replayed")
+    assert all(isinstance(state.graphs, _ReplayedGraphs) and state.graphs.captures for state in states)
+    assert [state.graphs.captures for state in states] == captures, "a graph was captured twice"
+    assert "cuda_graph" in first.spec_stats.runtime and first.spec_stats.warmup_time_s > 0
+
+
+def test_failed_capture_falls_back_to_eager_forwards_and_says_why(bundled, replayed_graphs, monkeypatch,
+                                                                    one_thread, caplog):
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "dynamic")
+    clear_static_state(model)
+    monkeypatch.setattr(_ReplayedGraphs, "fail", True)
+    texts = _texts("sdar-tiny-arith")
+    eager = _generate(model, tokenizer, texts, spec)
+    static = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    _assert_same(eager, static, "failed capture")
+    assert "static cache, eager (CUDA graph capture failed (operation not permitted" in static.spec_stats.runtime
+    assert "CUDA graph capture failed" in caplog.text
+    clear_static_state(model)

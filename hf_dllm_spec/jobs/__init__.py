@@ -26,6 +26,9 @@ def add_model_argument(parser: argparse.ArgumentParser, help: str = "checkpoint 
 
 #: `--dtype` choices: the model's parameter and activation dtype (bfloat16 is the fast CPU path).
 DTYPES = ("float32", "bfloat16", "float16")
+#: `--cache-implementation` choices (transformers' names): "dynamic", the eager runtime over a growing cache (the
+#: default), or "static", the static runtime (`hf_dllm_spec.runtime.static`: a preallocated cache, CUDA graphs).
+CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:

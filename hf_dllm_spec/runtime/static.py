@@ -32,8 +32,8 @@ routed experts run transformers' "grouped_mm", also when loaded through a checkp
 decoding loop reads the device once per forward at batch 1 (the step's decisions and committed tokens in one
 transfer; SimSD 1.6: its compact verify width; `hf_dllm_spec.runtime.syncs`, counted in
 `tests/test_static_runtime.py`). Not yet done (GPU work): the per-step maths (sampling, commit rules, acceptance,
-routing) and masks compiled or captured with the forward (about 170 to 250 small tensor operations per forward
-on the bundled models, each a kernel launch on a GPU).
+routing) compiled or captured with the forward (77 to 170 small tensor operations per forward outside the
+model on the bundled models, each a kernel launch on a GPU: `benchmarks/host_work.py`).
 
 Source: issue 25 (measurements on an H100 in `shared/reference/platform.md`, "Static caches, compilation and CUDA
 graphs"); transformers `StaticCache` / `StaticLayer`, `CompileConfig`; PyTorch "CUDA Graphs" (whole-network capture).
@@ -243,31 +243,42 @@ class _CudaGraphs:
         if entry is None:
             buffers = [value.clone() for value in inputs]
             cache.set_write_columns(buffers[3])
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(self.WARMUP_RUNS):
-                    out = run_forward(*buffers)
-            torch.cuda.current_stream().wait_stream(stream)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
+            out = self._warm_up(run_forward, buffers)
             try:
-                with torch.cuda.graph(graph, pool=self.pool):
-                    static_out = run_forward(*buffers)
+                replay, static_out = self._capture(run_forward, buffers)
             except RuntimeError as error:          # e.g. a host sync inside the forward (data-dependent MoE routing)
                 self.failed = f"CUDA graph capture failed ({str(error).splitlines()[0][:120]}); eager forwards"
                 logger.warning("hf_dllm_spec: %s", self.failed)
                 return out.clone()
-            self.graphs[key] = (graph, buffers, static_out)
+            self.graphs[key] = (replay, buffers, static_out)
             self.captures += 1
             return out.clone()
-        graph, buffers, static_out = entry
+        replay, buffers, static_out = entry
         cache.set_write_columns(buffers[3])
         for buffer, value in zip(buffers, inputs):
             buffer.copy_(value)
-        graph.replay()
+        replay()
         return static_out.clone()
+
+    def _warm_up(self, run_forward, buffers: list[torch.Tensor]) -> torch.Tensor:
+        """:data:`WARMUP_RUNS` real forwards on a side stream (PyTorch's recipe before a capture); the last output."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.WARMUP_RUNS):
+                out = run_forward(*buffers)
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def _capture(self, run_forward, buffers: list[torch.Tensor]):
+        """Capture `run_forward(*buffers)` in a `torch.cuda.CUDAGraph` (the model's shared memory pool); returns
+        `(replay, static output)`: `replay()` reruns the forward on whatever the buffers hold, into the output."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static_out = run_forward(*buffers)
+        return graph.replay, static_out
 
 
 class _StaticState:
@@ -348,6 +359,7 @@ class StaticModelRunner(ModelRunner):
         self._compiled_keys: set = model.__dict__.setdefault("_hf_dllm_spec_compiled_keys", set())
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)     # write position per row
         self._bound = 0                          # host-side upper bound of max(lengths), no sync to keep it
+        self._offsets: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def stored_len(self) -> int:
@@ -382,23 +394,29 @@ class StaticModelRunner(ModelRunner):
         self.stats.count_forward(kind, rows, draft_model=self.timer_span == DRAFT_MODEL_SPAN)
 
         # Write columns (N, W): real stored tokens, read-only tokens, stored padding, then the query's front padding.
-        stored = (store_valid.sum(dim=1) if store_valid is not None
-                  else torch.full((n,), s, dtype=torch.long, device=device))              # (N,)
-        j = torch.arange(q, device=device)[None]                                          # (1, q)
-        pad = (s - stored)[:, None]                                                       # stored padding per row
-        offset = torch.where(j >= s, stored[:, None] + j - s,
-                             torch.where(j >= pad, j - pad, stored[:, None] + q - s + j))
         front = width - q
-        offset = torch.cat([torch.arange(q, width, device=device).expand(n, front), offset], dim=1)   # (N, W)
+        if store_valid is None:                    # no stored padding: the same offsets for every row (kept)
+            stored = torch.full((n,), s, dtype=torch.long, device=device)
+            offset = self._plain_offsets(width, front)                                    # (1, W)
+        else:
+            stored = store_valid.sum(dim=1)                                               # (N,)
+            j = torch.arange(q, device=device)[None]                                      # (1, q)
+            pad = (s - stored)[:, None]                                                   # stored padding per row
+            offset = torch.where(j >= s, stored[:, None] + j - s,
+                                 torch.where(j >= pad, j - pad, stored[:, None] + q - s + j))
+            offset = torch.cat([torch.arange(q, width, device=device).expand(n, front), offset], dim=1)   # (N, W)
         self._ensure_length(width)
         columns = self.lengths[:, None] + offset
-        wide = torch.zeros(n, width, width, dtype=torch.bool, device=device)              # query visibility
-        wide[:, front:, front:] = intra
-        wide[:, :front, :front] = torch.eye(front, dtype=torch.bool, device=device)
-        ids = torch.zeros(n, width, dtype=input_ids.dtype, device=device)
-        ids[:, front:] = input_ids
-        pos = torch.zeros(n, width, dtype=position_ids.dtype, device=device)
-        pos[:, front:] = position_ids
+        if front:                                  # the query padded at the front to its width bucket
+            wide = torch.zeros(n, width, width, dtype=torch.bool, device=device)          # query visibility
+            wide[:, front:, front:] = intra
+            wide[:, :front, :front] = torch.eye(front, dtype=torch.bool, device=device)
+            ids = torch.zeros(n, width, dtype=input_ids.dtype, device=device)
+            ids[:, front:] = input_ids
+            pos = torch.zeros(n, width, dtype=position_ids.dtype, device=device)
+            pos[:, front:] = position_ids
+        else:                                      # already at its bucket: no copies
+            wide, ids, pos = intra, input_ids, position_ids
         with self.timer.span("forward"), self._own_span(), self._traced(kind, n, width, s, kept):
             raw = self._run(ids, pos, wide, columns, kept)[:, kept - keep_raw:]
         self.lengths = self.lengths + stored
@@ -441,6 +459,14 @@ class StaticModelRunner(ModelRunner):
             with self.timer.span("warmup") if first else contextlib.nullcontext():
                 return run_forward(ids, pos, wide, columns, self.lengths).clone()
         return run_forward(ids, pos, wide, columns, self.lengths)
+
+    def _plain_offsets(self, width: int, front: int) -> torch.Tensor:
+        """`(1, W)` int64 write offsets of a query without stored padding: its `q = W - front` tokens at `[0, q)`
+        in order, then its front padding at `[q, W)` (cached per `(W, front)`)."""
+        key = (width, front)
+        if key not in self._offsets:
+            self._offsets[key] = ((torch.arange(width, device=self.device) - front) % width)[None]
+        return self._offsets[key]
 
     def _ensure_length(self, width: int) -> None:
         """Make room for `width` more columns after the longest row: sync the exact bound, grow if still short."""

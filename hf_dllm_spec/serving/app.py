@@ -55,11 +55,15 @@ class ServedModel:
 
 def load_served_model(path: str, *, draft_model: str | None = None, strategy: str | None = None,
                       params: dict | None = None, dtype: str = "float32", device: str = "cpu",
-                      name: str | None = None, **options: Any) -> ServedModel:
+                      name: str | None = None, cache_implementation: str | None = None,
+                      **options: Any) -> ServedModel:
     """Load a checkpoint (and drafter) as `hf_dllm_spec.jobs.evaluation.load` does, without remote code.
 
     The default strategy is `strategy`, else the one stored in the model's generation config, else its family's
     native decoding. A tokenizer without a chat template gets :data:`~.protocol.MINIMAL_CHAT_TEMPLATE` (in memory).
+    `cache_implementation` ("static": the static runtime for every batch, drafter included) is set on the model's
+    generation config, as a transformers user would; the batcher decodes one batch at a time, as the static
+    runtime requires.
 
     Raises:
         ValueError: no strategy can be chosen (a plain causal LM: pass `strategy`), or a bad strategy parameter.
@@ -74,6 +78,8 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
         resolve_config(strategy, overrides=params or {})
     tokenizer, model = load(path, dtype=getattr(torch, dtype))
     model.to(device)
+    if cache_implementation is not None:
+        model.generation_config.cache_implementation = cache_implementation
     drafter = load(draft_model, dtype=getattr(torch, dtype))[1].to(device) if draft_model else None
     default = strategy or (model.default_decoding_strategy() if hasattr(model, "default_decoding_strategy")
                            else None)

@@ -14,7 +14,7 @@ import argparse
 import json
 from typing import Any
 
-from ..jobs import DTYPES
+from ..jobs import CACHE_IMPLEMENTATIONS, DTYPES
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                     "(default 256)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--device", default="cpu", help="e.g. cpu, cuda (default cpu)")
+    parser.add_argument("--cache-implementation", default=None, choices=CACHE_IMPLEMENTATIONS,
+                        help="set on the model's generation config: `static` decodes every batch with the static "
+                             "runtime (preallocated cache; CUDA graphs on a GPU, kept across batches); default: the "
+                             "eager runtime")
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
@@ -67,7 +71,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     try:
         served = load_served_model(args.model, draft_model=args.draft_model, strategy=args.strategy,
                                    params=dict(args.param), dtype=args.dtype, device=args.device,
-                                   name=args.served_model_name, default_max_tokens=args.max_tokens,
+                                   name=args.served_model_name, cache_implementation=args.cache_implementation,
+                                   default_max_tokens=args.max_tokens,
                                    max_batch_size=args.max_batch_size)
     except ValueError as err:
         if parser is None:
