@@ -143,7 +143,7 @@ def test_target_cache_equals_fresh_prefill_after_every_cycle(drafter, monkeypatc
     checked = []
     original = DeerStrategy.finish_rows
 
-    def check(self, committed):
+    def check(self, committed, committed_ids):
         runner = self.session.target
         for i, prompt_index in enumerate(self.session.stats.active):
             # committed so far, minus the last token (the next cycle feeds it with the drafts)
@@ -155,7 +155,7 @@ def test_target_cache_equals_fresh_prefill_after_every_cycle(drafter, monkeypatc
                 torch.testing.assert_close(layer.values[i][:, runner.valid[i]], fresh_layer.values[0], atol=1e-5,
                                            rtol=1e-5)
         checked.append(len(committed))
-        return original(self, committed)
+        return original(self, committed, committed_ids)
 
     monkeypatch.setattr(DeerStrategy, "finish_rows", check)
     _deer(target, drafter, ids, attention_mask=mask, block_size=4, pad_token_id=0, max_new_tokens=20)

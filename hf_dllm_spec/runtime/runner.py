@@ -240,18 +240,12 @@ class ModelRunner:
     def _check_layout(intra: torch.Tensor, s: int, store_valid: torch.Tensor | None) -> None:
         """Raise `ValueError` if stored rows see read-only rows, or padding follows a real stored token."""
         q = intra.shape[-1]
-        if not 0 < s < q and (store_valid is None or store_valid.shape[1] < 2):
-            return                                             # nothing to check: no host read
-        no = torch.zeros((), dtype=torch.bool, device=intra.device)
-        read_only = intra[:, :s, s:].any() if 0 < s < q else no
-        padding = (store_valid[:, :-1] & ~store_valid[:, 1:]).any().to(intra.device) if store_valid is not None else no
-        sees_read_only, bad_padding = torch.stack([read_only, padding]).tolist()     # one host read for both
-        if sees_read_only:
+        if bool(intra[:, :s, s:].any()):
             raise ValueError(
                 f"ModelRunner.forward: the {s} stored query rows must not see the {q - s} read-only rows after "
                 "them; fix the intra mask."
             )
-        if bad_padding:
+        if store_valid is not None and bool((store_valid[:, :-1] & ~store_valid[:, 1:]).any()):
             raise ValueError("ModelRunner.forward: `store_valid` must put a row's padding before its real tokens "
                              "(left padding); the right-shift carry reads the last stored token.")
 

@@ -175,6 +175,17 @@ class BlockState:
             setattr(self, name, getattr(self, name)[index])
 
 
+def continuing_rows(done: torch.Tensor, done_rows: list[bool], finished: list[int]) -> tuple[torch.Tensor, bool]:
+    """The rows whose block finished and that go on to a next block: `(N,)` bool, and whether there is any (decided
+    on the host from `done_rows`, the step's read of `done`, and the stopping rows `finished`: no device read)."""
+    stopping = set(finished)
+    if not stopping:
+        return done, any(done_rows)
+    continuing = done.clone()
+    continuing[finished] = False
+    return continuing, any(d and i not in stopping for i, d in enumerate(done_rows))
+
+
 class BlockDiffusionStrategy(DecodingStrategy):
     """Block diffusion with `low_confidence_dynamic` / `_static`, `sequential` or `entropy_bounded` unmasking.
 
@@ -307,12 +318,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
         """
         if not self.config.fuse_cache_write:
             self.write_blocks(block, done, done_rows)
-        continuing = done
-        if finished:
-            continuing = done.clone()
-            continuing[finished] = False
+        continuing, any_continuing = continuing_rows(done, done_rows, finished)
         pending = None
-        if self.config.fuse_cache_write and any(d and i not in finished for i, d in enumerate(done_rows)):
+        if self.config.fuse_cache_write and any_continuing:
             pending = (block.tokens.clone(), block.positions, continuing)
         block.restart(continuing)
         self.commit_from_carry(block)

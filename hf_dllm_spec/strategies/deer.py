@@ -134,8 +134,7 @@ class DeerStrategy(DecodingStrategy):
         self.generated = [s.prompts[0].new_empty(0, device=device) for _ in range(s.batch_size)]
         self.host_generated: list[list[int]] = [[] for _ in range(s.batch_size)]   # the same, read on the host
         while s.stats.active:
-            committed = self.cycle()
-            self.finish_rows(committed)
+            self.finish_rows(*self.cycle())
         return self.generated
 
     def prefill(self) -> None:
@@ -159,8 +158,9 @@ class DeerStrategy(DecodingStrategy):
                    for i in s.stats.active]                                  # on the host: no device read
         return max(per_row, default=0), torch.tensor(per_row, dtype=torch.long, device=s.target.device)
 
-    def cycle(self) -> list[torch.Tensor]:
-        """One draft/verify cycle for every active row; returns each row's committed tokens."""
+    def cycle(self) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """One draft/verify cycle for every active row; returns each row's committed tokens `(n_i,)` and the same
+        tokens as read on the host (the cycle's one device read)."""
         s = self.session
         k, per_row = self.num_drafts()
         n = self.last.shape[0]
@@ -201,20 +201,20 @@ class DeerStrategy(DecodingStrategy):
         s.stats.accumulate("num_committed_tokens", result.num_tokens)
         read = torch.cat([result.num_tokens[:, None], result.token_ids], dim=1).tolist()   # the cycle's host read
         committed = [result.token_ids[i, :row[0]] for i, row in enumerate(read)]
-        self.committed_on_host = [row[1:1 + row[0]] for row in read]
         self.last = torch.stack([c[-1] for c in committed])
         self.next_pos = self.next_pos + result.num_tokens
         self.new_tokens = committed
-        return committed
+        return committed, [row[1:1 + row[0]] for row in read]
 
-    def finish_rows(self, committed: list[torch.Tensor]) -> None:
-        """Append each row's tokens, stream, and drop the rows that stop (stop id, budget, criteria)."""
+    def finish_rows(self, committed: list[torch.Tensor], committed_ids: list[list[int]]) -> None:
+        """Append each row's tokens (`committed_ids`: the same on the host), stream, and drop the rows that stop
+        (stop id, budget, criteria)."""
         s = self.session
         done = []
         for i, tokens in enumerate(committed):
             prompt_index = s.stats.active[i]
             self.generated[prompt_index] = torch.cat([self.generated[prompt_index], tokens])
-            self.host_generated[prompt_index].extend(self.committed_on_host[i])
+            self.host_generated[prompt_index].extend(committed_ids[i])
             done.append(self.should_stop(prompt_index, self.generated[prompt_index], self.host_generated[prompt_index]))
         if s.stream is not None:
             s.stream.push(self.generated[s.stats.active[0]])

@@ -55,7 +55,7 @@ from ..maths.sampling import Sampler, entropy
 from ..maths.unmasking import scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
-from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
+from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, continuing_rows
 
 VERIFY_LAYOUTS = ("paired", "stacked")
 VERIFY_ORDERS = ("position", "temporal")
@@ -319,10 +319,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
                     finished.append(i)
             if s.stream is not None:
                 s.stream.push(generated[s.stats.active[0]])
-            continuing = done.clone()
-            continuing[finished] = False
-            go_on = any(d and i not in finished for i, d in enumerate(done_rows))
-            pending = (block.tokens.clone(), block.positions, continuing) if go_on else None
+            continuing, any_continuing = continuing_rows(done, done_rows, finished)
+            pending = (block.tokens.clone(), block.positions, continuing) if any_continuing else None
             block.restart(continuing)
             if finished:
                 pending = self.drop_rows(block, done_rows, finished, pending)
