@@ -262,7 +262,7 @@ BAD = [
     pytest.param({"max_tokens": -3}, 400, "`max_tokens` (=-3)", id="max-tokens-negative"),
     pytest.param({"n": 2}, 400, "`n` (=2)", id="n-2"),
     pytest.param({"prompt": [5] * 2100}, 400, "`input_ids` (='<prompt of 2100 tokens>') must fit", id="too-long"),
-    pytest.param({"decoding_strategy": "simsd"}, 400, "`draft_model` (=None) must be given", id="no-drafter"),
+    pytest.param({"decoding_strategy": "simsd"}, 400, "--draft-model PATH`", id="no-drafter"),
     pytest.param({"logprobs": 2}, 400, "`logprobs` (=2)", id="unsupported-field"),
 ]
 

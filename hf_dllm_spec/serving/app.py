@@ -8,7 +8,14 @@ rate). A streamed response only carries final tokens in its choices; with `strea
 (batch 1) it also carries, between them, chunks marked `dllm_draft` (`{"text", "token_ids"}`: the provisional
 tokens after the final ones, e.g. the current block's argmax canvas or a drafter's proposals, each replacing the
 previous one; transformers' `TextDiffusionStreamer` protocol). Errors are `{"error": {"message", "type", "param"}}`
-with HTTP 4xx and the library's own message.
+with HTTP 4xx and the library's own message (at most :data:`~.limits.MAX_MESSAGE_CHARS` characters: a big input is
+never echoed).
+
+Limits (:class:`~hf_dllm_spec.serving.limits.ServerLimits`, the `serve` options): an API key for every route but
+`/health` (401), the body's size (413), type (415) and arrival time (408), JSON depth and numbers (400), the
+prompt's length (400) and the waiting requests (429 with `Retry-After`); see :mod:`~hf_dllm_spec.serving.limits`.
+A request body is parsed and tokenized off the event loop (one worker thread), so a big prompt never stalls
+`/health` or the streams in flight.
 
 >>> served = load_served_model("models/sdar-tiny-arith", strategy="s2d2")   # doctest: +SKIP
 >>> uvicorn.run(create_app(served), port=8000)                              # doctest: +SKIP
@@ -23,10 +30,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .batcher import Batcher, Job, Result
+from .limits import BodyLimitMiddleware, ServerLimits, check_content_type, key_matches, parse_json, shorten
 from .protocol import RequestError, ensure_chat_template, parse_request
 
 
@@ -92,10 +102,13 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
                        **options)
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = "not_found_error" if status == 404 else ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status)
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": shorten(message), "type": kind, "param": param, "code": None}},
+                        status_code=status, headers=headers)
 
 
 class TextDeltas:
@@ -125,44 +138,76 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def create_app(served: ServedModel) -> FastAPI:
-    """The FastAPI app serving `served`; its batcher thread starts now and stops at the app's shutdown."""
+def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastAPI:
+    """The FastAPI app serving `served` under `limits` (default :class:`ServerLimits()`: no key, 4 MiB bodies);
+    its batcher thread starts now and stops at the app's shutdown."""
+    import concurrent.futures
     from contextlib import asynccontextmanager
 
+    limits = limits if limits is not None else ServerLimits()
     batcher = Batcher(served.model, served.drafter, max_batch_size=served.max_batch_size)
+    parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-dllm-spec-parse")
+    vocab_size = served.model.get_input_embeddings().num_embeddings
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         batcher.close()
+        parser.shutdown(wait=False)
 
     app = FastAPI(title="hf-dllm-spec", lifespan=lifespan)
-    app.state.served, app.state.batcher = served, batcher
+    app.state.served, app.state.batcher, app.state.limits = served, batcher, limits
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
+    if tuple(limits.allowed_hosts) != ("*",):
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(limits.allowed_hosts))
     created = int(time.time())
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, err: RequestError) -> JSONResponse:
-        return _error(err.status, str(err), err.param)
+        return _error(err.status, str(err), err.param, err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return _error(err.status_code, str(err.detail), None, getattr(err, "headers", None))
+
+    async def require_key(request: Request) -> None:
+        """401 unless the request carries `Authorization: Bearer <key>` (when the server has a key)."""
+        if limits.api_key is not None and not key_matches(request.headers.get("authorization"), limits.api_key):
+            raise RequestError("`Authorization` must be `Bearer <key>` with the server's API key; pass the key as "
+                               "the `openai` client's api_key (or the header `Authorization: Bearer <key>`)",
+                               status=401, param="Authorization", headers={"WWW-Authenticate": "Bearer"})
+
+    keyed = APIRouter(dependencies=[Depends(require_key)])
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": served.name, **batcher.status()}
 
-    @app.get("/v1/models")
+    @keyed.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
                                             "owned_by": "hf-dllm-spec"}]}
 
+    def parse(raw: bytes, chat: bool):
+        body = parse_json(raw, limits.max_json_depth)
+        return parse_request(body, chat=chat, tokenizer=served.tokenizer, served_name=served.name,
+                             default_strategy=served.default_strategy, default_params=served.default_params,
+                             generation_config=served.model.generation_config,
+                             default_max_tokens=served.default_max_tokens, vocab_size=vocab_size,
+                             max_prompt_tokens=limits.max_prompt_tokens, has_drafter=served.drafter is not None)
+
     async def handle(request: Request, chat: bool):
-        try:
-            body = await request.json()
-        except ValueError as err:
-            raise RequestError(f"the request body must be JSON ({err})") from err
-        parsed = parse_request(body, chat=chat, tokenizer=served.tokenizer, served_name=served.name,
-                               default_strategy=served.default_strategy, default_params=served.default_params,
-                               generation_config=served.model.generation_config,
-                               default_max_tokens=served.default_max_tokens)
-        job = Job(parsed, asyncio.get_running_loop())
+        check_content_type(request.headers.get("content-type"))
+        raw = await request.body()                      # BodyLimitMiddleware: 413 / 408 while it arrives
+        loop = asyncio.get_running_loop()
+        parsed = await loop.run_in_executor(parser, parse, raw, chat)
+        status = batcher.status()
+        if limits.max_waiting is not None and status["queued"] >= limits.max_waiting and (
+                status["running"] or status["queued"]):          # an idle batcher takes the request at once
+            raise RequestError(f"the server has {limits.max_waiting} requests waiting (its --max-waiting); retry "
+                               "after the time in `Retry-After`", status=429,
+                               headers={"Retry-After": str(batcher.retry_after())})
+        job = Job(parsed, loop)
         batcher.submit(job)
         try:
             first = await job.events.get()        # the library refuses a request before any forward
@@ -187,14 +232,15 @@ def create_app(served: ServedModel) -> FastAPI:
         text = served.tokenizer.decode(result.tokens, skip_special_tokens=True)
         return JSONResponse(shape.whole(text, result, len(parsed.prompt_ids)))
 
-    @app.post("/v1/completions")
+    @keyed.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @keyed.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
+    app.include_router(keyed)
     return app
 
 
@@ -290,9 +336,11 @@ async def _stream(job: Job, first: tuple, shape: _TextShape, tokenizer):
 
 
 @contextlib.contextmanager
-def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
+def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0,
+                        **uvicorn_options: Any):
     """Run `app` with uvicorn in a daemon thread of this process until the block ends; yields the base URL
-    (`http://host:port`; port 0 picks a free one). For tests and benchmarks.
+    (`http://host:port`; port 0 picks a free one; `uvicorn_options` go to `uvicorn.Config`). For tests and
+    benchmarks.
 
     Raises:
         RuntimeError: the server did not start within `timeout` seconds.
@@ -306,7 +354,7 @@ def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, ti
         with socket.socket() as probe:
             probe.bind((host, 0))
             port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **uvicorn_options))
     thread = threading.Thread(target=server.run, name="hf-dllm-spec-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -35,7 +35,7 @@ import model_patches
 from ..maths.masks import left_pad
 from ..runtime.placement import execution_device
 from ..strategies.registry import get_strategy
-from .protocol import ParsedRequest
+from .protocol import ParsedRequest, server_terms
 
 _ids = itertools.count()
 
@@ -115,7 +115,8 @@ class RowStreams(StoppingCriteria):
             if not self.closed[n] and self.sent[n] == t - 1 and not self.by_streamer[n]:
                 job.emit("tokens", [last[n]])
                 self.sent[n] = t
-                self.closed[n] = last[n] in self.stop_ids or t >= job.request.max_tokens
+                stopped = last[n] in self.stop_ids and not job.request.options.ignore_eos
+                self.closed[n] = stopped or t >= job.request.max_tokens
             stop = t >= job.request.max_tokens or job.cancelled.is_set()
             self.closed[n] = self.closed[n] or stop
             fired.append(stop)
@@ -170,6 +171,7 @@ class Batcher:
         self.cond = threading.Condition()
         self.running = 0
         self.counts = {"requests": 0, "batches": 0, "cancelled": 0, "errors": 0}
+        self.batch_seconds: deque[float] = deque(maxlen=32)  # wall time of the last batches
         self.history: deque[dict] = deque(maxlen=1024)     # finished rows: id, tokens, reason, batch size
         self.closed = False
         self.thread = threading.Thread(target=self._work, name="hf-dllm-spec-batcher", daemon=True)
@@ -185,6 +187,13 @@ class Batcher:
     def status(self) -> dict[str, Any]:
         with self.cond:
             return {"queued": len(self.queue), "running": self.running, **self.counts}
+
+    def retry_after(self) -> int:
+        """Seconds until the waiting requests are likely taken (the `Retry-After` of a 429): the mean wall time
+        of the last batches times the batches the queue fills, at least 1."""
+        with self.cond:
+            mean = sum(self.batch_seconds) / len(self.batch_seconds) if self.batch_seconds else 1.0
+            return max(1, round(mean * (1 + len(self.queue) // self.max_batch_size)))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop taking batches; the batch in progress finishes first."""
@@ -218,24 +227,27 @@ class Batcher:
             jobs = self._take()
             if not jobs:
                 continue
+            started = time.perf_counter()
             try:
                 self._run(jobs)
             finally:
                 with self.cond:
                     self.running = 0
+                    self.batch_seconds.append(time.perf_counter() - started)
 
     def _run(self, jobs: list[Job]) -> None:
-        """Decode a batch; if the library refuses it (ValueError, before any forward), each request alone, so
-        only the bad one gets the error (a budget that fits one prompt may not fit the batch's largest)."""
+        """Decode a batch; if the library refuses it (ValueError or NotImplementedError, before any forward), each
+        request alone, so only the bad one gets the error (a budget that fits one prompt may not fit the batch's
+        largest); the library's message is said in the server's terms (:func:`~.protocol.server_terms`)."""
         try:
             self._decode(jobs)
-        except ValueError as err:
+        except (ValueError, NotImplementedError) as err:
             if len(jobs) > 1:
                 for job in jobs:
                     self._run([job])
                 return
             self.counts["errors"] += 1
-            jobs[0].emit("error", (400, str(err)))
+            jobs[0].emit("error", (400, server_terms(str(err))))
         except Exception as err:                                  # noqa: BLE001 - reported to the client
             traceback.print_exc()
             for job in jobs:
@@ -266,7 +278,8 @@ class Batcher:
             tokens = out.sequences[n, width:][: stats.num_generated_tokens].tolist()
             if streams.sent[n] < len(tokens):                  # not yet streamed (never expected): send the rest
                 job.emit("tokens", tokens[streams.sent[n]:])
-            reason = "stop" if tokens and tokens[-1] in self.stop_ids else "length"
+            stopped = tokens and tokens[-1] in self.stop_ids and not job.request.options.ignore_eos
+            reason = "stop" if stopped else "length"
             if job.cancelled.is_set():
                 self.counts["cancelled"] += 1
                 reason = "cancelled"

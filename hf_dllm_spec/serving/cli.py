@@ -6,15 +6,25 @@
 
 Clients pick another strategy or parameters per request in the body (the `openai` client's `extra_body`):
 `{"decoding_strategy": "s2d2", "confidence_threshold": 0.8}`; `--strategy` and `--param` are the defaults.
+
+Security and limits: with `--api-key KEY` (or the environment variable HF_DLLM_SPEC_API_KEY) every route but
+/health needs `Authorization: Bearer KEY` (401 otherwise; the `openai` client's api_key). Bodies over
+--max-body-bytes get 413 before they are read, bodies that are not application/json 415, bodies slower than
+--body-timeout 408; JSON deeper than --max-json-depth, prompts over --max-prompt-tokens and bad values 400;
+past --max-waiting queued requests 429 with Retry-After. On a loopback --host only Host headers naming the
+loopback are served (--allowed-hosts). Idle connections close after --timeout-keep-alive (uvicorn).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import os
 from typing import Any
 
 from ..jobs import CACHE_IMPLEMENTATIONS, DTYPES
+from .limits import API_KEY_ENV
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -50,6 +60,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="set on the model's generation config: `static` decodes every batch with the static "
                              "runtime (preallocated cache; CUDA graphs on a GPU, kept across batches); default: the "
                              "eager runtime")
+    limits = parser.add_argument_group("security and limits")
+    limits.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"require `Authorization: Bearer KEY` on every route but /health (401 otherwise); "
+                             f"default: the environment variable {API_KEY_ENV}, else no key")
+    limits.add_argument("--max-body-bytes", type=_positive, default=4 * 2 ** 20, metavar="N",
+                        help="largest request body; larger ones get 413 before they are read (default 4194304)")
+    limits.add_argument("--max-json-depth", type=_positive, default=32, metavar="N",
+                        help="deepest nesting of JSON arrays and objects in a body (default 32)")
+    limits.add_argument("--max-prompt-tokens", type=_positive, default=32768, metavar="N",
+                        help="longest prompt in tokens, after the chat template (default 32768; the model's context "
+                             "is checked too)")
+    limits.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="time a client has to send its whole body; slower ones get 408 (default 30)")
+    limits.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                        help="most requests waiting for a batch; past it 429 with Retry-After (default: no limit)")
+    limits.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
+                        help="Host header values served (400 otherwise; '*' any); default: the loopback names "
+                             "(localhost, 127.0.0.1, ::1) when --host is a loopback address, else any")
+    limits.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
+                        help="uvicorn closes a connection idle for that long (default 5)")
+    limits.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                        help="uvicorn answers 503 past N open connections and tasks (default: no limit)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def server_limits(args: argparse.Namespace):
+    """The :class:`~hf_dllm_spec.serving.limits.ServerLimits` of the `serve` options (the key from --api-key, else
+    the environment variable)."""
+    from .limits import ServerLimits
+
+    if args.allowed_hosts is not None:
+        hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()) or ("*",)
+    else:
+        hosts = ("localhost", "127.0.0.1", "::1", "[::1]") if _is_loopback(args.host) else ("*",)
+    return ServerLimits(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                        max_prompt_tokens=args.max_prompt_tokens, body_timeout_s=args.body_timeout,
+                        allowed_hosts=hosts, max_waiting=args.max_waiting)
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
@@ -65,9 +126,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         if parser is not None:
             parser.error(message)
         raise SystemExit(message) from err
-    for name, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-tokens", args.max_tokens, 1)):
-        if value < low and parser is not None:
+    for name, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-tokens", args.max_tokens, 1),
+                             ("--max-waiting", args.max_waiting, 0), ("--timeout-keep-alive", args.timeout_keep_alive, 1),
+                             ("--limit-concurrency", args.limit_concurrency, 1)):
+        if value is not None and value < low and parser is not None:
             parser.error(f"{name} must be >= {low} (got {value})")
+    if not args.body_timeout > 0 and parser is not None:
+        parser.error(f"--body-timeout must be a number of seconds > 0 (got {args.body_timeout})")
+    limits = server_limits(args)
     try:
         served = load_served_model(args.model, draft_model=args.draft_model, strategy=args.strategy,
                                    params=dict(args.param), dtype=args.dtype, device=args.device,
@@ -79,8 +145,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
             raise
         parser.error(str(err))
     print(f"serving {served.name} (default decoding_strategy={served.default_strategy!r}) on "
-          f"http://{args.host}:{args.port}/v1")
-    uvicorn.run(create_app(served), host=args.host, port=args.port, log_level="info")
+          f"http://{args.host}:{args.port}/v1" + (" (API key required)" if limits.api_key else ""))
+    uvicorn.run(create_app(served, limits), host=args.host, port=args.port, log_level="info",
+                timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
 
 
 def main(argv: list[str] | None = None) -> None:

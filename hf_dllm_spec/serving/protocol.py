@@ -10,6 +10,16 @@ parameters (`block_size`, `confidence_threshold`, ...). They are validated by th
 
 Sampling: `temperature` omitted or 0 decodes greedily (the tokens of `generate` with `do_sample=False`);
 `temperature > 0` samples, with `top_p` / `top_k`; `seed` makes a sampled request reproducible.
+
+vLLM's extensions: `ignore_eos=true` decodes to the budget (`generate(eos_token_id=None)`); `min_tokens` (vLLM:
+no stop token before that many tokens) is accepted when it is 0 or the request ignores eos: no strategy of the
+library can hold a stop token back until a position (they commit tokens out of order; transformers'
+`min_new_tokens` is refused by `hf_dllm_spec.maths.sampling`), so any other `min_tokens` gets a 400.
+`logprobs` / `top_logprobs` are not implemented (per-token scores are not defined for out-of-order commits):
+any value but null / false gets a 400.
+
+Every refusal is a :class:`RequestError` whose message names the field, its value (a short excerpt of a big one),
+the rule and the fix in the server's terms (`max_tokens`, the `--draft-model` flag; :func:`server_terms`).
 """
 
 from __future__ import annotations
@@ -19,15 +29,45 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..strategies.registry import get_strategy, resolve_config
-from ..validation import invalid
+from ..validation import check_range, invalid
 
 
 class RequestError(ValueError):
-    """A bad request: HTTP `status` (400 by default; 404 for an unknown model) with the library's message."""
+    """A bad request: HTTP `status` (400 by default; 404 for an unknown model, 401, 413, 415, 429, ...) with the
+    library's message, the field it is about (`param`) and extra response `headers` (`Retry-After`, ...)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.headers = status, param, headers
+
+
+#: Python spellings in the library's messages -> the server's (request fields, `serve` flags).
+_SERVER_TERMS = (
+    ("pass draft_model=<a smaller model of the same tokenizer>",
+     "start the server with `--draft-model PATH` (a smaller model of the same tokenizer)"),
+    ("the diffusion model as draft_model=", "the diffusion model as `--draft-model` (hf-dllm-spec serve AR_MODEL "
+                                            "--draft-model DIFFUSION_MODEL)"),
+    ("max_new_tokens", "max_tokens"),
+)
+
+
+def server_terms(message: str) -> str:
+    """A library message with its Python fixes said in the server's terms (`max_new_tokens` -> `max_tokens`,
+    `draft_model=` -> the `--draft-model` flag)."""
+    for python, server in _SERVER_TERMS:
+        message = message.replace(python, server)
+    return message
+
+
+def excerpt(value: Any, limit: int = 60) -> Any:
+    """`value` itself when its repr is short, else a string describing it (`'<str of 10485760 characters:
+    'aaaa...>'`), for an error message that must not echo a big input."""
+    text = repr(value)
+    if len(text) <= limit:
+        return value
+    size = f"{len(value)} {'characters' if isinstance(value, str) else 'items'}" if hasattr(value, "__len__") else ""
+    return f"<{type(value).__name__} of {size}: {text[:limit // 2]}...>" if size else f"<{text[:limit]}...>"
 
 
 def _openai_fields(params_type) -> frozenset[str]:
@@ -45,8 +85,12 @@ def _known_fields() -> tuple[frozenset[str], frozenset[str]]:
 SUPPORTED_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
                               "top_p", "stream", "stream_options", "n", "seed", "user", "stop"})
 #: Library options that are not strategy parameters.
-EXTRA_OPTIONS = frozenset({"decoding_strategy", "top_k", "stream_drafts"})
+EXTRA_OPTIONS = frozenset({"decoding_strategy", "top_k", "stream_drafts", "ignore_eos", "min_tokens"})
 _NEUTRAL = (None, False, 0, 1, "", [], {})
+#: Fields whose only neutral values are null and false (`logprobs=0` asks for the chosen token's logprob).
+_NULL_ONLY = frozenset({"logprobs"})
+#: Largest seed a request's `torch.Generator` takes (`manual_seed` accepts unsigned 64-bit values).
+MAX_SEED = 2 ** 64 - 1
 
 
 @dataclass(frozen=True)
@@ -61,6 +105,7 @@ class DecodingOptions:
         temperature, top_p, top_k: the sampling warpers (None: the model's generation config).
         seed (`int`, *optional*): seed of the request's own `torch.Generator` (sampling only; a random seed when
             absent): its row draws only from it, so its tokens do not depend on the other rows of its batch.
+        ignore_eos (`bool`): decode to the budget (`generate(eos_token_id=None)`).
     """
 
     decoding_strategy: str
@@ -70,19 +115,22 @@ class DecodingOptions:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    ignore_eos: bool = False
 
     @property
     def batch_key(self) -> str:
         """Equal for requests that one `generate` call can decode together: same strategy, parameters and
         warpers (the seed is not part of it: each row of a sampled batch draws from its own generator)."""
         key = {"s": self.decoding_strategy, "p": self.params, "d": self.do_sample, "t": self.temperature,
-               "tp": self.top_p, "tk": self.top_k}
+               "tp": self.top_p, "tk": self.top_k, "ie": self.ignore_eos}
         return json.dumps(key, sort_keys=True, default=str)
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keywords for `model.generate` (without the generator and the drafter)."""
         out: dict[str, Any] = {"decoding_strategy": self.decoding_strategy, "do_sample": self.do_sample,
                                **self.params}
+        if self.ignore_eos:
+            out["eos_token_id"] = None
         if self.do_sample:
             out.update({k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                                           ("top_k", self.top_k)) if v is not None})
@@ -107,17 +155,38 @@ def check_fields(body: dict, chat: bool) -> None:
     text_fields, chat_fields = _known_fields()
     for name in sorted((chat_fields if chat else text_fields) - SUPPORTED_FIELDS):
         value = body.get(name)
-        if name in body and not any(value is v or (type(value) is type(v) and value == v) for v in _NEUTRAL):
-            raise RequestError(str(invalid(name, value, "be left unset: the diffusion server does not implement it",
-                                           f"drop `{name}`")), param=name)
+        neutral = (None, False) if name in _NULL_ONLY else _NEUTRAL
+        if name in body and not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
+            why = ("per-token log-probabilities are not defined when a diffusion decoder commits tokens out of "
+                   "order" if "logprobs" in name else "the diffusion server does not implement it")
+            raise RequestError(str(invalid(name, excerpt(value), f"be left unset: {why}", f"drop `{name}`")),
+                               param=name)
+
+
+def _check_number(name: str, value: Any, **bounds) -> None:
+    """`hf_dllm_spec.validation.check_range` as a :class:`RequestError` naming the field."""
+    try:
+        check_range(name, value, fix=f"pass e.g. {name}={_EXAMPLES[name]}", **bounds)
+    except ValueError as err:
+        raise RequestError(str(err), param=name) from None
+
+
+def _check_int(name: str, value: Any, low: int, high: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RequestError(str(invalid(name, excerpt(value), f"be an integer in [{low}, {high}]", fix)), param=name)
+
+
+_EXAMPLES = {"temperature": 0.7, "top_p": 0.9}
 
 
 def decoding_options(body: dict, *, default_strategy: str, default_params: dict, generation_config,
-                     chat: bool) -> DecodingOptions:
+                     chat: bool, has_drafter: bool = True) -> DecodingOptions:
     """The request's :class:`DecodingOptions`, validated by the library.
 
     The server's own parameters (`default_params`, from `serve --param`) apply when the request keeps the
-    server's strategy; the request's parameters override them.
+    server's strategy; the request's parameters override them. `temperature` must be a finite number >= 0,
+    `top_p` in (0, 1], `top_k` and `seed` integers >= 0 (`seed` < 2**64); a strategy that drafts with a separate
+    model needs a server started with one (`has_drafter`).
 
     Raises:
         RequestError: unknown strategy or parameter, bad value (the library's message), bad sampling option.
@@ -128,22 +197,35 @@ def decoding_options(body: dict, *, default_strategy: str, default_params: dict,
     params = {k: v for k, v in body.items() if k not in known and k not in EXTRA_OPTIONS}
     if strategy == default_strategy:
         params = {**default_params, **params}
+    if not isinstance(strategy, str):
+        raise RequestError(str(invalid("decoding_strategy", excerpt(strategy), "be a strategy name",
+                                       "pass e.g. decoding_strategy='s2d2'")), param="decoding_strategy")
     try:
-        get_strategy(strategy)
+        strategy_class = get_strategy(strategy)
         resolve_config(strategy, generation_config=generation_config, overrides=params)
     except (ValueError, TypeError) as err:
-        raise RequestError(str(err)) from err
+        raise RequestError(server_terms(str(err))) from err
+    if strategy_class.uses_drafter and not has_drafter:
+        raise RequestError(str(invalid("decoding_strategy", strategy, "run on a server started with a drafter: it "
+                                       "drafts with a separate model (`draft_model`)", "restart the server with "
+                                       "`hf-dllm-spec serve MODEL --draft-model PATH`, or pick a decoding_strategy "
+                                       "that drafts with the target itself")), param="decoding_strategy")
     temperature, top_p, top_k, seed = (body.get(k) for k in ("temperature", "top_p", "top_k", "seed"))
-    for name, value, low in (("temperature", temperature, 0.0), ("top_p", top_p, 0.0)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < low):
-            raise RequestError(str(invalid(name, value, f"be a number >= {low:g}", f"pass e.g. {name}=0.7")),
-                               param=name)
-    for name, value in (("top_k", top_k), ("seed", seed)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise RequestError(str(invalid(name, value, "be an integer >= 0", f"pass e.g. {name}=0")), param=name)
+    if temperature is not None:
+        _check_number("temperature", temperature, low=0.0)
+    if top_p is not None:
+        _check_number("top_p", top_p, low=0.0, low_open=True, high=1.0)
+    if top_k is not None:
+        _check_int("top_k", top_k, 0, 2 ** 63 - 1, "pass e.g. top_k=50 (0: no top-k)")
+    if seed is not None:
+        _check_int("seed", seed, 0, MAX_SEED, "pass a seed in that range, e.g. seed=1234")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise RequestError(str(invalid("ignore_eos", excerpt(ignore_eos), "be a bool", "pass true or false")),
+                           param="ignore_eos")
     do_sample = temperature is not None and temperature > 0
     return DecodingOptions(strategy, params, do_sample, float(temperature) if do_sample else None,
-                           top_p if do_sample else None, top_k if do_sample else None, seed)
+                           top_p if do_sample else None, top_k if do_sample else None, seed, bool(ignore_eos))
 
 
 def max_tokens_of(body: dict, default: int) -> int:
@@ -153,8 +235,28 @@ def max_tokens_of(body: dict, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RequestError(str(invalid(name, value, "be an integer >= 1", f"pass e.g. {name}=64")), param=name)
+        raise RequestError(str(invalid(name, excerpt(value), "be an integer >= 1", f"pass e.g. {name}=64")),
+                           param=name)
     return value
+
+
+def check_min_tokens(body: dict, max_tokens: int, ignore_eos: bool) -> None:
+    """vLLM's `min_tokens`: an integer in [0, max_tokens]; above 0 only with `ignore_eos=true` (the module
+    docstring says why).
+
+    Raises:
+        RequestError: 400 naming `min_tokens`.
+    """
+    value = body.get("min_tokens")
+    if value is None:
+        return
+    _check_int("min_tokens", value, 0, max_tokens, f"pass an integer up to max_tokens ({max_tokens})")
+    if value > 0 and not ignore_eos:
+        raise RequestError(str(invalid(
+            "min_tokens", value, "be 0 unless ignore_eos=true: the diffusion strategies commit tokens out of order, "
+            "so none can hold a stop token back until a position (transformers' min_new_tokens is refused)",
+            "drop `min_tokens`, or pass ignore_eos=true (every request then decodes max_tokens tokens)")),
+            param="min_tokens")
 
 
 def check_common(body: dict, served_name: str) -> None:
@@ -165,28 +267,34 @@ def check_common(body: dict, served_name: str) -> None:
     """
     model = body.get("model")
     if model is not None and model != served_name:
-        raise RequestError(str(invalid("model", model, f"be the served model {served_name!r}",
+        raise RequestError(str(invalid("model", excerpt(model), f"be the served model {served_name!r}",
                                        f"pass model={served_name!r} (see /v1/models)")), status=404, param="model")
     n = body.get("n")
-    if n is not None and n != 1:
-        raise RequestError(str(invalid("n", n, "be 1: one completion per request",
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise RequestError(str(invalid("n", excerpt(n), "be 1: one completion per request",
                                        "send n separate requests (they are batched together)")), param="n")
     if body.get("stop"):
-        raise RequestError(str(invalid("stop", body["stop"], "be left unset: stop sequences are not implemented "
+        raise RequestError(str(invalid("stop", excerpt(body["stop"]), "be left unset: stop sequences are not implemented "
                                        "by the server yet", "drop `stop`; the model's eos ids end a completion")),
                            param="stop")
 
 
-def completion_prompt(body: dict, tokenizer) -> list[int]:
-    """The prompt of `/v1/completions` as token ids: a string, or a list of token ids (one prompt only)."""
+def completion_prompt(body: dict, tokenizer, vocab_size: int | None = None) -> list[int]:
+    """The prompt of `/v1/completions` as token ids: a string, or a list of token ids (one prompt only), each in
+    [0, vocab_size)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return tokenizer(prompt)["input_ids"]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((k for k, t in enumerate(prompt) if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+        if bad is not None:
+            raise RequestError(str(invalid(f"prompt[{bad}]", excerpt(prompt[bad]), f"be a token id in [0, "
+                                           f"{vocab_size}) (the model's vocabulary)", "send ids of the served "
+                                           "model's tokenizer, or the prompt as text")), param="prompt")
         return list(prompt)
-    raise RequestError(str(invalid("prompt", prompt, "be a non-empty string or list of token ids (one prompt)",
+    raise RequestError(str(invalid("prompt", excerpt(prompt), "be a non-empty string or list of token ids (one prompt)",
                                    "send one prompt per request (they are batched together)")), param="prompt")
 
 
@@ -216,21 +324,27 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
                                                                  for m in messages):
-        raise RequestError(str(invalid("messages", messages, "be a non-empty list of {'role', 'content'} messages",
+        raise RequestError(str(invalid("messages", excerpt(messages), "be a non-empty list of {'role', 'content'} messages",
                                        "pass messages=[{'role': 'user', 'content': '...'}]")), param="messages")
     flat = []
     for m in messages:
         content = m.get("content") or ""
         if isinstance(content, list):
-            content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+            content = " ".join(part.get("text") or "" for part in content if isinstance(part, dict))
+        if not isinstance(content, str) or not isinstance(m["role"], str):
+            raise RequestError(str(invalid("messages", excerpt(m), "hold a string `role` and a string (or list of "
+                                           "text parts) `content`", "pass {'role': 'user', 'content': '...'}")),
+                               param="messages")
         flat.append({"role": m["role"], "content": content})
     text = tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def parse_request(body: Any, *, chat: bool, tokenizer, served_name: str, default_strategy: str,
-                  default_params: dict, generation_config, default_max_tokens: int) -> ParsedRequest:
-    """The whole validation of one request body (before it joins a batch).
+                  default_params: dict, generation_config, default_max_tokens: int, vocab_size: int | None = None,
+                  max_prompt_tokens: int | None = None, has_drafter: bool = True) -> ParsedRequest:
+    """The whole validation of one request body (before it joins a batch): the fields, the decoding options,
+    the budget, then the prompt (token ids in [0, `vocab_size`), at most `max_prompt_tokens` of them).
 
     Raises:
         RequestError: with the status and message of the first problem.
@@ -247,7 +361,12 @@ def parse_request(body: Any, *, chat: bool, tokenizer, served_name: str, default
         raise RequestError(str(invalid("stream_drafts", drafts, "come with stream=True (drafts are streamed)",
                                        "pass stream=True, or drop stream_drafts")), param="stream_drafts")
     options = decoding_options(body, default_strategy=default_strategy, default_params=default_params,
-                               generation_config=generation_config, chat=chat)
+                               generation_config=generation_config, chat=chat, has_drafter=has_drafter)
     max_tokens = max_tokens_of(body, default_max_tokens)
-    prompt_ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer)
+    check_min_tokens(body, max_tokens, options.ignore_eos)
+    prompt_ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, vocab_size)
+    if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
+        raise RequestError(str(invalid("prompt" if not chat else "messages", f"<prompt of {len(prompt_ids)} tokens>",
+                                       f"be at most {max_prompt_tokens} tokens (the server's --max-prompt-tokens)",
+                                       "send a shorter prompt")), param="messages" if chat else "prompt")
     return ParsedRequest(prompt_ids, max_tokens, options, stream, served_name, drafts)

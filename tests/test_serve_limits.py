@@ -1,0 +1,340 @@
+"""The server's security and limits (`hf_dllm_spec.serving.limits`), vLLM's extensions and bad values: raw HTTP
+(the standard library, no client-side checks) and the stock `openai` client on 127.0.0.1.
+
+Every case gets its status and a message naming the field, the rule and the fix; after each the server still
+answers a good request with the tokens of batch-1 `model.generate` (greedy). Loops are bounded by deadlines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import pathlib
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from hf_dllm_spec.serving.app import create_app, load_served_model, serve_in_background  # noqa: E402
+from hf_dllm_spec.serving.limits import ServerLimits  # noqa: E402
+
+MODELS = pathlib.Path(__file__).resolve().parents[1] / "models"
+QUESTIONS = [json.loads(line)["question"] for line in (MODELS / "sdar-tiny-arith" / "heldout_arithmetic.jsonl")
+             .read_text().splitlines()[:4]]
+PROMPT = f"Question: {QUESTIONS[0]}\nAnswer:"
+KEY = "sk-test-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LIMITS = ServerLimits(api_key=KEY, max_body_bytes=64 * 1024, max_json_depth=16, max_prompt_tokens=200,
+                      body_timeout_s=1.5, allowed_hosts=("127.0.0.1", "localhost"))
+
+
+@pytest.fixture(scope="module")
+def served(one_thread):
+    return load_served_model(str(MODELS / "sdar-tiny-arith"))
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    with serve_in_background(create_app(served, LIMITS)) as base:
+        yield base
+
+
+def reference(served, prompt: str, max_tokens: int, **kwargs) -> list[int]:
+    ids = served.tokenizer(prompt, return_tensors="pt").input_ids
+    out = served.model.generate(ids, decoding_strategy=served.default_strategy, max_new_tokens=max_tokens,
+                                return_dict_in_generate=True, **kwargs)
+    return out.sequences[0, ids.shape[1]:][: out.spec_stats_per_row[0].num_generated_tokens].tolist()
+
+
+def request(base: str, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None,
+            timeout: float = 60) -> tuple[int, dict, str]:
+    """(status, headers, body text) of one raw request."""
+    conn = http.client.HTTPConnection(base.split("//")[1], timeout=timeout)
+    try:
+        conn.request(method, path, body, headers or {})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read().decode()
+    finally:
+        conn.close()
+
+
+def post(base: str, body, headers: dict | None = None, path: str = "/v1/completions") -> tuple[int, str]:
+    raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    status, _, text = request(base, "POST", path, raw, {"Content-Type": "application/json", **AUTH,
+                                                         **(headers or {})})
+    return status, text
+
+
+def still_serving(served, base: str) -> None:
+    """A good request after a refused one: the tokens of `generate`."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    r = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=6)
+    assert r.choices[0].text == served.tokenizer.decode(reference(served, PROMPT, 6), skip_special_tokens=True)
+    assert request(base, "GET", "/health")[0] == 200
+
+
+def message(text: str) -> str:
+    return json.loads(text)["error"]["message"]
+
+
+# -- the API key ---------------------------------------------------------------------------------------------------
+
+def test_api_key_is_required_on_every_route_but_health(served, server):
+    good = json.dumps({"prompt": PROMPT, "max_tokens": 4})
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
+        for method, path, body in (("POST", "/v1/completions", good), ("POST", "/v1/chat/completions", good),
+                                   ("GET", "/v1/models", None)):
+            status, head, text = request(server, method, path, body, {"Content-Type": "application/json", **headers})
+            assert status == 401, (path, headers, text)
+            assert head.get("www-authenticate") == "Bearer" and "API key" in message(text)
+    assert request(server, "GET", "/health")[0] == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0).models.list()] == \
+        [served.name]
+    still_serving(served, server)
+
+
+def test_serve_reads_the_key_from_the_environment(monkeypatch):
+    from hf_dllm_spec.cli import build_parser
+    from hf_dllm_spec.serving.cli import server_limits
+
+    parse = build_parser().parse_args
+    monkeypatch.setenv("HF_DLLM_SPEC_API_KEY", "from-env")
+    assert server_limits(parse(["serve", "m"])).api_key == "from-env"
+    assert server_limits(parse(["serve", "m", "--api-key", "flag"])).api_key == "flag"
+    monkeypatch.delenv("HF_DLLM_SPEC_API_KEY")
+    limits = server_limits(parse(["serve", "m"]))
+    assert limits.api_key is None and "127.0.0.1" in limits.allowed_hosts and "*" not in limits.allowed_hosts
+    assert server_limits(parse(["serve", "m", "--host", "0.0.0.0"])).allowed_hosts == ("*",)
+    limits = server_limits(parse(["serve", "m", "--max-body-bytes", "100", "--max-waiting", "3"]))
+    assert (limits.max_body_bytes, limits.max_waiting) == (100, 3)
+
+
+def test_host_header_outside_the_allowed_hosts_is_refused(served, server):
+    status, _, _ = request(server, "GET", "/health", headers={"Host": "attacker.example"})
+    assert status == 400
+    assert request(server, "GET", "/health", headers={"Host": "localhost:1234"})[0] == 200
+
+
+# -- the body: type, size, arrival time, JSON -------------------------------------------------------------------
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_only_json_bodies_are_read(served, server, content_type):
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    status, _, text = request(server, "POST", "/v1/completions", json.dumps({"prompt": PROMPT}), headers)
+    assert status == 415 and "must be application/json" in message(text)
+    assert post(server, {"prompt": PROMPT, "max_tokens": 2}, {"Content-Type": "application/json; charset=utf-8"})[0] \
+        == 200
+    still_serving(served, server)
+
+
+def test_a_declared_body_over_the_limit_gets_413_before_it_is_sent(served, server):
+    """Only the headers are sent (Content-Length 1 GB): the answer comes without the server waiting for a byte."""
+    conn = http.client.HTTPConnection(server.split("//")[1], timeout=10)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for name, value in {"Content-Type": "application/json", "Content-Length": str(10 ** 9), **AUTH}.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        response = conn.getresponse()
+        text = response.read().decode()
+    finally:
+        conn.close()
+    assert response.status == 413 and "at most 65536 bytes" in message(text) and len(text) < 600
+    still_serving(served, server)
+
+
+def test_a_chunked_body_over_the_limit_gets_413_and_is_not_echoed(served, server):
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(200):                       # 200 x 1 KiB, over the 64 KiB limit
+            yield b"a" * 1024
+        yield b'"}'
+
+    conn = http.client.HTTPConnection(server.split("//")[1], timeout=10)
+    try:
+        conn.request("POST", "/v1/completions", chunks(), {"Content-Type": "application/json", **AUTH},
+                     encode_chunked=True)
+        response = conn.getresponse()
+        status, text = response.status, response.read().decode()
+    except (BrokenPipeError, ConnectionResetError):      # the server answered and closed while we were sending
+        status, text = 413, '{"error": {"message": "at most 65536 bytes"}}'
+    finally:
+        conn.close()
+    assert status == 413 and "at most 65536 bytes" in message(text) and len(text) < 600
+    still_serving(served, server)
+
+
+def test_a_slow_body_gets_408(served, server):
+    conn = http.client.HTTPConnection(server.split("//")[1], timeout=10)
+    t0 = time.monotonic()
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for name, value in {"Content-Type": "application/json", "Content-Length": "100", **AUTH}.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        conn.send(b'{"prompt": ')                 # then nothing: the client stalls
+        response = conn.getresponse()
+        text = response.read().decode()
+    finally:
+        conn.close()
+    assert response.status == 408 and "arrive within 1.5 s" in message(text)
+    assert time.monotonic() - t0 < 8
+    still_serving(served, server)
+
+
+BAD_BODIES = [
+    pytest.param('{"prompt": "a", "temperature": NaN}', "RFC 8259", id="nan-literal"),
+    pytest.param('{"prompt": "a", "temperature": Infinity}', "RFC 8259", id="infinity-literal"),
+    pytest.param('{"prompt": "a", "temperature": 1e400}', "`temperature` (=inf) must be a finite number",
+                 id="overflowing-float"),
+    pytest.param("[" * 10000 + "]" * 10000, "nested deeper than 16", id="deep-nesting"),
+    pytest.param('{"prompt": "a", "x": ' + "[" * 17 + "]" * 17 + "}", "nested deeper than 16", id="depth-17"),
+    pytest.param('{"prompt": "a", ', "not JSON", id="truncated"),
+    pytest.param('["prompt"]', "`body` (='list') must be a JSON object", id="not-an-object"),
+    pytest.param('{"prompt": [9223372036854775808]}', "`prompt[0]` (=9223372036854775808) must be a 64-bit integer",
+                 id="token-id-beyond-int64"),
+    pytest.param('{"prompt": "a", "block_size": 1180591620717411303424}', "`block_size` (=1180591620717411303424)",
+                 id="parameter-beyond-int64"),
+]
+
+
+@pytest.mark.parametrize("raw, expected", BAD_BODIES)
+def test_bad_json_gets_400_naming_the_problem(served, server, raw, expected):
+    status, text = post(server, raw)
+    assert status == 400 and expected in message(text), text
+    assert len(text) < 1200
+    still_serving(served, server)
+
+
+def test_an_error_quotes_only_an_excerpt_of_a_big_input(served, server):
+    for body in ({"prompt": PROMPT, "model": "m" * 60000}, {"prompt": PROMPT, "block_size": "b" * 60000},
+                 {"prompt": [["x"] * 6000]}, {"prompt": PROMPT, "stop": ["s" * 60000]}):
+        status, text = post(server, body)
+        assert status in (400, 404) and len(text) < 1200, text[:200]
+    still_serving(served, server)
+
+
+# -- bad values -------------------------------------------------------------------------------------------------
+
+BAD_VALUES = [
+    pytest.param({"temperature": -0.5}, "`temperature` (=-0.5) must lie in [0, inf]", id="temperature-negative"),
+    pytest.param({"temperature": "hot"}, "`temperature` (='hot') must be a number", id="temperature-string"),
+    pytest.param({"top_p": 2}, "`top_p` (=2) must lie in (0, 1]", id="top-p-2"),
+    pytest.param({"top_p": 0}, "`top_p` (=0) must lie in (0, 1]", id="top-p-0"),
+    pytest.param({"top_k": -1}, "`top_k` (=-1) must be an integer in [0,", id="top-k-negative"),
+    pytest.param({"seed": -1}, "`seed` (=-1) must be an unsigned 64-bit integer", id="seed-negative"),
+    pytest.param({"seed": 2 ** 70}, "`seed` (=1180591620717411303424) must be an unsigned 64-bit", id="seed-2^70"),
+    pytest.param({"logprobs": 0}, "`logprobs` (=0) must be left unset", id="logprobs-0"),
+    pytest.param({"logprobs": 1}, "`logprobs` (=1) must be left unset", id="logprobs-1"),
+    pytest.param({"logprobs": 5}, "`logprobs` (=5) must be left unset", id="logprobs-5"),
+    pytest.param({"n": 2}, "`n` (=2) must be 1", id="n-2"),
+    pytest.param({"n": True}, "`n` (=True) must be 1", id="n-true"),
+    pytest.param({"prompt": [9999]}, "`prompt[0]` (=9999) must be a token id in [0, 8192)", id="token-out-of-vocab"),
+    pytest.param({"prompt": [-1]}, "`prompt[0]` (=-1) must be a token id", id="token-negative"),
+    pytest.param({"prompt": [5] * 300}, "must be at most 200 tokens (the server's --max-prompt-tokens)",
+                 id="prompt-too-long"),
+    pytest.param({"decoding_strategy": "simsd"}, "restart the server with `hf-dllm-spec serve MODEL --draft-model "
+                 "PATH`", id="no-drafter"),
+    pytest.param({"decoding_strategy": 3}, "`decoding_strategy` (=3) must be a strategy name", id="strategy-type"),
+    pytest.param({"min_tokens": 2}, "`min_tokens` (=2) must be 0 unless ignore_eos=true", id="min-tokens"),
+    pytest.param({"min_tokens": 9, "ignore_eos": True}, "`min_tokens` (=9) must be an integer in [0, 4]",
+                 id="min-tokens-over-max-tokens"),
+    pytest.param({"ignore_eos": "yes"}, "`ignore_eos` (='yes') must be a bool", id="ignore-eos-type"),
+    pytest.param({"max_tokens": 10 ** 6}, "max_tokens=1000000", id="budget-beyond-context"),
+]
+
+
+@pytest.mark.parametrize("change, expected", BAD_VALUES)
+def test_bad_values_get_400_naming_field_rule_and_fix(served, server, change, expected):
+    body = {"model": served.name, "prompt": PROMPT, "max_tokens": 4, **change}
+    for stream in (False, True):
+        status, text = post(server, {**body, "stream": stream})
+        assert status == 400, text
+        assert expected in message(text), message(text)
+        assert "max_new_tokens" not in message(text) and "draft_model=" not in message(text)
+    still_serving(served, server)
+
+
+def test_chat_logprobs_are_refused_for_every_value_but_false(served, server):
+    base = {"messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": 3}
+    for value in (True, 1):
+        status, text = post(server, {**base, "logprobs": value}, path="/v1/chat/completions")
+        assert status == 400 and "`logprobs`" in message(text)
+    assert post(server, {**base, "logprobs": False}, path="/v1/chat/completions")[0] == 200
+    status, text = post(server, {**base, "messages": [{"role": "user", "content": 5}]}, path="/v1/chat/completions")
+    assert status == 400 and "`messages`" in message(text)
+
+
+# -- vLLM's extensions --------------------------------------------------------------------------------------------
+
+def test_ignore_eos_decodes_to_the_budget_as_generate_does(served, server):
+    """A prompt that stops early decodes its whole budget with `ignore_eos` (the tokens of `generate(
+    eos_token_id=None)`), with `usage` counting them; `min_tokens` with it is honoured."""
+    budget = 40
+    stopped = reference(served, PROMPT, budget)
+    assert len(stopped) < budget                       # the model stops on its own here
+    want = reference(served, PROMPT, budget, eos_token_id=None)
+    assert len(want) == budget and want[: len(stopped)] == stopped
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    r = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=budget,
+                                  extra_body={"ignore_eos": True, "min_tokens": budget})
+    assert r.choices[0].text == served.tokenizer.decode(want, skip_special_tokens=True)
+    assert r.choices[0].finish_reason == "length"
+    prompt_tokens = len(served.tokenizer(PROMPT)["input_ids"])
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (prompt_tokens, budget, prompt_tokens + budget)
+    text, last = "", None
+    for chunk in client.completions.create(model=served.name, prompt=PROMPT, max_tokens=budget, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        text += chunk.choices[0].text if chunk.choices else ""
+        last = chunk
+    assert text == r.choices[0].text and last.usage.completion_tokens == budget
+    r = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=budget)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(stopped)
+
+
+def test_seeded_sampling_with_ignore_eos_equals_generate(served, server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    r = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=12, temperature=0.8, top_p=0.9,
+                                  seed=2 ** 64 - 1, extra_body={"ignore_eos": True})
+    want = reference(served, PROMPT, 12, eos_token_id=None, do_sample=True, temperature=0.8, top_p=0.9,
+                     generator=[torch.Generator().manual_seed(2 ** 64 - 1)])
+    assert r.choices[0].text == served.tokenizer.decode(want, skip_special_tokens=True)
+
+
+# -- waiting requests -------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def long_stream(base: str, name: str):
+    """A streamed `ignore_eos` request of 1,500 tokens, running once its first chunk arrived; closed at the end."""
+    conn = http.client.HTTPConnection(base.split("//")[1], timeout=30)
+    body = {"model": name, "prompt": "#\n#\n", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **AUTH})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")
+    try:
+        yield
+    finally:
+        conn.close()
+
+
+def test_past_max_waiting_requests_get_429_with_retry_after(served):
+    """`max_waiting=0`: while a batch runs, a new request gets 429 with `Retry-After`; once it ends (its client
+    went away), requests are served again."""
+    with serve_in_background(create_app(served, ServerLimits(api_key=KEY, max_waiting=0))) as base:
+        with long_stream(base, served.name):
+            status, headers, text = request(base, "POST", "/v1/completions",
+                                            json.dumps({"prompt": PROMPT, "max_tokens": 2}),
+                                            {"Content-Type": "application/json", **AUTH})
+            assert status == 429 and "--max-waiting" in message(text) and int(headers["retry-after"]) >= 1
+        deadline = time.monotonic() + 30
+        while json.loads(request(base, "GET", "/health")[2])["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        still_serving(served, base)
