@@ -88,7 +88,7 @@ def test_api_key_is_required_on_every_route_but_health(served, server):
     good = json.dumps({"prompt": PROMPT, "max_tokens": 4})
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
         for method, path, body in (("POST", "/v1/completions", good), ("POST", "/v1/chat/completions", good),
-                                   ("GET", "/v1/models", None)):
+                                   ("GET", "/v1/models", None), ("GET", "/metrics", None)):
             status, head, text = request(server, method, path, body, {"Content-Type": "application/json", **headers})
             assert status == 401, (path, headers, text)
             assert head.get("www-authenticate") == "Bearer" and "API key" in message(text)
@@ -338,3 +338,51 @@ def test_past_max_waiting_requests_get_429_with_retry_after(served):
         while json.loads(request(base, "GET", "/health")[2])["running"] and time.monotonic() < deadline:
             time.sleep(0.05)
         still_serving(served, base)
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------
+
+def _samples(text: str) -> dict[str, float]:
+    """`name{labels}` -> value of a Prometheus text exposition (comments skipped)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_count_requests_tokens_and_the_library_statistics(served):
+    """`/metrics` (behind the key) in Prometheus text: after known requests, the counters hold their tokens,
+    the time-to-first-token histogram their count, tokens per forward the library's NFE."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with serve_in_background(create_app(served, ServerLimits(api_key=KEY))) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, timeout=60, max_retries=0)
+        rows = [client.completions.create(model=served.name, prompt=f"Question: {q}\nAnswer:", max_tokens=8)
+                for q in QUESTIONS[:3]]
+        rows.append(client.completions.create(model=served.name, prompt=PROMPT, max_tokens=8,
+                                              extra_body={"decoding_strategy": "s2d2"}))
+        status, head, text = request(base, "GET", "/metrics", headers=AUTH)
+    assert status == 200 and head["content-type"].startswith("text/plain")
+    list(text_string_to_metric_families(text))                      # parses as Prometheus text
+    got = _samples(text)
+    strategy = served.default_strategy
+    tokens = sum(r.usage.completion_tokens for r in rows[:3])
+    assert got[f'hf_dllm_spec_generation_tokens_total{{strategy="{strategy}"}}'] == tokens
+    assert got[f'hf_dllm_spec_prompt_tokens_total{{strategy="{strategy}"}}'] == \
+        sum(r.usage.prompt_tokens for r in rows[:3])
+    assert got[f'hf_dllm_spec_time_to_first_token_seconds_count{{strategy="{strategy}"}}'] == 3
+    assert got['hf_dllm_spec_time_to_first_token_seconds_count{strategy="s2d2"}'] == 1
+    nfe = sum(r.model_extra["dllm_stats"]["nfe"] for r in rows[:3])
+    assert got[f'hf_dllm_spec_forwards_total{{strategy="{strategy}"}}'] == nfe
+    assert got[f'hf_dllm_spec_tokens_per_forward{{strategy="{strategy}"}}'] == pytest.approx(tokens / nfe)
+    s2d2 = rows[3].model_extra["dllm_stats"]
+    assert got['hf_dllm_spec_draft_tokens_total{strategy="s2d2"}'] == s2d2["num_draft_tokens"]
+    if s2d2["num_draft_tokens"]:
+        assert got['hf_dllm_spec_acceptance_rate{strategy="s2d2"}'] == pytest.approx(s2d2["acceptance_rate"])
+    finished = sum(v for k, v in got.items() if k.startswith("hf_dllm_spec_requests_total{"))
+    assert finished == 4
+    assert got["hf_dllm_spec_requests_running"] == 0 and got["hf_dllm_spec_requests_waiting"] == 0
+    assert got["hf_dllm_spec_generation_tokens_per_second"] > 0

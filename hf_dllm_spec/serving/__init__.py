@@ -1,6 +1,8 @@
 """An OpenAI-compatible server over the library's strategies (`hf-dllm-spec serve`; extra `hf-dllm-spec[serve]`).
 
-Modules: `protocol` (request parsing and validation), `batcher` (the request queue and the padded batches),
-`app` (the FastAPI routes and server-sent events), `cli` (the `serve` subcommand), `bench` (throughput against
-one request at a time). Importing this package imports neither FastAPI nor uvicorn.
+Modules: `protocol` (request parsing and validation), `limits` (the API key, body and JSON limits),
+`batcher` (the request queue and the padded batches), `metrics` (`/metrics`, Prometheus text), `app` (the FastAPI
+routes and server-sent events), `loading` (the loading options `generate` and `serve` share), `cli` (the `serve`
+subcommand), `bench` (throughput against one request at a time). Importing this package imports neither FastAPI
+nor uvicorn.
 """

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over a :class:`~hf_dllm_spec.serving.batcher.Batcher`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with `stream=true`),
-`GET /v1/models`, `GET /health` (the queue and the batch in progress). Responses are the `openai` package's own
+`GET /v1/models`, `GET /health` (the queue and the batch in progress), `GET /metrics` (Prometheus text,
+:mod:`~hf_dllm_spec.serving.metrics`). Responses are the `openai` package's own
 types (as in transformers' `serve`), with two additions: `usage` in every response (also in the last streamed
 chunk) and `dllm_stats`, the library's statistics of the request's row (NFE, tokens per forward, acceptance
 rate). A streamed response only carries final tokens in its choices; with `stream_drafts=true` in the body
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
@@ -146,6 +147,12 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
 
     limits = limits if limits is not None else ServerLimits()
     batcher = Batcher(served.model, served.drafter, max_batch_size=served.max_batch_size)
+    try:                                   # the `serve` extra has it; without it /metrics answers 501
+        from .metrics import ServerMetrics
+
+        metrics = batcher.observer = ServerMetrics(batcher.status)
+    except ImportError:
+        metrics = None
     parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-dllm-spec-parse")
     vocab_size = served.model.get_input_embeddings().num_embeddings
 
@@ -156,7 +163,7 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         parser.shutdown(wait=False)
 
     app = FastAPI(title="hf-dllm-spec", lifespan=lifespan)
-    app.state.served, app.state.batcher, app.state.limits = served, batcher, limits
+    app.state.served, app.state.batcher, app.state.limits, app.state.metrics = served, batcher, limits, metrics
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     if tuple(limits.allowed_hosts) != ("*",):
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(limits.allowed_hosts))
@@ -187,6 +194,13 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
     async def models() -> dict:
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
                                             "owned_by": "hf-dllm-spec"}]}
+
+    @keyed.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            raise RequestError("/metrics needs the `prometheus_client` package (the `serve` extra): pip install "
+                               "prometheus_client", status=501)
+        return Response(metrics.exposition(), media_type=metrics.content_type)
 
     def parse(raw: bytes, chat: bool):
         body = parse_json(raw, limits.max_json_depth)

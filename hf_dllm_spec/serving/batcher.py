@@ -53,19 +53,36 @@ class Result:
 class Job:
     """One request in flight. The worker thread posts `(kind, payload)` events to `events` on the request's event
     loop: `("tokens", [ids])` as tokens become final, then `("done", Result)` or `("error", (status, message))`.
-    Setting `cancelled` (the client went away) ends the row at its next final token."""
+    Setting `cancelled` (the client went away) ends the row at its next final token. `observer` (the server's
+    :class:`~hf_dllm_spec.serving.metrics.ServerMetrics`, set by :meth:`Batcher.submit`) sees every event."""
 
     request: ParsedRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: str = field(default_factory=lambda: f"cmpl-{next(_ids)}-{random.getrandbits(32):08x}")
+    created: float = field(default_factory=time.monotonic)
+    observer: Any = None
+    tokens_sent: int = 0
 
     def emit(self, kind: str, payload: Any) -> None:
+        if self.observer is not None:
+            self._observe(kind, payload)
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:          # the event loop is closed: nobody listens any more
             self.cancelled.set()
+
+    def _observe(self, kind: str, payload: Any) -> None:
+        strategy, waited = self.request.options.decoding_strategy, time.monotonic() - self.created
+        if kind == "tokens" and payload:
+            self.observer.tokens(strategy, len(payload), self.tokens_sent == 0, waited)
+            self.tokens_sent += len(payload)
+        elif kind == "done":
+            self.observer.done(strategy, payload.finish_reason, len(self.request.prompt_ids), len(payload.tokens),
+                               payload.stats, waited)
+        elif kind == "error":
+            self.observer.error(payload[0])
 
 
 def row_stats(stats, decoding_strategy: str, batch_size: int) -> dict[str, Any]:
@@ -152,15 +169,17 @@ class Batcher:
         model (`PreTrainedModel`): the target.
         drafter (`PreTrainedModel`, *optional*): passed as `draft_model` to the strategies that use one.
         max_batch_size (`int`, defaults to 16): most rows per `generate` call.
+        observer (*optional*): given every job's events (the server's metrics).
         pad_token_id (`int`, *optional*): left padding of the prompts (default: the generation config's, else
             the first stop id).
     """
 
-    def __init__(self, model, drafter=None, *, max_batch_size: int = 16, pad_token_id: int | None = None) -> None:
+    def __init__(self, model, drafter=None, *, max_batch_size: int = 16, pad_token_id: int | None = None,
+                 observer: Any = None) -> None:
         from ..integration.generate import dllm_generate
         from ..integration.mixin import DllmGenerationMixin
 
-        self.model, self.drafter, self.max_batch_size = model, drafter, max_batch_size
+        self.model, self.drafter, self.max_batch_size, self.observer = model, drafter, max_batch_size, observer
         self.device = execution_device(model)
         self.stop_ids = list(model_patches.get_patch(model).stop_token_ids(model, model.generation_config))
         gc_pad = model.generation_config.pad_token_id
@@ -179,6 +198,7 @@ class Batcher:
 
     # -- the event-loop side ---------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        job.observer = self.observer
         with self.cond:
             self.queue.append(job)
             self.counts["requests"] += 1
