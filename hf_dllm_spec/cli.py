@@ -6,6 +6,7 @@
     hf-dllm-spec bench                         # the sweep -> runs/bench-<date>-<time>/sweep.{md,json}, frontier.png
     hf-dllm-spec bench-batch                   # batch of 8 against 8 sequential calls, writes batch.md
     hf-dllm-spec bench-gpu                     # GPU: static runtime vs stock AR -> runs/bench-gpu-<date>-<time>/
+    hf-dllm-spec check-gpu                     # GPU: static runtime == eager, captured, flat memory (exit 0/1)
     hf-dllm-spec export SOURCE OUTPUT_DIR      # hf_dllm_spec.hub.export.export_checkpoint
     hf-dllm-spec strategies                    # the strategies, their parameters and presets
 
@@ -29,8 +30,9 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from .jobs import (CACHE_IMPLEMENTATIONS, DTYPES, UsageError, add_model_argument, check_model, did_you_mean,
-                   load_checkpoint, positive_int, suggest)
+from .jobs import (CACHE_IMPLEMENTATIONS, UsageError, add_model_argument, check_model, did_you_mean, positive_int,
+                   suggest)
+from .serving.loading import add_loading_arguments
 
 PARAM_PREFIX = "strategy_param:"
 _RAW = argparse.RawDescriptionHelpFormatter
@@ -187,8 +189,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator passed to generate (default 0)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--device", default="cpu", help="e.g. cpu, cuda (default cpu)")
+    add_loading_arguments(p)               # --dtype, --device, --device-map, --quantization, --draft-device
     p.add_argument("--cache-implementation", default=None, choices=CACHE_IMPLEMENTATIONS,
                    help="transformers' name: `static` runs the static runtime (preallocated cache; CUDA graphs on a "
                         "GPU); default: the eager runtime")
@@ -229,6 +230,8 @@ def _generate(args: argparse.Namespace, argv: list[str]) -> None:
 
     from .integration.generate import dllm_generate
     from .integration.mixin import DllmGenerationMixin
+    from .runtime.placement import execution_device
+    from .serving.loading import LoadOptions, load_models
     from .strategies.registry import resolve_config
 
     params = given_strategy_parameters(args)
@@ -236,14 +239,12 @@ def _generate(args: argparse.Namespace, argv: list[str]) -> None:
     check_model(args.parser, args.model)
     if args.draft_model is not None:
         check_model(args.parser, args.draft_model, "--draft-model")
-    tokenizer, model = load_checkpoint(args.model, getattr(torch, args.dtype))
-    model.to(args.device)
+    tokenizer, model, drafter = load_models(args.model, args.draft_model, LoadOptions.from_args(args))
     extra: dict[str, Any] = {}
     if not isinstance(model, DllmGenerationMixin):   # a stock transformers class (an AR target): the strategies
         extra["custom_generate"] = dllm_generate      # through transformers' custom_generate hook
-    if args.draft_model is not None:
-        extra["draft_model"] = load_checkpoint(args.draft_model, getattr(torch, args.dtype),
-                                               "--draft-model")[1].to(args.device)
+    if drafter is not None:
+        extra["draft_model"] = drafter
     for name in ("temperature", "top_p", "top_k"):
         if getattr(args, name) is not None:
             extra[name] = getattr(args, name)
@@ -257,10 +258,11 @@ def _generate(args: argparse.Namespace, argv: list[str]) -> None:
 
         streamer_class = TextDiffusionStreamer if sys.stdout.isatty() else TextStreamer
         streamer = streamer_class(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    enc = tokenizer(args.prompt, return_tensors="pt").to(model.device)
+    device = execution_device(model)                  # not model.device: "meta" under accelerate offload
+    enc = tokenizer(args.prompt, return_tensors="pt").to(device)
     out = model.generate(enc.input_ids, attention_mask=enc.attention_mask, decoding_strategy=args.strategy,
                          max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                         generator=torch.Generator(model.device).manual_seed(args.seed), streamer=streamer,
+                         generator=torch.Generator(device).manual_seed(args.seed), streamer=streamer,
                          return_dict_in_generate=True, **extra, **params)
     stats = out.spec_stats_per_row[0]
     new = out.sequences[0, enc.input_ids.shape[1]:][: stats.num_generated_tokens]
@@ -350,6 +352,22 @@ def _bench_gpu(args: argparse.Namespace, argv: list[str]) -> None:
                        + BENCH_GPU_SMOKE)
 
 
+def _add_check_gpu(sub) -> None:
+    from .cost_model import check_gpu
+
+    p = sub.add_parser("check-gpu", help="GPU: is the static runtime (CUDA graphs) on the fast path and exact here?",
+                       formatter_class=_RAW, description=check_gpu.__doc__.split("\n\n", 1)[1].split("\n\nSource")[0])
+    check_gpu.add_arguments(p)
+    p.set_defaults(handler=_check_gpu, parser=p)
+
+
+def _check_gpu(args: argparse.Namespace, argv: list[str]) -> None:
+    """`hf-dllm-spec check-gpu`: exit 0 when every check holds, 1 when one does not, 2 without a CUDA device."""
+    from .cost_model import check_gpu
+
+    sys.exit(check_gpu.main(args))
+
+
 def _add_strategies(sub) -> None:
     p = sub.add_parser("strategies", help="list the strategies, their parameters and presets",
                        description="The registered decoding strategies, their parameters (defaults) and presets.")
@@ -382,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job(sub, "bench", sweep, "the benchmark sweep: block size x unmasking rule x S2D2 preset against AR")
     _add_job(sub, "bench-batch", batch, "benchmark: one batched call against sequential calls, tokens/s")
     _add_bench_gpu(sub)
+    _add_check_gpu(sub)
     _add_job(sub, "serve", serve, "an OpenAI-compatible server over the strategies (extra `serve`)")
     _add_export(sub)
     _add_strategies(sub)

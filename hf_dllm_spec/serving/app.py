@@ -38,6 +38,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .batcher import Batcher, Job, Result
 from .limits import BodyLimitMiddleware, ServerLimits, check_content_type, key_matches, parse_json, shorten
+from .loading import LoadOptions
 from .protocol import RequestError, ensure_chat_template, parse_request
 
 
@@ -67,8 +68,9 @@ class ServedModel:
 def load_served_model(path: str, *, draft_model: str | None = None, strategy: str | None = None,
                       params: dict | None = None, dtype: str = "float32", device: str = "cpu",
                       name: str | None = None, cache_implementation: str | None = None,
-                      **options: Any) -> ServedModel:
-    """Load a checkpoint (and drafter) as `hf_dllm_spec.jobs.evaluation.load` does, without remote code.
+                      loading: LoadOptions | None = None, **options: Any) -> ServedModel:
+    """Load a checkpoint (and drafter) through the Auto classes, without remote code, with the loading options
+    of `generate` (:mod:`~hf_dllm_spec.serving.loading`; `loading`, else `dtype` and `device`).
 
     The default strategy is `strategy`, else the one stored in the model's generation config, else its family's
     native decoding. A tokenizer without a chat template gets :data:`~.protocol.MINIMAL_CHAT_TEMPLATE` (in memory).
@@ -79,19 +81,17 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
     Raises:
         ValueError: no strategy can be chosen (a plain causal LM: pass `strategy`), or a bad strategy parameter.
     """
-    import torch
-
-    from ..jobs.evaluation import load
     from ..strategies.registry import resolve_config
     from ..validation import invalid
+    from .loading import load_models
 
+    loading = loading if loading is not None else LoadOptions(dtype=dtype, device=device)
+    loading.check()
     if strategy is not None:             # a bad option fails before anything is loaded
         resolve_config(strategy, overrides=params or {})
-    tokenizer, model = load(path, dtype=getattr(torch, dtype))
-    model.to(device)
+    tokenizer, model, drafter = load_models(path, draft_model, loading)
     if cache_implementation is not None:
         model.generation_config.cache_implementation = cache_implementation
-    drafter = load(draft_model, dtype=getattr(torch, dtype))[1].to(device) if draft_model else None
     default = strategy or (model.default_decoding_strategy() if hasattr(model, "default_decoding_strategy")
                            else None)
     if default is None:

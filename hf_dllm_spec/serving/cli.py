@@ -23,8 +23,9 @@ import json
 import os
 from typing import Any
 
-from ..jobs import CACHE_IMPLEMENTATIONS, DTYPES
+from ..jobs import CACHE_IMPLEMENTATIONS
 from .limits import API_KEY_ENV
+from .loading import LoadOptions, add_loading_arguments
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -54,8 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=16, help="most requests per batch (default 16)")
     parser.add_argument("--max-tokens", type=int, default=256, help="budget of requests without max_tokens "
                                                                     "(default 256)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--device", default="cpu", help="e.g. cpu, cuda (default cpu)")
+    add_loading_arguments(parser)          # --dtype, --device, --device-map, --quantization, --draft-device
     parser.add_argument("--cache-implementation", default=None, choices=CACHE_IMPLEMENTATIONS,
                         help="set on the model's generation config: `static` decodes every batch with the static "
                              "runtime (preallocated cache; CUDA graphs on a GPU, kept across batches); default: the "
@@ -136,11 +136,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     limits = server_limits(args)
     try:
         served = load_served_model(args.model, draft_model=args.draft_model, strategy=args.strategy,
-                                   params=dict(args.param), dtype=args.dtype, device=args.device,
+                                   params=dict(args.param), loading=LoadOptions.from_args(args),
                                    name=args.served_model_name, cache_implementation=args.cache_implementation,
                                    default_max_tokens=args.max_tokens,
                                    max_batch_size=args.max_batch_size)
-    except ValueError as err:
+    except ValueError as err:          # a UsageError reads "argument FLAG: ..."
         if parser is None:
             raise
         parser.error(str(err))
