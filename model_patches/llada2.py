@@ -45,6 +45,11 @@ from typing import Any
 
 import torch
 from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:     # a torch built without torch.distributed: nothing is ever sharded
+    DTensor = Shard = None
 from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
@@ -54,6 +59,7 @@ from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.glm4_moe.configuration_glm4_moe import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import (
     Glm4MoeExperts,
     Glm4MoeMLP,
@@ -109,6 +115,29 @@ class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
     # transformers' GLM-4-MoE pieces read these names.
     attribute_map = {"num_local_experts": "num_experts", "n_shared_experts": "num_shared_experts",
                      "attention_bias": "use_qkv_bias"}
+    # Tensor parallelism (`DistributedConfig(tp_plan="auto")` under torchrun; docs/placement.md). The MoE and MLP
+    # rules are GLM-4-MoE's (same module names). Attention: no transformers style splits an uneven fused [q | k | v]
+    # by head group (`packed_colwise` halves equal parts; GPT-NeoX's plain `colwise` needs per-head interleaving), so
+    # `query_key_value` is sharded by rows and its output gathered (as Phi-3's fused `qkv_proj`), and each rank then
+    # keeps its own head group (`LLaDA2MoeAttention.head_group`): its q heads, its K/V heads (its own KV cache) and
+    # the matching input columns of `dense` (rowwise). The router (`mlp.gate`) and the norms stay replicated.
+    base_model_tp_plan = {
+        "word_embeddings": "embedding_rowwise",          # vocabulary-parallel (transformers 5.24 does it by default)
+        "layers.*.attention.query_key_value": "colwise_gather_output",
+        "layers.*.attention.dense": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",      # after its parameters' rules (transformers 5.17 matches in order)
+        "layers.*.mlp.shared_experts.gate_proj": "colwise",
+        "layers.*.mlp.shared_experts.up_proj": "colwise",
+        "layers.*.mlp.shared_experts.down_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    # Expert parallelism (`ep_size` / `enable_expert_parallel`): the installed GLM-4-MoE's plan, whose style names
+    # changed in transformers 5.21 (5.17: `ep_router` + `moe_tp_experts`; 5.24: `ep_dispatch_experts`).
+    base_model_ep_plan = dict(Glm4MoeConfig.base_model_ep_plan or {})
 
     def __init__(self, vocab_size: int = 157184, hidden_size: int = 2048, intermediate_size: int = 5120,
                  num_hidden_layers: int = 20, num_attention_heads: int = 16, num_key_value_heads: int = 4,
@@ -179,11 +208,26 @@ class LLaDA2MoeAttention(nn.Module):
         self.query_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.key_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
+    def head_group(self) -> tuple[int, int]:
+        """`(rank, ranks)`: which of `ranks` equal head groups this module computes; `(0, 1)` (all heads) unless
+        tensor parallelism shards `dense` by its input columns (the `rowwise` rule of the config's plan)."""
+        weight = self.dense.weight
+        if DTensor is not None and isinstance(weight, DTensor):
+            for mesh_dim, placement in enumerate(weight.placements):
+                if isinstance(placement, Shard) and placement.dim in (-1, weight.ndim - 1):
+                    return weight.device_mesh.get_local_rank(mesh_dim), weight.device_mesh.size(mesh_dim)
+        return 0, 1
+
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache: DynamicCache | None = None, **kwargs):
         b, q_len, _ = hidden_states.shape
         qkv = self.query_key_value(hidden_states).view(b, q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+        rank, ranks = self.head_group()
+        if ranks > 1:               # this rank's q heads and the K/V heads they read (GQA groups stay whole)
+            q, kv = self.num_heads // ranks, self.num_kv_heads // ranks
+            query, key, value = query[:, :, rank * q:(rank + 1) * q], key[:, :, rank * kv:(rank + 1) * kv], \
+                value[:, :, rank * kv:(rank + 1) * kv]
         query, key = self.query_layernorm(query), self.key_layernorm(key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         cos, sin = position_embeddings
@@ -262,6 +306,14 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
         return True
 
     @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, *args, **kwargs):
+        """transformers' step that shards the (still empty) model for `from_pretrained(distributed_config=...)`,
+        after :func:`check_parallel_sizes` has refused a layout this model cannot split (before any weight loads)."""
+        if distributed_config is not None:
+            check_parallel_sizes(model.config, *resolved_parallel_layout(model, distributed_config))
+        return super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
+
+    @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained` with the Hub-layout conversion registered (per-expert weights fused)."""
         register_conversion_mapping()
@@ -282,6 +334,62 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
         elif isinstance(module, Glm4MoeExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
+
+
+def resolved_parallel_layout(model: PreTrainedModel, distributed_config) -> tuple[dict[str, str], int, int]:
+    """`(tp_plan, tp_size, ep_size)` that transformers' `from_pretrained` applies for `distributed_config` (a
+    `transformers.distributed.DistributedConfig`): the model's plan with the config's `tp_plan` dict merged in (an
+    empty dict: none); with expert parallelism, the experts' rules are the EP plan's. transformers 5.17 - 5.20 have no
+    `ep_size`: there `enable_expert_parallel=True` applies the EP plan alone over the `tp_size` ranks."""
+    tp_size = getattr(distributed_config, "tp_size", None) or 1
+    ep_size = getattr(distributed_config, "ep_size", None) or 1
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    override = getattr(distributed_config, "tp_plan", None)
+    if isinstance(override, dict):
+        plan = {**plan, **override} if override else {}
+    legacy_expert_parallel = getattr(distributed_config, "enable_expert_parallel", False) and \
+        not hasattr(distributed_config, "ep_size")
+    if legacy_expert_parallel:
+        plan, ep_size = dict(getattr(model, "_ep_plan", None) or {}), tp_size
+    elif ep_size > 1:
+        plan = {key: style for key, style in plan.items() if ".mlp.experts" not in key}
+    return plan, tp_size, ep_size
+
+
+def check_parallel_sizes(config: LLaDA2MoeConfig, tp_plan: dict[str, str], tp_size: int, ep_size: int) -> None:
+    """Refuse, before any weight loads or forward, a tensor- / expert-parallel layout the model cannot split.
+
+    Args:
+        config: the model's config.
+        tp_plan (`dict[str, str]`): the rules in use (`resolved_parallel_layout`), e.g. the config's
+            `base_model_tp_plan` plus the LM's `_tp_plan`.
+        tp_size (`int`): tensor-parallel ranks; ep_size (`int`): expert-parallel ranks.
+
+    Raises:
+        ValueError: naming the config value and the rule: with `dense` sharded by rows (attention split by head
+            group) `num_attention_heads` and `num_key_value_heads` must be multiples of `tp_size` (each rank computes
+            whole heads and the K/V heads its q heads read); with the routed experts sharded (`packed_colwise`)
+            `moe_intermediate_size` must be; with expert parallelism `num_experts` must be a multiple of `ep_size`.
+    """
+    def style(suffix: str) -> str | None:      # the LM's plan names the base model's rules with a "model." prefix
+        return next((style for key, style in tp_plan.items() if key.endswith(suffix)), None)
+
+    rules = []
+    if tp_size > 1 and style("layers.*.attention.dense") == "rowwise":
+        rules += [("num_attention_heads", tp_size, "tensor-parallel size (each rank computes whole heads)"),
+                  ("num_key_value_heads", tp_size, "tensor-parallel size (each rank keeps whole K/V heads)")]
+    if tp_size > 1 and style("layers.*.mlp.experts.gate_up_proj") == "packed_colwise":
+        rules.append(("moe_intermediate_size", tp_size, "tensor-parallel size (each rank keeps an equal slice of "
+                                                        "every expert's gate and up projections)"))
+    if ep_size > 1:
+        rules.append(("num_experts", ep_size, "expert-parallel size (each rank keeps an equal number of experts)"))
+    for name, size, what in rules:
+        value = getattr(config, name)
+        if value % size:
+            divisors = [d for d in range(1, value + 1) if value % d == 0]
+            raise ValueError(f"`{name}` (={value}) must be a multiple of the {what}, {size} here; launch a number "
+                             f"of ranks that divides it (torchrun --nproc_per_node in {divisors}), or load the "
+                             "model without tensor parallelism (`device_map=\"auto\"` splits it by layers).")
 
 
 def additive_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, config, inputs_embeds, cache):
@@ -362,6 +470,7 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
     """
 
     _tied_weights_keys = {"lm_head.weight": "model.word_embeddings.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}      # full logits on every rank (each rank decodes the same)
     # `lm_head` stays unquantized, also when `llm_int8_skip_modules` replaces transformers' default skips (see
     # `model_patches.sdar.SDARForCausalLM`). Anchored: "lm_head" would also be the float16 dtype plan and load the
     # (untied) head in float32 beside float16 hidden states; "lm_head$" names the module only.
@@ -528,4 +637,4 @@ class LLaDA2Patch(FamilyPatch):
 
 
 __all__ = ["HUB_EOS_TOKEN_ID", "HUB_MASK_TOKEN_ID", "LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM",
-           "LLaDA2Patch"]
+           "LLaDA2Patch", "check_parallel_sizes"]
