@@ -48,6 +48,9 @@ _EXPORTS = {
     "GenerateDllmOutput": "outputs",
     "SpecDecodingStats": "outputs",
     "export_checkpoint": "hub.export",
+    "clear_static_state": "runtime.static",
+    "configure_static_runtime": "runtime.static",
+    "static_states": "runtime.static",
 }
 
 __all__ = sorted([*_EXPORTS, "custom_generate", "register_auto_classes"])

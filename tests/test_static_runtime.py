@@ -10,7 +10,11 @@ CUDA-graph path runs with capture and replay stood in for by re-running the forw
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import random
 import shutil
+import threading
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -19,6 +23,7 @@ import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig
 
 import hf_dllm_spec
+import hf_dllm_spec.runtime.graphs as graphs_runtime
 import hf_dllm_spec.runtime.static as static_runtime
 import model_patches
 from model_patches.compat import CACHE_KWARG
@@ -27,8 +32,9 @@ from hf_dllm_spec.jobs.main import SUB_BLOCKS, specs
 from hf_dllm_spec.maths.masks import causal_mask
 from hf_dllm_spec.outputs import BatchStats
 from hf_dllm_spec.runtime.runner import ModelRunner
+from hf_dllm_spec.runtime.graphs import CapturedForwards
 from hf_dllm_spec.runtime.static import (STATE_ATTRIBUTE, StaticModelRunner, clear_static_state, compile_plan,
-                                         width_bucket)
+                                         static_states, width_bucket)
 from hf_dllm_spec.runtime.syncs import count_host_syncs
 from hf_dllm_spec.runtime.trace import trace_forwards
 
@@ -96,7 +102,7 @@ def test_static_runtime_equals_eager_on_bundled_models(name, strategy, bundled, 
     static = _generate(model, tokenizer, texts, spec, cache_implementation="static")
     _assert_same(eager, static, f"{name} / {spec.label}")
     if spec.draft_model is not None:
-        assert STATE_ATTRIBUTE in spec.draft_model.__dict__       # the drafter ran on its own static runtime
+        assert static_states(spec.draft_model)                   # the drafter ran on its own static runtime
 
 
 def test_second_call_reuses_the_static_state(bundled, one_thread):
@@ -106,12 +112,12 @@ def test_second_call_reuses_the_static_state(bundled, one_thread):
     clear_static_state(model)
     eager = _generate(model, tokenizer, texts[:2], spec)
     first = _generate(model, tokenizer, texts[:2], spec, cache_implementation="static")
-    (state,) = model.__dict__[STATE_ATTRIBUTE].values()
+    (state,) = static_states(model)
     _generate(model, tokenizer, texts[2:], spec, cache_implementation="static")         # batch 1: same state
     second = _generate(model, tokenizer, texts[:2], spec, cache_implementation="static")
     _assert_same(eager, first, "first call")
     _assert_same(eager, second, "second call")
-    assert list(model.__dict__[STATE_ATTRIBUTE].values()) == [state]
+    assert static_states(model) == [state]
 
 
 @pytest.mark.parametrize("name,strategy", [("sdar-tiny-arith", "s2d2"), ("fast-dllm-v2-tiny", "fast_dllm_v2"),
@@ -141,8 +147,7 @@ def test_overflowing_cache_and_width_buckets(bundled, monkeypatch, one_thread):
         eager = _generate(model, tokenizer, texts, spec)
         static = _generate(model, tokenizer, texts, spec, cache_implementation="static")
         _assert_same(eager, static, f"overflow / {spec.label}")
-    assert model.__dict__[STATE_ATTRIBUTE]  # grown, kept
-    (state,) = model.__dict__[STATE_ATTRIBUTE].values()
+    (state,) = static_states(model)  # grown, kept
     assert state.cache.max_cache_len >= max(len(tokenizer(t).input_ids) for t in texts) + MAX_NEW_TOKENS
 
 
@@ -244,11 +249,10 @@ def test_cuda_graphs_replay_the_eager_tokens(name, strategies):
         eager = _generate(model, tokenizer, texts, spec)
         static = _generate(model, tokenizer, texts, spec, cache_implementation="static")
         _assert_same(eager, static, f"{name} / {spec.label}, CUDA graphs")
-        states = [*model.__dict__[STATE_ATTRIBUTE].values(),
-                  *(spec.draft_model.__dict__[STATE_ATTRIBUTE].values() if spec.draft_model is not None else [])]
+        states = [*static_states(model), *(static_states(spec.draft_model) if spec.draft_model is not None else [])]
         # every forward is free of host syncs (test_forwards_are_sync_free_and_steps_sync_little): all captured
-        assert all(state.graphs.captures > 0 and not state.graphs.failed for state in states), \
-            [state.graphs.failed for state in states]
+        assert all(state.graphs.captures > 0 and state.graphs.failure is None for state in states), \
+            [state.graphs.failure for state in states]
         assert "eager" not in static.spec_stats.runtime and "cuda_graph" in static.spec_stats.runtime
         captures = [state.graphs.captures for state in states]
         memory = []
@@ -341,29 +345,67 @@ def test_remote_code_llada2_routes_experts_without_host_syncs():
 
 
 # -- the CUDA-graph bookkeeping on the CPU: capture and replay stood in for by re-running the forward -----------
-class _ReplayedGraphs(static_runtime._CudaGraphs):
-    """`_CudaGraphs` with its two CUDA calls replaced: the warm-up runs eagerly, and "replay" runs the forward again
-    on the static buffers into the static output. Everything else (keys, buffers, copies, write columns, counts,
-    the fallback) is the real code."""
+class _DeviceRecorder:
+    """Stands for `hf_dllm_spec.runtime.graphs.device_guard`: remembers the devices entered, innermost last."""
 
-    fail = False
+    def __init__(self) -> None:
+        self.stack: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def __call__(self, device):
+        self.stack.append(torch.device(device))
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+    def check(self, device) -> None:
+        assert self.stack and self.stack[-1] == torch.device(device), \
+            f"CUDA graph work outside the model's device {device} (current: {self.stack})"
+
+
+GUARD = _DeviceRecorder()
+
+
+class _ReplayedGraphs(CapturedForwards):
+    """`CapturedForwards` with its CUDA calls replaced: the warm-up runs eagerly, and "replay" runs the forward
+    again on the static buffers into the static output. Everything else (keys, LRU, buffers, copies, write
+    columns, counts, the check of the first replay, failures and retries) is the real code. Each replaced call
+    checks that it runs under the model's device (`device_guard`)."""
+
+    fail = False            # every capture raises
+    corrupt = False         # replays return other numbers (bitsandbytes#1308)
+    capture_calls = 0
 
     def _warm_up(self, run_forward, buffers):
+        GUARD.check(self.device)
         for _ in range(self.WARMUP_RUNS):
             out = run_forward(*buffers)
         return out
 
     def _capture(self, run_forward, buffers):
+        GUARD.check(self.device)
+        type(self).capture_calls += 1
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing\nmore")
         static_out = run_forward(*buffers).clone()
-        return (lambda: static_out.copy_(run_forward(*buffers))), static_out
+
+        def replay():
+            GUARD.check(self.device)
+            static_out.copy_(run_forward(*buffers) + (1.0 if self.corrupt else 0.0))
+        return replay, static_out
 
 
 @pytest.fixture
 def replayed_graphs(monkeypatch):
-    monkeypatch.setattr(static_runtime, "_CudaGraphs", _ReplayedGraphs)
+    monkeypatch.setattr(static_runtime, "CapturedForwards", _ReplayedGraphs)
     monkeypatch.setattr(static_runtime, "compile_plan", lambda model, config: ("cuda_graph", ""))
+    monkeypatch.setattr(graphs_runtime, "device_guard", GUARD)
+    monkeypatch.setattr(_ReplayedGraphs, "capture_calls", 0)
+
+
+def _states(model, spec) -> list:
+    return [*static_states(model), *(static_states(spec.draft_model) if spec.draft_model is not None else [])]
 
 
 @pytest.mark.parametrize("name,strategy", [("sdar-tiny-arith", "s2d2"), ("fast-dllm-v2-tiny", "fast_dllm_v2"),
@@ -372,7 +414,8 @@ def replayed_graphs(monkeypatch):
 def test_graph_bookkeeping_replays_the_eager_tokens(name, strategy, bundled, replayed_graphs, one_thread):
     """The "cuda_graph" path of the static runtime, capture and replay stood in for on the CPU: every forward after
     the first of its shape replays from the static buffers (the inputs copied in, the write columns read from
-    their buffer), tokens and counters equal the eager runtime's, and a second call captures nothing new."""
+    their buffer), under the model's device; tokens and counters equal the eager runtime's, and a second call
+    captures nothing new."""
     tokenizer, model, spec = _spec(bundled, name, strategy)
     texts = _texts(name)
     for m in (model, spec.draft_model):
@@ -380,8 +423,7 @@ def test_graph_bookkeeping_replays_the_eager_tokens(name, strategy, bundled, rep
             clear_static_state(m)
     eager = _generate(model, tokenizer, texts, spec)
     first = _generate(model, tokenizer, texts, spec, cache_implementation="static")
-    states = [*model.__dict__[STATE_ATTRIBUTE].values(),
-              *(spec.draft_model.__dict__[STATE_ATTRIBUTE].values() if spec.draft_model is not None else [])]
+    states = _states(model, spec)
     captures = [state.graphs.captures for state in states]
     second = _generate(model, tokenizer, texts, spec, cache_implementation="static")
     _assert_same(eager, first, f"{name} / {spec.label}, captured")
@@ -391,15 +433,372 @@ def test_graph_bookkeeping_replays_the_eager_tokens(name, strategy, bundled, rep
     assert "cuda_graph" in first.spec_stats.runtime and first.spec_stats.warmup_time_s > 0
 
 
-def test_failed_capture_falls_back_to_eager_forwards_and_says_why(bundled, replayed_graphs, monkeypatch,
+def test_graphs_are_captured_and_replayed_under_the_models_device(monkeypatch):
+    """Finding 1: a model on another GPU than the thread's current one (a drafter on cuda:1) must be captured and
+    replayed under its own device. Stood in for on the CPU: the table of a "cuda:1" model, the forward on CPU
+    tensors; warm-up, capture and every replay check the device they run under."""
+    monkeypatch.setattr(graphs_runtime, "device_guard", GUARD)
+    graphs = _ReplayedGraphs(torch.device("cuda", 1))
+    weight = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    bound = []
+    call = graphs.begin_call()
+    for step in range(3):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+        out = graphs.run(("key",), lambda x: x @ weight, (x,), bound.append, call)
+        torch.testing.assert_close(out, x @ weight)
+    assert graphs.captures == 1 and len(bound) == 3 and not GUARD.stack
+
+
+def test_graph_table_is_bounded_least_recently_used_first(monkeypatch):
+    monkeypatch.setattr(graphs_runtime, "device_guard", GUARD)
+    graphs = _ReplayedGraphs(torch.device("cpu"), max_graphs=2)
+    call = graphs.begin_call()
+    x = torch.ones(1, 2)
+    for key in ("a", "b", "a", "c", "a", "d"):
+        graphs.run((key,), lambda x: x * 2, (x,), lambda buffers: None, call)
+    assert list(graphs.graphs) == [("a",), ("d",)] and graphs.evictions == 2 and graphs.captures == 4
+
+
+def test_failed_capture_cleans_up_retries_once_and_can_be_cleared(bundled, replayed_graphs, monkeypatch,
                                                                     one_thread, caplog):
+    """Finding 3: a failed capture does not poison the model. The call that failed runs eager forwards (tokens
+    unchanged) and says why in `spec_stats.runtime`; the next call tries once more; after a second failure the
+    model stays eager without trying; `clear_static_state` clears the record."""
     tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "dynamic")
     clear_static_state(model)
     monkeypatch.setattr(_ReplayedGraphs, "fail", True)
     texts = _texts("sdar-tiny-arith")
     eager = _generate(model, tokenizer, texts, spec)
-    static = _generate(model, tokenizer, texts, spec, cache_implementation="static")
-    _assert_same(eager, static, "failed capture")
-    assert "static cache, eager (CUDA graph capture failed (operation not permitted" in static.spec_stats.runtime
+    first = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    _assert_same(eager, first, "failed capture")
+    assert ("static cache, cuda_graph (CUDA graph capture failed (operation not permitted when stream is "
+            "capturing): eager forwards in this call, retried once later)") in first.spec_stats.runtime
     assert "CUDA graph capture failed" in caplog.text
+    assert _ReplayedGraphs.capture_calls == 1                      # not retried within the call that failed
+    second = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    _assert_same(eager, second, "failed capture, retried")
+    assert _ReplayedGraphs.capture_calls == 2 and "failed 2 times" in second.spec_stats.runtime
+    third = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    _assert_same(eager, third, "failed capture, given up")
+    assert _ReplayedGraphs.capture_calls == 2 and "until `clear_static_state(model)`" in third.spec_stats.runtime
     clear_static_state(model)
+    monkeypatch.setattr(_ReplayedGraphs, "fail", False)
+    fourth = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    _assert_same(eager, fourth, "after clear_static_state")
+    assert fourth.spec_stats.runtime == "target: static cache, cuda_graph"
+    assert static_states(model)[0].graphs.captures > 0
+
+
+def test_a_failure_in_one_call_is_retried_in_the_next(bundled, replayed_graphs, monkeypatch, one_thread):
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "dynamic")
+    clear_static_state(model)
+    texts = _texts("sdar-tiny-arith")
+    monkeypatch.setattr(_ReplayedGraphs, "fail", True)
+    _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    monkeypatch.setattr(_ReplayedGraphs, "fail", False)
+    second = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    _assert_same(_generate(model, tokenizer, texts, spec), second, "retried")
+    assert static_states(model)[0].graphs.captures > 0
+    assert "retried in this call" in second.spec_stats.runtime
+    clear_static_state(model)
+
+
+def test_a_graph_that_differs_from_eager_is_dropped(bundled, replayed_graphs, monkeypatch, one_thread):
+    """bitsandbytes#1308 (wrong 4-bit outputs under CUDA graphs), stood in for by a replay that adds 1 to every
+    logit: the first replay of each capture is checked against its eager forward, the graph is dropped, the call
+    runs eager forwards with the eager tokens and says why."""
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "s2d2")
+    clear_static_state(model)
+    monkeypatch.setattr(_ReplayedGraphs, "corrupt", True)
+    texts = _texts("sdar-tiny-arith")
+    static = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    _assert_same(_generate(model, tokenizer, texts, spec), static, "corrupt replay")
+    assert "the replayed graph differs from its eager forward" in static.spec_stats.runtime
+    assert static_states(model)[0].graphs.captures == 0
+    clear_static_state(model)
+
+
+def test_a_draining_batch_replays_a_few_row_buckets(bundled, replayed_graphs, one_thread):
+    """Finding 6: rows that finish leave the batch, and the captured forwards pad the rest to a power of two, so a
+    batch of 8 that drains to 1 captures at most 4 row sizes per width (not one per row count)."""
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "dynamic")
+    clear_static_state(model)
+    texts = _texts("sdar-tiny-arith", 8)
+    eager = _generate(model, tokenizer, texts, spec, max_new_tokens=24)
+    static = _generate(model, tokenizer, texts, spec, cache_implementation="static", max_new_tokens=24)
+    _assert_same(eager, static, "draining batch")
+    lengths = [int(n) for n in (eager.sequences != tokenizer.pad_token_id).sum(dim=1)]
+    assert len(set(lengths)) > 2, "the rows must finish at different steps for this test to drain the batch"
+    (state,) = static_states(model)
+    rows = {key[0] for key in state.graphs.graphs}
+    assert rows <= {1, 2, 4, 8} and len(rows) > 1, rows
+    clear_static_state(model)
+
+
+@pytest.mark.slow
+def test_graph_count_stays_bounded_over_calls_of_mixed_lengths(bundled, replayed_graphs, one_thread):
+    """Finding 6: 200 calls of mixed batch sizes, prompt lengths and budgets never hold more graphs than the
+    configured bound (least recently used graphs go), the cache grows by doubling a few times only, and sampled
+    calls keep the eager tokens."""
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "dynamic")
+    clear_static_state(model)
+    hf_dllm_spec.configure_static_runtime(model, max_graphs=12)
+    rng = random.Random(0)
+    prompts = _texts("sdar-tiny-arith", 8)
+    sizes, lengths = [], set()
+    try:
+        for call in range(200):
+            texts = [prompts[rng.randrange(8)][: rng.randint(1, 60)] for _ in range(rng.randint(1, 3))]
+            budget = rng.choice([1, 4, 8])
+            static = _generate(model, tokenizer, texts, spec, cache_implementation="static", max_new_tokens=budget)
+            if call % 40 == 0:
+                _assert_same(_generate(model, tokenizer, texts, spec, max_new_tokens=budget), static, f"call {call}")
+            (state,) = static_states(model)
+            sizes.append(len(state.graphs.graphs))
+            lengths.add(state.cache.max_cache_len)
+        assert max(sizes) <= 12 and state.graphs.evictions > 0
+        assert len(lengths) <= 3, sorted(lengths)
+    finally:
+        hf_dllm_spec.configure_static_runtime(model)
+        clear_static_state(model)
+
+
+def test_configure_static_runtime_checks_its_bound(sdar_model):
+    with pytest.raises(ValueError, match="max_graphs"):
+        hf_dllm_spec.configure_static_runtime(sdar_model, max_graphs=0)
+
+
+# -- finding 4: the autograd mode of the first call ---------------------------------------------------------------
+@pytest.mark.parametrize("name,strategy", [(name, s) for name, (rows, _) in CASES.items() for s in rows])
+def test_inference_mode_then_no_grad_then_plain(name, strategy, bundled, one_thread):
+    """A first static call under `torch.inference_mode()` creates the state; later calls under `no_grad` and with
+    no context reuse it (in-place writes into buffers made outside inference mode): the eager tokens each time."""
+    tokenizer, model, spec = _spec(bundled, name, strategy)
+    for m in (model, spec.draft_model):
+        if m is not None:
+            clear_static_state(m)
+    texts = _texts(name)
+    eager = _generate(model, tokenizer, texts, spec)
+    with torch.inference_mode():
+        first = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    with torch.no_grad():
+        second = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    third = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    for label, out in (("inference_mode", first), ("no_grad", second), ("plain", third)):
+        _assert_same(eager, out, f"{name} / {spec.label}, {label}")
+
+
+def test_inference_mode_with_captured_graphs(bundled, replayed_graphs, one_thread):
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "s2d2")
+    clear_static_state(model)
+    texts = _texts("sdar-tiny-arith")
+    eager = _generate(model, tokenizer, texts, spec)
+    with torch.inference_mode():
+        _assert_same(eager, _generate(model, tokenizer, texts, spec, cache_implementation="static"), "inference")
+    _assert_same(eager, _generate(model, tokenizer, texts, spec, cache_implementation="static"), "plain")
+    clear_static_state(model)
+
+
+# -- finding 5: threads --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,strategy,rounds", [("sdar-tiny-arith", "s2d2", 50),
+                                                  ("qwen2-tiny-ar", "deer", 25),
+                                                  ("fast-dllm-v2-tiny", "fast_dllm_v2", 25)])
+def test_two_threads_on_one_model_get_their_own_tokens(name, strategy, rounds, bundled, one_thread):
+    """Two threads call the static runtime of one model `rounds` times each with different prompts: each call waits
+    its turn and returns its single-thread tokens (never another thread's, never a stray error)."""
+    tokenizer, model, spec = _spec(bundled, name, strategy)
+    texts = _texts(name, 4)
+    work = {0: texts[:1], 1: texts[1:4]}
+    expected = {t: _generate(model, tokenizer, work[t], spec).sequences.tolist() for t in work}
+    results: dict[int, list] = {0: [], 1: []}
+
+    def worker(t):
+        for _ in range(rounds):
+            try:
+                results[t].append(_generate(model, tokenizer, work[t], spec,
+                                            cache_implementation="static").sequences.tolist())
+            except Exception as error:                    # noqa: BLE001 - any error is a failure of the test
+                results[t].append(repr(error))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in work]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    for t in work:
+        wrong = [r for r in results[t] if r != expected[t]]
+        assert len(results[t]) == rounds and not wrong, f"thread {t}: {len(wrong)} of {rounds} wrong: {wrong[:2]}"
+
+
+def test_a_nested_static_call_on_the_same_model_is_refused(bundled, one_thread):
+    """A streamer that calls `generate` on the same model from inside a static call: a clear error naming the rule
+    and the fix (the eager runtime for the inner call); the eager inner call works."""
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "dynamic")
+    texts = _texts("sdar-tiny-arith", 1)
+    seen, puts = [], []
+
+    class Nested:
+        def put(self, value):
+            puts.append(value)
+            if seen or len(puts) < 2:             # the first put is the prompt; then committed tokens
+                return
+            for implementation in ("static", None):
+                try:
+                    seen.append(_generate(model, tokenizer, texts, spec, cache_implementation=implementation))
+                except ValueError as error:
+                    seen.append(error)
+
+        def end(self):
+            pass
+
+    _generate(model, tokenizer, texts, spec, cache_implementation="static", streamer=Nested())
+    refused, inner = seen
+    assert isinstance(refused, ValueError) and "cache_implementation" in str(refused) and "eager" in str(refused)
+    _assert_same(_generate(model, tokenizer, texts, spec), inner, "eager inner call")
+
+
+# -- finding 2: MoE experts a graph can capture ---------------------------------------------------------------------
+def test_experts_kernel_is_chosen_per_dtype_and_device(bundled, monkeypatch):
+    """transformers' "grouped_mm" experts fall back to a host-synchronising path under torch.compile for anything
+    but bfloat16, and on CUDA for other dtypes or cards below SM80: there the static runtime runs "batched_mm"."""
+    from hf_dllm_spec.runtime.experts import capturable_experts, grouped_mm_capturable
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert grouped_mm_capturable(torch.bfloat16, cuda, compiled=False)[0]
+    assert grouped_mm_capturable(torch.bfloat16, cuda, compiled=True)[0]
+    for dtype in (torch.float32, torch.float16):
+        assert not grouped_mm_capturable(dtype, cuda, compiled=False)[0]
+        assert not grouped_mm_capturable(dtype, torch.device("cpu"), compiled=True)[0]
+        assert grouped_mm_capturable(dtype, torch.device("cpu"), compiled=False)[0]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert not grouped_mm_capturable(torch.bfloat16, cuda, compiled=False)[0]
+    _, llada2 = bundled["llada2-tiny"]
+    _, sdar = bundled["sdar-tiny-arith"]
+    assert llada2.dtype == torch.float32
+    assert capturable_experts(llada2, "cuda_graph", cuda)[0] == "batched_mm"
+    assert capturable_experts(llada2, "compile", torch.device("cpu"))[0] == "batched_mm"
+    assert capturable_experts(llada2, "eager", cuda) == (None, "")
+    assert capturable_experts(llada2, "cuda_graph", torch.device("cpu")) == (None, "")
+    assert capturable_experts(sdar, "cuda_graph", cuda) == (None, "")
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_batched_mm_experts_equal_the_eager_experts(llada2_model, dtype, tolerance):
+    from hf_dllm_spec.runtime.experts import experts_configs, experts_implementation
+
+    model = copy.deepcopy(llada2_model).to(dtype)
+    ids = torch.randint(0, 90, (2, 9), generator=torch.Generator().manual_seed(1))
+    configs = experts_configs(model)
+    assert configs and all(config._experts_implementation == "grouped_mm" for config in configs)
+    with torch.no_grad():
+        grouped = model(ids).logits
+        with experts_implementation(configs, "batched_mm"):
+            assert all(config._experts_implementation == "batched_mm" for config in configs)
+            batched = model(ids).logits
+        with experts_implementation(configs, "eager"):
+            eager = model(ids).logits
+    assert all(config._experts_implementation == "grouped_mm" for config in configs)        # restored
+    scale = eager.abs().max()
+    torch.testing.assert_close(batched / scale, eager / scale, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(grouped / scale, eager / scale, rtol=tolerance, atol=tolerance)
+
+
+def test_static_runtime_runs_the_capturable_experts_and_says_so(bundled, replayed_graphs, monkeypatch, one_thread):
+    """Where "grouped_mm" would not be captured, the forwards of the static runtime run "batched_mm" (and only
+    they: the model's own setting is back after the call); tokens equal the eager runtime's."""
+    tokenizer, model, spec = _spec(bundled, "llada2-tiny", "llada2")
+    clear_static_state(model)
+    monkeypatch.setattr(static_runtime, "capturable_experts", lambda model, mode, device: ("batched_mm", "test"))
+    seen = []
+    forward = type(model.model.layers[-1].mlp.experts).forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.config._experts_implementation)
+        return forward(self, *args, **kwargs)
+
+    texts = _texts("llada2-tiny")
+    eager = _generate(model, tokenizer, texts, spec)
+    monkeypatch.setattr(type(model.model.layers[-1].mlp.experts), "forward", spy)
+    static = _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    _assert_same(eager, static, "batched_mm experts")
+    assert seen and set(seen) == {"batched_mm"}
+    assert "experts: batched_mm (test)" in static.spec_stats.runtime
+    assert model.config._experts_implementation == "grouped_mm"
+    clear_static_state(model)
+
+
+# -- finding 7 and 8: the attended prefix; bitsandbytes ----------------------------------------------------------
+def test_attention_spans_a_bucketed_prefix_not_the_allocated_cache(sdar_model):
+    """After a long call grew the model's cache, a short call attends over the prefix its rows need (the longest
+    row plus the query, rounded up to a power of two), not the whole allocated length; logits stay the eager ones."""
+    patch = model_patches.get_patch(sdar_model)
+    clear_static_state(sdar_model)
+    StaticModelRunner(sdar_model, patch, BatchStats(1), batch_size=1, max_cache_len=1000)      # a long earlier call
+    eager = ModelRunner(sdar_model, patch, BatchStats(2), batch_size=2)
+    static = StaticModelRunner(sdar_model, patch, BatchStats(2), batch_size=2, max_cache_len=16)
+    assert static.cache.max_cache_len >= 1000
+    ids = torch.randint(0, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    step = dict(input_ids=ids, position_ids=torch.arange(6).expand(2, 6), intra_mask=causal_mask(6), kind="prefill",
+                store_len=6)
+    shapes = []
+    layer = static.cache.layers[0]
+    update = type(layer).update
+
+    def spy(self, *args, **kwargs):
+        keys, values = update(self, *args, **kwargs)
+        shapes.append(tuple(keys.shape))
+        return keys, values
+
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(type(layer), "update", spy)
+        torch.testing.assert_close(static.forward(**step), eager.forward(**step), rtol=1e-5, atol=1e-5)
+    assert shapes[0][2] == static_runtime.prefix_bucket(8, static.cache.max_cache_len) == 64
+    clear_static_state(sdar_model)
+
+
+def test_compile_plan_follows_the_bitsandbytes_rules(sdar_model, monkeypatch):
+    """4-bit: captured (each capture checked against eager); 8-bit: eager, with the reason; neither compiled."""
+    monkeypatch.setattr(static_runtime, "execution_device", lambda model: torch.device("cuda"))
+
+    def quantized(bits):
+        config = SimpleNamespace(quant_method="bitsandbytes", load_in_4bit=bits == 4, load_in_8bit=bits == 8)
+        return SimpleNamespace(is_compileable=False, quantization_config=config)
+
+    monkeypatch.setattr(sdar_model, "hf_quantizer", quantized(4), raising=False)
+    mode, reason = compile_plan(sdar_model, GenerationConfig(cache_implementation="static"))
+    assert mode == "cuda_graph" and "checked against its eager forward" in reason
+    assert compile_plan(sdar_model, GenerationConfig(compile_config=CompileConfig()))[0] == "eager"
+    monkeypatch.setattr(sdar_model, "hf_quantizer", quantized(8), raising=False)
+    mode, reason = compile_plan(sdar_model, GenerationConfig(cache_implementation="static"))
+    assert mode == "eager" and "8-bit" in reason
+
+
+# -- hf-dllm-spec check-gpu ----------------------------------------------------------------------------------------
+def test_check_gpu_rows_on_stood_in_graphs(replayed_graphs, monkeypatch, one_thread):
+    """check-gpu's first check, run on the CPU with capture stood in for: every row compares tokens and counters
+    with the eager runtime and reports the capture; a failed capture makes its row fail."""
+    from hf_dllm_spec.cost_model import check_gpu
+
+    monkeypatch.setattr(check_gpu, "CASES", {"sdar-tiny-arith": (["dynamic"], None),
+                                             "qwen2-tiny-ar": (["deer"], "deer-drafter-tiny")})
+    rows = check_gpu.check_tokens(torch.device("cpu"), torch.float32, max_new_tokens=8)
+    assert [row["ok"] for row in rows] == [True, True], rows
+    assert all(row["tokens_equal"] and row["captured"] and "cuda_graph" in row["runtime"] for row in rows)
+    monkeypatch.setattr(_ReplayedGraphs, "fail", True)
+    (failed, _) = check_gpu.check_tokens(torch.device("cpu"), torch.float32, max_new_tokens=8)
+    assert failed["tokens_equal"] and not failed["captured"] and not failed["ok"]
+    result = {"machine": "cpu", "tokens": rows + [failed], "ok": False, "seconds": 1.0,
+              "memory": {"calls": 2, "memory_bytes": [1, 1], "graphs": [3, 3], "ok": True}}
+    text = check_gpu.report(result)
+    assert text.count("ok   float32") == 2 and "FAIL float32" in text and text.endswith("FAIL in 1 s")
+
+
+def test_check_gpu_refuses_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from hf_dllm_spec.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check-gpu"])
+    assert exit_info.value.code == 2 and "check-gpu needs a CUDA device" in capsys.readouterr().err

@@ -44,7 +44,7 @@ from ..strategies.registry import get_strategy, resolve_config, strategy_paramet
 from ..runtime.placement import execution_device
 from ..runtime.quantization import check_quantized_model
 from ..runtime.runner import DRAFT_MODEL_SPAN
-from ..runtime.static import drop_prepared_static_cache, make_runner, static_cache_length
+from ..runtime.static import drop_prepared_static_cache, hold_static_runtime, make_runner, static_cache_length
 from ..maths.sampling import Sampler
 from ..strategies import DecodingSession
 from ..strategies.streaming import TokenStream
@@ -518,26 +518,27 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
 
     suppress = [resolved_mask] if resolved_mask is not None else []
     cache_len = static_cache_length(input_ids.shape[1], max_new_tokens, max(block_size, draft_block_size or 0))
-    session = DecodingSession(
-        prompts=prompts,
-        target=make_runner(model, patch, stats, batch_size=batch_size, use_cache=use_cache, timer=timer,
-                           cache=find_cache(kwargs) if use_cache else None, generation_config=generation_config,
-                           max_cache_len=cache_len),
-        sampler=Sampler(logits_processor if logits_processor is not None else LogitsProcessorList(),
-                        do_sample=bool(generation_config.do_sample), suppress_token_ids=suppress,
-                        generator=generator),
-        stats=stats, mask_token_id=resolved_mask if resolved_mask is not None else 0, stop_token_ids=stop_ids,
-        max_new_tokens=max_new_tokens, block_size=block_size,
-        stop_check=lambda i, generated, host_ids: final_tokens(i, generated, host_ids=host_ids)[1],
-        drafter=make_runner(draft_model, drafter_patch, stats, batch_size=batch_size, use_cache=use_cache,
-                            timer=timer, timer_span=DRAFT_MODEL_SPAN, generation_config=generation_config,
-                            max_cache_len=cache_len) if draft_model is not None else None,
-        draft_mask_token_id=draft_mask, draft_block_size=draft_block_size,
-        stream=TokenStream(streamer, lambda final: output_tokens(0, final)) if streamer is not None else None,
-    )
-    strategy = strategy_cls(config, session)
-    t0 = now(device)
-    generated = strategy.decode()
+    with hold_static_runtime(generation_config, model, draft_model):     # one static call per model at a time
+        session = DecodingSession(
+            prompts=prompts,
+            target=make_runner(model, patch, stats, batch_size=batch_size, use_cache=use_cache, timer=timer,
+                               cache=find_cache(kwargs) if use_cache else None, generation_config=generation_config,
+                               max_cache_len=cache_len),
+            sampler=Sampler(logits_processor if logits_processor is not None else LogitsProcessorList(),
+                            do_sample=bool(generation_config.do_sample), suppress_token_ids=suppress,
+                            generator=generator),
+            stats=stats, mask_token_id=resolved_mask if resolved_mask is not None else 0, stop_token_ids=stop_ids,
+            max_new_tokens=max_new_tokens, block_size=block_size,
+            stop_check=lambda i, generated, host_ids: final_tokens(i, generated, host_ids=host_ids)[1],
+            drafter=make_runner(draft_model, drafter_patch, stats, batch_size=batch_size, use_cache=use_cache,
+                                timer=timer, timer_span=DRAFT_MODEL_SPAN, generation_config=generation_config,
+                                max_cache_len=cache_len) if draft_model is not None else None,
+            draft_mask_token_id=draft_mask, draft_block_size=draft_block_size,
+            stream=TokenStream(streamer, lambda final: output_tokens(0, final)) if streamer is not None else None,
+        )
+        strategy = strategy_cls(config, session)
+        t0 = now(device)
+        generated = strategy.decode()
     wall = now(device) - t0
     forward_time, prefill_time = timer.total("forward"), timer.total("prefill")
     draft_model_time, warmup_time = timer.total(DRAFT_MODEL_SPAN), timer.total("warmup")

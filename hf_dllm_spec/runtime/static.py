@@ -1,70 +1,80 @@
 """The static decoding runtime: a preallocated K/V cache with a write position per row, fixed query widths, and
-forwards that can be captured once and replayed (CUDA graphs).
+forwards captured once and replayed (CUDA graphs) or compiled.
 
 `generate(..., cache_implementation="static")` selects it (transformers' name for its own static cache); the
 default stays the eager :class:`~hf_dllm_spec.runtime.runner.ModelRunner`. :class:`StaticModelRunner` has the eager
 runner's interface (`forward`, `discard_tail`, `select_rows`, `carry`, `batch_size`, the stats and timer), so every
 strategy runs on it unchanged, and it gives the eager runner's tokens and forward counts.
 
-Layout. Each layer holds K/V of shape `(N, kv_heads, L, head_dim)`, allocated once on the layer's device
-(:class:`RowStaticLayer`, a transformers `StaticLayer` that writes per row). Row n has a write position
-`lengths[n]`: its stored tokens are the columns `[0, lengths[n])`, in order, and nothing else. A forward of `q`
-query tokens, padded to a width bucket `W >= q` (:func:`width_bucket`; the padding goes first in the query and
-sees only itself), writes all `W` K/V at columns `lengths[n] + [0, W)`: first the row's real stored tokens, then the
-read-only tokens, then padding; only the stored tokens advance `lengths[n]`. Read-only tokens (drafts, the
-verifier's copies) are thus written past the write position and never become visible: every later query masks the
-columns `>= lengths[n]` except its own. No `torch.cat`, no crop; `discard_tail` moves the write position back and
-`select_rows` gathers rows into the leading rows of the same buffers.
+Layout (:mod:`~hf_dllm_spec.runtime.static_cache`). Each layer holds K/V of shape `(R, kv_heads, L, head_dim)`.
+Row n has a write position `lengths[n]`: its stored tokens are the columns `[0, lengths[n])`, in order, and nothing
+else. A forward of `q` query tokens, padded to a width bucket `W >= q` (:func:`width_bucket`; the padding goes first
+in the query and sees only itself), writes all `W` K/V at columns `lengths[n] + [0, W)`: first the row's real stored
+tokens, then the read-only tokens, then padding; only the stored tokens advance `lengths[n]`. Read-only tokens
+(drafts, the verifier's copies) are thus written past the write position and never become visible. No
+`torch.cat`, no crop; `discard_tail` moves the write position back and `select_rows` gathers rows into the leading
+rows of the same buffers.
 
-Fixed shapes. Every forward takes input ids, positions and write columns of shape `(N, W)`, the query's own
-visibility `(N, W, W)` and the write positions `(N,)`, and builds its float mask `(N, 1, W, L)` from them inside,
-for a small set of `(N, W, kept logits)`: on CUDA each is captured once in a `torch.cuda.CUDAGraph` (mask included;
-:class:`_CudaGraphs`, three warm-up runs on a side stream, then capture) and replayed after copying the new inputs
-into its static buffers; with `compile_config` the forward goes through `model.get_compiled_call(compile_config)`
-(torch.compile, transformers' meaning). Cache, buffers and graphs live on the model (:func:`_state_of`) and are
-reused by later calls with the same or smaller shapes; a call that needs a longer cache reallocates it (and drops the
-graphs). So one `generate` call at a time may use a model's static runtime (as with transformers' own static cache
-and compiled forward); concurrent calls on one model need the eager runtime. Compilation follows transformers'
-`_valid_auto_compile_criteria` (:func:`compile_plan`).
+Fixed shapes. Every forward takes input ids, positions and write columns `(n, W)`, the query's own visibility
+`(n, W, W)` and the write positions `(n,)`, and attends over a prefix of `P` columns (:func:`prefix_bucket` of the
+longest row plus `W`: the cost follows the rows' lengths, not the largest cache ever allocated); it builds its
+float mask `(n, 1, W, P)` inside. Captured and compiled forwards also pad the batch to a row bucket
+(:func:`rows_bucket`; the extra rows write into unused rows of the buffers and are dropped), so a batch that drains
+as rows finish replays the graphs of a few bucket sizes instead of capturing one per row count. On CUDA each
+`(rows, W, kept logits, P)` is captured once (:class:`~hf_dllm_spec.runtime.graphs.CapturedForwards`: under the
+model's own device, at most `max_graphs` per model and role, least recently used first out, one memory pool, the
+first replay checked against eager, a failed capture cleaned up and retried once on a later call); with
+`compile_config` the forward goes through `model.get_compiled_call(compile_config)` (torch.compile, transformers'
+meaning). MoE experts that could not be captured in the model's dtype run transformers' "batched_mm" kernel
+meanwhile (:mod:`~hf_dllm_spec.runtime.experts`). Which mode, and why not another, follows transformers'
+`_valid_auto_compile_criteria` plus the bitsandbytes rules (:func:`compile_plan`).
 
-Host synchronisations. No forward of any family reads a device value on the host (so each can be captured; LLaDA2's
-routed experts run transformers' "grouped_mm", also when loaded through a checkpoint's remote code), and the
-decoding loop reads the device once per forward at batch 1 (the step's decisions and committed tokens in one
-transfer; SimSD 1.6: its compact verify width; `hf_dllm_spec.runtime.syncs`, counted in
-`tests/test_static_runtime.py`). Not yet done (GPU work): the per-step maths (sampling, commit rules, acceptance,
-routing) compiled or captured with the forward (77 to 170 small tensor operations per forward outside the
-model on the bundled models, each a kernel launch on a GPU: `benchmarks/host_work.py`).
+Across calls and threads. Cache, graphs and options live on the model (:func:`static_states`,
+:func:`clear_static_state`, :func:`configure_static_runtime`) and are reused by later calls with the same or
+smaller shapes (a longer need doubles the cache and drops the graphs). All of it is created outside
+`torch.inference_mode`, so the first call's autograd mode does not bind later calls. One `generate` call at a time
+uses a model's static state (:func:`hold_static_runtime`): a call from another thread waits its turn; a nested call
+from the same thread (a streamer that generates) is refused with the rule and the fix.
 
-Source: issue 25 (measurements on an H100 in `shared/reference/platform.md`, "Static caches, compilation and CUDA
-graphs"); transformers `StaticCache` / `StaticLayer`, `CompileConfig`; PyTorch "CUDA Graphs" (whole-network capture).
+Host synchronisations. No forward of any family reads a device value on the host (so each can be captured), and
+the decoding loop reads the device once per forward at batch 1 (`hf_dllm_spec.runtime.syncs`, counted in
+`tests/test_static_runtime.py`).
+
+Source: issues 25 and 32 (measurements on an H100 in `shared/reference/platform.md`, "Static caches, compilation
+and CUDA graphs" and "CUDA graphs: what breaks a capture"); transformers `StaticCache` / `StaticLayer`,
+`CompileConfig`; PyTorch "CUDA Graphs" (whole-network capture).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
-from transformers.cache_utils import Cache, StaticCache, StaticLayer
+from transformers.cache_utils import StaticCache
 
 from model_patches.compat import find_cache, pop_cache
 
 from ..maths.masks import to_additive
 from ..outputs import BatchStats
+from ..validation import invalid
+from .experts import capturable_experts, experts_configs, experts_implementation
+from .graphs import DEFAULT_MAX_GRAPHS, CapturedForwards
 from .placement import execution_device
 from .runner import DRAFT_MODEL_SPAN, ModelRunner
+from .static_cache import RowStaticCache, RowStaticLayer
 from .timing import ForwardTimer
-from ..validation import invalid
 
 logger = logging.getLogger(__name__)
 
 #: Query widths up to this are padded to the next power of two; wider ones to a multiple of it.
 WIDTH_GRANULE = 256
-#: Cache lengths are rounded up to a multiple of this.
+#: Cache lengths are rounded up to a multiple of this; attended prefixes are at least this long.
 LENGTH_GRANULE = 64
-#: The attribute of a model that holds its static states (cache, graphs) across `generate` calls, per role.
+#: The attribute of a model that holds its static runtime (states per role, options, the call lock).
 STATE_ATTRIBUTE = "_hf_dllm_spec_static"
 
 
@@ -76,114 +86,46 @@ def width_bucket(width: int) -> int:
     return -(-width // WIDTH_GRANULE) * WIDTH_GRANULE
 
 
+def rows_bucket(rows: int, capacity: int) -> int:
+    """The batch rows a captured or compiled forward of `rows` (>= 1) live rows runs at: the next power of two,
+    at most `capacity` (the rows the buffers hold). A batch of N that drains runs at most log2(N) + 1 sizes."""
+    return min(1 << max(0, rows - 1).bit_length(), capacity)
+
+
+def prefix_bucket(need: int, max_cache_len: int) -> int:
+    """The cache columns a forward attends over when its rows need `need` of them (the longest row's stored
+    tokens plus the query width): the next power of two, at least :data:`LENGTH_GRANULE`, at most the allocated
+    `max_cache_len`."""
+    return min(max(LENGTH_GRANULE, 1 << max(0, need - 1).bit_length()), max_cache_len)
+
+
 def _round_up(value: int, granule: int) -> int:
     return -(-value // granule) * granule
 
 
-# -- the cache --------------------------------------------------------------------------------------------------
-class RowStaticLayer(StaticLayer):
-    """A transformers `StaticLayer` that writes each row at its own columns.
-
-    transformers' `StaticLayer.update` writes the whole batch at one running position (`cumulative_length`, which
-    every update advances, read-only tokens included). Here the owning :class:`RowStaticCache` says, per forward,
-    the column of every query token of every row (`(N, W)` int64): K/V are scattered there, in place, and the
-    whole `(N, kv_heads, L, head_dim)` buffers are returned (the caller's mask decides what is visible).
-    Allocation stays lazy (on the first update, on the device and in the dtype of the layer's keys), so each layer
-    of a `device_map` model lives on its own device.
-    """
-
-    def __init__(self, max_cache_len: int, owner: "RowStaticCache") -> None:
-        super().__init__(max_cache_len=max_cache_len)
-        self.owner = owner
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Scatter `key_states` / `value_states` `(m, kv_heads, W, head_dim)` at the owner's write columns of the
-        first m rows; return the first m rows of the full buffers `(m, kv_heads, L, head_dim)`."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        m = key_states.shape[0]
-        columns = self.owner.write_columns(self.device)[:, None, :, None]           # (m, 1, W, 1)
-        keys, values = self.keys[:m], self.values[:m]
-        keys.scatter_(2, columns.expand(-1, keys.shape[1], -1, keys.shape[-1]), key_states)
-        values.scatter_(2, columns.expand(-1, values.shape[1], -1, values.shape[-1]), value_states)
-        return keys, values
-
-    def get_seq_length(self) -> int:
-        """0: the stored length is per row and lives in the runner (`StaticModelRunner.lengths`); transformers only
-        reads it to build a mask or positions, both of which the runner passes explicitly."""
-        return 0
+# -- how the forwards run ---------------------------------------------------------------------------------------
+def _bitsandbytes_bits(quantizer) -> int | None:
+    """4 or 8 for a bitsandbytes quantizer, else None."""
+    config = getattr(quantizer, "quantization_config", None)
+    if config is None or str(getattr(config, "quant_method", "")).lower().split(".")[-1] != "bitsandbytes":
+        return None
+    return 4 if getattr(config, "load_in_4bit", False) else 8 if getattr(config, "load_in_8bit", False) else None
 
 
-class RowStaticCache(Cache):
-    """A static K/V cache of `max_cache_len` columns per row, written at per-row columns (:class:`RowStaticLayer`).
-
-    Args:
-        num_layers (`int`): decoder layers of the model.
-        max_cache_len (`int`): columns per row, L.
-
-    The runner sets the write columns before each forward (:meth:`set_write_columns`); each layer reads them on its
-    own device.
-    """
-
-    def __init__(self, num_layers: int, max_cache_len: int) -> None:
-        super().__init__(layers=[RowStaticLayer(max_cache_len, self) for _ in range(num_layers)])
-        self._max_len = max_cache_len
-        self._columns: torch.Tensor | None = None
-        self._on_device: dict[torch.device, torch.Tensor] = {}
-
-    def set_write_columns(self, columns: torch.Tensor) -> None:
-        """`columns` `(m, W)` int64: the cache column of each query token of each of the first m rows."""
-        self._columns, self._on_device = columns, {columns.device: columns}
-
-    def write_columns(self, device: torch.device) -> torch.Tensor:
-        if device not in self._on_device:
-            self._on_device[device] = self._columns.to(device)
-        return self._on_device[device]
-
-    @property
-    def max_cache_len(self) -> int:
-        """L, the columns per row (a property of transformers' `Cache` on some versions)."""
-        return self._max_len
-
-    @property
-    def batch_capacity(self) -> int | None:
-        """Rows the buffers hold (None before the first forward)."""
-        layer = self.layers[0]
-        return layer.keys.shape[0] if layer.is_initialized else None
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Move rows `index` `(M,)` int64 to the first M rows of every layer, in place (static addresses kept)."""
-        for layer in self.layers:
-            if layer.is_initialized:
-                rows = index.to(layer.device)
-                m = rows.shape[0]
-                layer.keys[:m] = layer.keys[rows]
-                layer.values[:m] = layer.values[rows]
-
-    def grow(self, max_cache_len: int) -> None:
-        """Reallocate every layer with `max_cache_len` columns, keeping the stored ones (new addresses)."""
-        for layer in self.layers:
-            layer.max_cache_len = max_cache_len
-            if layer.is_initialized:
-                for name in ("keys", "values"):
-                    old = getattr(layer, name)
-                    new = old.new_zeros(*old.shape[:2], max_cache_len, old.shape[-1])
-                    new[:, :, :old.shape[2]] = old
-                    torch._dynamo.mark_static_address(new)
-                    setattr(layer, name, new)
-        self._max_len = max_cache_len
-
-
-# -- compilation ------------------------------------------------------------------------------------------------
 def compile_plan(model, generation_config: GenerationConfig) -> tuple[str, str]:
     """How the static runtime runs `model`'s forwards, by transformers' rule for `generate`
-    (`GenerationMixin._valid_auto_compile_criteria`), and why.
+    (`GenerationMixin._valid_auto_compile_criteria`) plus the bitsandbytes rules of CUDA graphs, and why.
 
     Returns:
         `(mode, reason)`: mode "eager" (forwards run as they are, over the static cache), "cuda_graph" (each
-        `(batch, width)` forward captured once in a `torch.cuda.CUDAGraph`; the default on CUDA) or "compile"
+        fixed-shape forward captured once in a `torch.cuda.CUDAGraph`; the default on CUDA) or "compile"
         (`model.get_compiled_call(generation_config.compile_config)`, transformers' torch.compile, when a
-        `compile_config` is given); `reason` is one line saying why (empty for the default).
+        `compile_config` is given); `reason` is one line saying why (empty for the plain default).
+
+    bitsandbytes: 8-bit (LLM.int8) layers are not capturable, so the forwards stay eager with that reason; 4-bit
+    layers are captured, each capture checked against its eager forward on its first replay (bitsandbytes#1308
+    reports wrong 4-bit outputs under CUDA graphs: a graph that differs is dropped and the model runs eager, with
+    the reason in `spec_stats.runtime`); neither is compiled (`HfQuantizer.is_compileable` is False).
     """
     config = generation_config.compile_config
     if generation_config.disable_compile:
@@ -194,7 +136,10 @@ def compile_plan(model, generation_config: GenerationConfig) -> tuple[str, str]:
         return "eager", f"no compilation on {device.type} (transformers compiles on accelerators, or with " \
                         "`CompileConfig._compile_all_devices`)"
     quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None and not quantizer.is_compileable:
+    bits = _bitsandbytes_bits(quantizer) if quantizer is not None else None
+    if bits == 8:
+        return "eager", "bitsandbytes 8-bit layers cannot be captured in CUDA graphs"
+    if quantizer is not None and not quantizer.is_compileable and (config is not None or bits != 4):
         return "eager", f"{type(quantizer).__name__} weights cannot be compiled or captured (transformers' " \
                         "`HfQuantizer.is_compileable` is False)"
     devices = {str(d) for d in getattr(model, "hf_device_map", {}).values()}
@@ -205,6 +150,8 @@ def compile_plan(model, generation_config: GenerationConfig) -> tuple[str, str]:
     params = {p.device for p in model.parameters()}
     if len(params) > 1:
         return "eager", "CUDA graphs need the whole model on one device (pass a `compile_config` to use torch.compile)"
+    if bits == 4:
+        return "cuda_graph", "bitsandbytes 4-bit: each capture checked against its eager forward"
     return "cuda_graph", ""
 
 
@@ -218,75 +165,54 @@ class _CallProxy:
         return self._call(*args, **kwargs)
 
 
-class _CudaGraphs:
-    """One captured forward per `(rows, width, kept logits)`: static inputs, the graph and its output.
-
-    Capture (PyTorch's whole-network recipe): three warm-up runs on a side stream, then `torch.cuda.graph` with one
-    memory pool shared by the model's graphs. The warm-up runs are real forwards (they write the same K/V at the
-    same columns), so the first call's result is the last warm-up's.
-    """
-
-    WARMUP_RUNS = 3
-
-    def __init__(self) -> None:
-        self.graphs: dict[tuple[int, int, int], tuple[Any, ...]] = {}
-        self.pool = None
-        self.captures = 0
-        self.failed: str = ""            # why capture failed once (the forward syncs with the host, ...): eager since
-
-    def run(self, key, run_forward, inputs: tuple, cache: RowStaticCache):
-        """Replay (or capture, the first time) `run_forward(*inputs)` for `key`; returns a fresh copy of its logits.
-
-        `inputs`: `(ids, pos, wide, columns, lengths)` (:meth:`StaticModelRunner._run`); they are copied into the
-        graph's static buffers, and the cache's layers read the write columns from their buffer."""
-        entry = self.graphs.get(key)
-        if entry is None:
-            buffers = [value.clone() for value in inputs]
-            cache.set_write_columns(buffers[3])
-            out = self._warm_up(run_forward, buffers)
-            try:
-                replay, static_out = self._capture(run_forward, buffers)
-            except RuntimeError as error:          # e.g. a host sync inside the forward (data-dependent MoE routing)
-                self.failed = f"CUDA graph capture failed ({str(error).splitlines()[0][:120]}); eager forwards"
-                logger.warning("hf_dllm_spec: %s", self.failed)
-                return out.clone()
-            self.graphs[key] = (replay, buffers, static_out)
-            self.captures += 1
-            return out.clone()
-        replay, buffers, static_out = entry
-        cache.set_write_columns(buffers[3])
-        for buffer, value in zip(buffers, inputs):
-            buffer.copy_(value)
-        replay()
-        return static_out.clone()
-
-    def _warm_up(self, run_forward, buffers: list[torch.Tensor]) -> torch.Tensor:
-        """:data:`WARMUP_RUNS` real forwards on a side stream (PyTorch's recipe before a capture); the last output."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.WARMUP_RUNS):
-                out = run_forward(*buffers)
-        torch.cuda.current_stream().wait_stream(stream)
-        return out
-
-    def _capture(self, run_forward, buffers: list[torch.Tensor]):
-        """Capture `run_forward(*buffers)` in a `torch.cuda.CUDAGraph` (the model's shared memory pool); returns
-        `(replay, static output)`: `replay()` reruns the forward on whatever the buffers hold, into the output."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            static_out = run_forward(*buffers)
-        return graph.replay, static_out
-
-
+# -- what persists on a model -----------------------------------------------------------------------------------
 class _StaticState:
     """What persists on a model across calls for one role (target or drafter): its cache and its graphs."""
 
-    def __init__(self, num_layers: int, max_cache_len: int) -> None:
-        self.cache = RowStaticCache(num_layers, max_cache_len)
-        self.graphs = _CudaGraphs()
+    def __init__(self, num_layers: int, max_cache_len: int, rows: int, device: torch.device,
+                 max_graphs: int) -> None:
+        self.cache = RowStaticCache(num_layers, max_cache_len, rows)
+        self.graphs = CapturedForwards(device, max_graphs)
+
+
+class _CallLock:
+    """One `generate` call at a time on a model's static state: other threads wait, the same thread is refused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    @contextlib.contextmanager
+    def hold(self, name: str):
+        me = threading.get_ident()
+        if self._owner == me:
+            raise invalid("cache_implementation", "static", f"be used by one `generate` call at a time on {name}: "
+                          "this thread is already inside a static-runtime call on it (a streamer or criterion that "
+                          "calls `generate` again)", "pass cache_implementation=None (the eager runtime) to the "
+                          "inner call, or use another model instance for it")
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+
+class _ModelStatic:
+    """Everything the static runtime keeps on one model: a state per role, the graph bound, the call lock.
+    Copies of the model (`copy.deepcopy`, pickling) get a fresh, empty one."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, _StaticState] = {}
+        self.max_graphs = DEFAULT_MAX_GRAPHS
+        self.lock = _CallLock()
+
+    def __reduce__(self):
+        return _ModelStatic, ()
+
+
+def _holder(model) -> _ModelStatic:
+    return model.__dict__.setdefault(STATE_ATTRIBUTE, _ModelStatic())
 
 
 def _num_layers(model) -> int:
@@ -295,25 +221,83 @@ def _num_layers(model) -> int:
 
 
 def _state_of(model, role: str, batch_size: int, max_cache_len: int) -> _StaticState:
-    """The model's static state for `role`, reused when it holds `batch_size` rows and `max_cache_len` columns
-    (rounded up to :data:`LENGTH_GRANULE`), else a new one (the old buffers and graphs are dropped)."""
-    states = model.__dict__.setdefault(STATE_ATTRIBUTE, {})
-    state = states.get(role)
+    """The model's static state for `role`, reused when it holds `batch_size` rows (a longer cache doubles it and
+    drops its graphs), else a new one of twice the rows, its cache at least as long (the failure record kept)."""
+    holder = _holder(model)
+    state = holder.states.get(role)
     length = _round_up(max_cache_len, LENGTH_GRANULE)
-    if state is not None and (state.cache.batch_capacity or batch_size) >= batch_size:
+    if state is not None and state.cache.batch_capacity >= batch_size:
         if state.cache.max_cache_len < length:
-            state.cache.grow(length)
-            state.graphs = _CudaGraphs()                          # captured against the old buffers
+            state.cache.grow(_round_up(max(length, 2 * state.cache.max_cache_len), LENGTH_GRANULE))
+            state.graphs.clear()                                  # captured against the old buffers
         return state
+    rows = 1 << max(0, batch_size - 1).bit_length()
     if state is not None:
         length = max(length, state.cache.max_cache_len)
-    state = states[role] = _StaticState(_num_layers(model), length)
-    return state
+    new = holder.states[role] = _StaticState(_num_layers(model), length, rows, execution_device(model),
+                                             holder.max_graphs)
+    if state is not None:
+        new.graphs.failure = state.graphs.failure
+    return new
+
+
+def static_states(model) -> list:
+    """The static states `model` keeps (one per role it ran in: target or drafter, per dtype and device); each has
+    `.cache` (:class:`RowStaticCache`) and `.graphs` (:class:`~hf_dllm_spec.runtime.graphs.CapturedForwards`:
+    `captures`, `evictions`, `failure`, the graphs)."""
+    holder = model.__dict__.get(STATE_ATTRIBUTE)
+    return list(holder.states.values()) if holder is not None else []
 
 
 def clear_static_state(model) -> None:
-    """Drop the static caches and captured graphs `model` keeps across `generate` calls (frees their memory)."""
-    model.__dict__.pop(STATE_ATTRIBUTE, None)
+    """Drop the static caches, captured graphs and capture-failure records `model` keeps across `generate` calls
+    (frees their memory; the next static call allocates and captures afresh). The options stay."""
+    holder = model.__dict__.get(STATE_ATTRIBUTE)
+    if holder is not None:
+        holder.states = {}
+
+
+def configure_static_runtime(model, *, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
+    """Set how many CUDA graphs the static runtime keeps for `model`, per role (target or drafter, per dtype and
+    device); past it the least recently used graph is dropped (and captured again when needed).
+
+    Args:
+        model (`PreTrainedModel`): the model.
+        max_graphs (`int`, defaults to :data:`~hf_dllm_spec.runtime.graphs.DEFAULT_MAX_GRAPHS`): at least 1.
+
+    Raises:
+        ValueError: if `max_graphs` is not an integer >= 1.
+    """
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+        raise invalid("max_graphs", max_graphs, "be an integer >= 1 (graphs kept per model and role)",
+                      f"pass e.g. max_graphs={DEFAULT_MAX_GRAPHS}")
+    holder = _holder(model)
+    holder.max_graphs = max_graphs
+    for state in holder.states.values():
+        state.graphs.max_graphs = max_graphs
+        while len(state.graphs.graphs) > max_graphs:
+            state.graphs.graphs.popitem(last=False)
+            state.graphs.evictions += 1
+
+
+@contextlib.contextmanager
+def hold_static_runtime(generation_config: GenerationConfig, *models):
+    """Hold the static state of each of `models` (None entries skipped) for one `generate` call, with
+    `cache_implementation="static"` (nothing otherwise): a call on another thread waits until this one ends.
+    Locks are taken in one global order, so two calls that share models never wait on each other in a circle.
+
+    Raises:
+        ValueError: if this thread already holds one of them (a nested static call on the same model).
+    """
+    if generation_config.cache_implementation != "static":
+        yield
+        return
+    unique = {id(model): model for model in models if model is not None}
+    with contextlib.ExitStack() as stack:
+        for key in sorted(unique):
+            model = unique[key]
+            stack.enter_context(_holder(model).lock.hold(type(model).__name__))
+        yield
 
 
 # -- the runner -------------------------------------------------------------------------------------------------
@@ -349,17 +333,34 @@ class StaticModelRunner(ModelRunner):
             raise invalid("compile_mode", compile_mode, f"be one of {self.COMPILE_MODES}",
                           "use `compile_plan(model, generation_config)`")
         dtype = model.dtype if model.dtype.is_floating_point else torch.float32
-        role = f"{'drafter' if timer_span == DRAFT_MODEL_SPAN else 'target'}:{dtype}:{execution_device(model)}"
+        device = execution_device(model)
+        role = f"{'drafter' if timer_span == DRAFT_MODEL_SPAN else 'target'}:{dtype}:{device}"
         self._state = _state_of(model, role, batch_size, max_cache_len)
         super().__init__(model, patch, stats, batch_size=batch_size, cache=self._state.cache, timer=timer,
                          timer_span=timer_span)
         self.compile_mode = compile_mode
-        self.runtime_note = f"static cache, {compile_mode}" + (f" ({compile_reason})" if compile_reason else "")
+        self._compile_reason = compile_reason
+        self._call_id = self._state.graphs.begin_call()
+        self._experts, experts_reason = capturable_experts(model, compile_mode, device)
+        self._experts_note = f"; experts: {self._experts} ({experts_reason})" if self._experts else ""
+        self._experts_configs = experts_configs(model) if self._experts else []
         self._call = (_CallProxy(model.get_compiled_call(compile_config)) if compile_mode == "compile" else model)
         self._compiled_keys: set = model.__dict__.setdefault("_hf_dllm_spec_compiled_keys", set())
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)     # write position per row
         self._bound = 0                          # host-side upper bound of max(lengths), no sync to keep it
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def runtime_note(self) -> str:
+        """What ran this model's forwards, for `spec_stats.runtime`: the mode, why not another, the experts kernel
+        and any capture failure with its reason."""
+        notes = [self._compile_reason] if self._compile_reason else []
+        if self.compile_mode == "cuda_graph":
+            failure = self._state.graphs.note(self._call_id)
+            if failure:
+                notes.append(failure)
+        note = f"static cache, {self.compile_mode}" + (f" ({'; '.join(notes)})" if notes else "")
+        return note + self._experts_note
 
     @property
     def stored_len(self) -> int:
@@ -373,11 +374,11 @@ class StaticModelRunner(ModelRunner):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, intra_mask: torch.Tensor, *, kind: str,
                 store_len: int = 0, store_valid: torch.Tensor | None = None, logits_to_keep: int = 0,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        """As :meth:`ModelRunner.forward` (same arguments, same logits, same counters), at a fixed width.
+        """As :meth:`ModelRunner.forward` (same arguments, same logits, same counters), at fixed shapes.
 
         The query is padded at the front to `W =` :func:`width_bucket` `(q)` tokens that see only themselves; its
         K/V go to columns `lengths[n] + [0, W)` of each row (stored tokens first); `lengths` then advances by each
-        row's real stored tokens.
+        row's real stored tokens. Captured and compiled forwards also pad the batch to :func:`rows_bucket` rows.
 
         Returns:
             `torch.Tensor` of shape `(N, n, V)`, float32 logits aligned as the eager runner's.
@@ -406,6 +407,7 @@ class StaticModelRunner(ModelRunner):
                                  torch.where(j >= pad, j - pad, stored[:, None] + q - s + j))
             offset = torch.cat([torch.arange(q, width, device=device).expand(n, front), offset], dim=1)   # (N, W)
         self._ensure_length(width)
+        prefix = prefix_bucket(self._bound + width, self.cache.max_cache_len)
         columns = self.lengths[:, None] + offset
         if front:                                  # the query padded at the front to its width bucket
             wide = torch.zeros(n, width, width, dtype=torch.bool, device=device)          # query visibility
@@ -417,48 +419,57 @@ class StaticModelRunner(ModelRunner):
             pos[:, front:] = position_ids
         else:                                      # already at its bucket: no copies
             wide, ids, pos = intra, input_ids, position_ids
+        inputs = (ids, pos, wide, columns.expand(n, width), self.lengths)
+        if self.compile_mode != "eager":
+            inputs = _pad_rows(inputs, rows_bucket(n, self.cache.batch_capacity))
         with self.timer.span("forward"), self._own_span(), self._traced(kind, n, width, s, kept):
-            raw = self._run(ids, pos, wide, columns, kept)[:, kept - keep_raw:]
+            raw = self._run(inputs, kept, prefix)[:n, kept - keep_raw:]
         self.lengths = self.lengths + stored
         self._bound += s
         if self.alignment == "position":
             return raw[:, -keep:]
         return self._align_right_shift(raw, query_valid, q, keep, s)
 
-    def _run(self, ids, pos, wide, columns, kept) -> torch.Tensor:
-        """One forward of the padded query (eager, replayed graph or compiled call); `(N, kept, V)` float32.
+    def _run(self, inputs: tuple, kept: int, prefix: int) -> torch.Tensor:
+        """One forward of the padded query (eager, replayed graph or compiled call); `(rows, kept, V)` float32.
 
-        The attention mask `(N, 1, W, L)` is built inside (so a CUDA graph replays it with the forward): row n's
-        stored columns `[0, lengths[n])` are visible to every query token, and the query's own columns follow
-        `wide` `(N, W, W)`."""
+        `inputs` is `(ids, pos, wide, columns, lengths)`. The attention mask `(rows, 1, W, P)` is built inside
+        (so a CUDA graph replays it with the forward): row n's stored columns `[0, lengths[n])` are visible to every
+        query token, and the query's own columns follow `wide` `(rows, W, W)`."""
         dtype = self.dtype
 
         def run_forward(ids, pos, wide, columns, lengths):
             n, width = ids.shape
-            length = self.cache.max_cache_len
-            visible = (torch.arange(length, device=ids.device)[None, None, :] < lengths[:, None, None]).expand(
-                n, width, length).clone()
+            visible = (torch.arange(prefix, device=ids.device)[None, None, :] < lengths[:, None, None]).expand(
+                n, width, prefix).clone()
             visible.scatter_(2, columns[:, None, :].expand(n, width, width), wide)
-            return self.patch.forward(self._call, ids, position_ids=pos, attention_mask=to_additive(visible, dtype),
-                                      cache=self.cache, logits_to_keep=kept)
+            with experts_implementation(self._experts_configs, self._experts):
+                return self.patch.forward(self._call, ids, position_ids=pos,
+                                          attention_mask=to_additive(visible, dtype), cache=self.cache,
+                                          logits_to_keep=kept)
 
-        key = (ids.shape[0], ids.shape[1], kept, self.cache.max_cache_len)
-        if self.compile_mode == "cuda_graph" and self._state.graphs.failed:
-            self.compile_mode, self.runtime_note = "eager", f"static cache, eager ({self._state.graphs.failed})"
+        def bind(buffers) -> None:
+            self.cache.set_write_columns(buffers[3], prefix)
+
+        ids = inputs[0]
+        key = (ids.shape[0], ids.shape[1], kept, prefix)
         if self.compile_mode == "cuda_graph":
-            first = key[:3] not in self._state.graphs.graphs
-            with self.timer.span("warmup") if first else contextlib.nullcontext():
-                return self._state.graphs.run(key[:3], run_forward, (ids, pos, wide, columns, self.lengths),
-                                              self.cache)
-        self.cache.set_write_columns(columns)
+            graphs = self._state.graphs
+            capture = key not in graphs.graphs and graphs.may_capture(self._call_id)
+            with self.timer.span("warmup") if capture else contextlib.nullcontext():
+                out = graphs.run(key, run_forward, inputs, bind, self._call_id)
+            if out is not None:
+                return out
+        bind(inputs)
         if self.compile_mode == "compile":
             if torch.cuda.is_available() and ids.is_cuda:
                 torch.compiler.cudagraph_mark_step_begin()
+            key = (*key, self.cache.max_cache_len)
             first = key not in self._compiled_keys
             self._compiled_keys.add(key)
             with self.timer.span("warmup") if first else contextlib.nullcontext():
-                return run_forward(ids, pos, wide, columns, self.lengths).clone()
-        return run_forward(ids, pos, wide, columns, self.lengths)
+                return run_forward(*inputs).clone()
+        return run_forward(*inputs)
 
     def _plain_offsets(self, width: int, front: int) -> torch.Tensor:
         """`(1, W)` int64 write offsets of a query without stored padding: its `q = W - front` tokens at `[0, q)`
@@ -469,14 +480,15 @@ class StaticModelRunner(ModelRunner):
         return self._offsets[key]
 
     def _ensure_length(self, width: int) -> None:
-        """Make room for `width` more columns after the longest row: sync the exact bound, grow if still short."""
+        """Make room for `width` more columns after the longest row: sync the exact bound, grow if still short
+        (doubling; the graphs captured against the old buffers go)."""
         if self._bound + width <= self.cache.max_cache_len:
             return
         self._bound = int(self.lengths.max()) if self.batch_size else 0
         need = self._bound + width
         if need > self.cache.max_cache_len:
             self.cache.grow(_round_up(max(need, 2 * self.cache.max_cache_len), LENGTH_GRANULE))
-            self._state.graphs = _CudaGraphs()                    # captured against the old buffers
+            self._state.graphs.clear()
 
     def discard_tail(self, num_discard: torch.Tensor, carry: torch.Tensor | None = None) -> None:
         """Forget the last `num_discard[n]` stored tokens of each row: its write position moves back (the columns
@@ -504,6 +516,21 @@ class StaticModelRunner(ModelRunner):
         self.lengths = self.lengths[index]
         if self.carry is not None:
             self.carry = self.carry[index]
+
+
+def _pad_rows(inputs: tuple, rows: int) -> tuple:
+    """`(ids, pos, wide, columns, lengths)` of n rows padded to `rows`: each extra row is one query of ids 0 at
+    positions 0 that sees only itself, written at columns `[0, W)` of an unused row of the buffers."""
+    ids, pos, wide, columns, lengths = inputs
+    extra, width = rows - ids.shape[0], ids.shape[1]
+    if extra <= 0:
+        return inputs
+    device = ids.device
+    own = torch.eye(width, dtype=torch.bool, device=device).expand(extra, width, width)
+    return (torch.cat([ids, ids.new_zeros(extra, width)]), torch.cat([pos, pos.new_zeros(extra, width)]),
+            torch.cat([wide.expand(ids.shape[0], width, width), own]),
+            torch.cat([columns, torch.arange(width, device=device).expand(extra, width)]),
+            torch.cat([lengths, lengths.new_zeros(extra)]))
 
 
 # -- selection --------------------------------------------------------------------------------------------------
@@ -551,4 +578,5 @@ def make_runner(model, patch, stats: BatchStats, *, batch_size: int, generation_
 
 
 __all__ = ["RowStaticCache", "RowStaticLayer", "StaticModelRunner", "clear_static_state", "compile_plan",
-           "drop_prepared_static_cache", "make_runner", "static_cache_length", "width_bucket"]
+           "configure_static_runtime", "drop_prepared_static_cache", "hold_static_runtime", "make_runner",
+           "prefix_bucket", "rows_bucket", "static_cache_length", "static_states", "width_bucket"]

@@ -1,0 +1,122 @@
+"""The static runtime's K/V cache: preallocated rows and columns, written at a column per query token per row.
+
+Each layer holds K/V of shape `(R, kv_heads, L, head_dim)`: `R` rows (the batch capacity) and `L` columns,
+allocated once on the layer's own device (a `device_map` model keeps each layer where it is), outside
+`torch.inference_mode` (a cache made during an `inference_mode` call stays writable by later `no_grad` or plain
+calls). Before each forward the runner says where every query token of every row goes (`(m, W)` write columns)
+and how many leading columns the forward attends over (the prefix `P <= L`): each layer scatters its K/V there,
+in place, and returns the first `m` rows and `P` columns. What is visible is the runner's mask's business.
+
+Source: transformers `StaticLayer` / `Cache` (5.17-5.24), whose whole-batch running write position does not fit
+rows that store different amounts; issue 32 (attention over a bucketed prefix, not the allocated length).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+
+class RowStaticLayer(StaticLayer):
+    """A transformers `StaticLayer` that writes each row at its own columns and returns a prefix of its columns.
+
+    transformers' `StaticLayer.update` writes the whole batch at one running position (`cumulative_length`, which
+    every update advances, read-only tokens included). Here the owning :class:`RowStaticCache` gives the column of
+    every query token of every row and the prefix to return.
+    """
+
+    def __init__(self, max_cache_len: int, owner: "RowStaticCache") -> None:
+        super().__init__(max_cache_len=max_cache_len)
+        self.owner = owner
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Scatter `key_states` / `value_states` `(m, kv_heads, W, head_dim)` at the owner's write columns of the
+        first m rows; return the first m rows and the owner's prefix of columns, `(m, kv_heads, P, head_dim)`."""
+        if not self.is_initialized:
+            rows = max(self.owner.rows, key_states.shape[0])
+            with torch.inference_mode(False):
+                self.lazy_initialization(key_states[:1].expand(rows, -1, -1, -1),
+                                         value_states[:1].expand(rows, -1, -1, -1))
+        m = key_states.shape[0]
+        columns = self.owner.write_columns(self.device)[:, None, :, None]           # (m, 1, W, 1)
+        keys, values = self.keys[:m], self.values[:m]
+        keys.scatter_(2, columns.expand(-1, keys.shape[1], -1, keys.shape[-1]), key_states)
+        values.scatter_(2, columns.expand(-1, values.shape[1], -1, values.shape[-1]), value_states)
+        prefix = self.owner.prefix
+        return keys[:, :, :prefix], values[:, :, :prefix]
+
+    def get_seq_length(self) -> int:
+        """0: the stored length is per row and lives in the runner (`StaticModelRunner.lengths`); transformers only
+        reads it to build a mask or positions, both of which the runner passes explicitly."""
+        return 0
+
+
+class RowStaticCache(Cache):
+    """A static K/V cache of `rows` rows and `max_cache_len` columns per row, written at per-row columns
+    (:class:`RowStaticLayer`).
+
+    Args:
+        num_layers (`int`): decoder layers of the model.
+        max_cache_len (`int`): columns per row, L.
+        rows (`int`, defaults to 1): rows to allocate, R (at least the first forward's).
+
+    The runner sets the write columns and the attended prefix before each forward (:meth:`set_write_columns`);
+    each layer reads the columns on its own device.
+    """
+
+    def __init__(self, num_layers: int, max_cache_len: int, rows: int = 1) -> None:
+        super().__init__(layers=[RowStaticLayer(max_cache_len, self) for _ in range(num_layers)])
+        self._max_len = max_cache_len
+        self.rows = rows
+        self.prefix = max_cache_len
+        self._columns: torch.Tensor | None = None
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def set_write_columns(self, columns: torch.Tensor, prefix: int | None = None) -> None:
+        """`columns` `(m, W)` int64: the cache column of each query token of each of the first m rows, all below
+        `prefix` (the columns the forward attends over; all of them when None)."""
+        self._columns, self._on_device = columns, {columns.device: columns}
+        self.prefix = self._max_len if prefix is None else prefix
+
+    def write_columns(self, device: torch.device) -> torch.Tensor:
+        if device not in self._on_device:
+            self._on_device[device] = self._columns.to(device)
+        return self._on_device[device]
+
+    @property
+    def max_cache_len(self) -> int:
+        """L, the columns per row (a property of transformers' `Cache` on some versions)."""
+        return self._max_len
+
+    @property
+    def batch_capacity(self) -> int:
+        """Rows the buffers hold (R; the allocated rows once the first forward ran)."""
+        layer = self.layers[0]
+        return layer.keys.shape[0] if layer.is_initialized else self.rows
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Move rows `index` `(M,)` int64 to the first M rows of every layer, in place (static addresses kept)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                rows = index.to(layer.device)
+                m = rows.shape[0]
+                layer.keys[:m] = layer.keys[rows]
+                layer.values[:m] = layer.values[rows]
+
+    def grow(self, max_cache_len: int) -> None:
+        """Reallocate every layer with `max_cache_len` columns, keeping the stored ones (new addresses)."""
+        with torch.inference_mode(False):
+            for layer in self.layers:
+                layer.max_cache_len = max_cache_len
+                if layer.is_initialized:
+                    for name in ("keys", "values"):
+                        old = getattr(layer, name)
+                        new = old.new_zeros(*old.shape[:2], max_cache_len, old.shape[-1])
+                        new[:, :, :old.shape[2]] = old
+                        torch._dynamo.mark_static_address(new)
+                        setattr(layer, name, new)
+        self._max_len = max_cache_len
+        self.prefix = min(self.prefix, max_cache_len)
+
+
+__all__ = ["RowStaticCache", "RowStaticLayer"]
