@@ -364,6 +364,9 @@ def test_metrics_count_requests_tokens_and_the_library_statistics(served):
                 for q in QUESTIONS[:3]]
         rows.append(client.completions.create(model=served.name, prompt=PROMPT, max_tokens=8,
                                               extra_body={"decoding_strategy": "s2d2"}))
+        deadline = time.monotonic() + 30                  # the worker leaves the batch just after its last event
+        while json.loads(request(base, "GET", "/health")[2])["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
         status, head, text = request(base, "GET", "/metrics", headers=AUTH)
     assert status == 200 and head["content-type"].startswith("text/plain")
     list(text_string_to_metric_families(text))                      # parses as Prometheus text
@@ -386,3 +389,51 @@ def test_metrics_count_requests_tokens_and_the_library_statistics(served):
     assert finished == 4
     assert got["hf_dllm_spec_requests_running"] == 0 and got["hf_dllm_spec_requests_waiting"] == 0
     assert got["hf_dllm_spec_generation_tokens_per_second"] > 0
+
+
+# -- concurrent batches -----------------------------------------------------------------------------------------
+
+def test_a_short_request_does_not_wait_for_a_long_batch_with_two_workers(served):
+    """`max_concurrent_batches=2`: while a 1,500-token `ignore_eos` stream decodes, a short request starts in the
+    free worker, ends long before the stream, and gets the tokens of `generate`; concurrent requests of two
+    groups (greedy and seeded sampling) each get their batch-1 tokens."""
+    import concurrent.futures
+    import dataclasses
+
+    two = dataclasses.replace(served, max_concurrent_batches=2)
+    with serve_in_background(create_app(two, ServerLimits(api_key=KEY))) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, timeout=60, max_retries=0)
+        with long_stream(base, served.name):
+            t0 = time.monotonic()
+            r = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=8)
+            short = time.monotonic() - t0
+            health = json.loads(request(base, "GET", "/health")[2])
+            assert health["running"] == 1, health                # the long stream still decodes
+        assert r.choices[0].text == served.tokenizer.decode(reference(served, PROMPT, 8), skip_special_tokens=True)
+        assert short < 30
+
+        prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS]
+
+        def ask(i):
+            sampled = {"temperature": 0.9, "seed": 7 + i} if i % 2 else {}
+            return client.completions.create(model=served.name, prompt=prompts[i], max_tokens=8,
+                                             **sampled).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(ask, range(4)))
+        for i, text in enumerate(texts):
+            sampled = dict(do_sample=True, temperature=0.9, generator=[torch.Generator().manual_seed(7 + i)]) \
+                if i % 2 else {}
+            assert text == served.tokenizer.decode(reference(served, prompts[i], 8, **sampled),
+                                                   skip_special_tokens=True), i
+
+
+def test_two_workers_are_refused_with_the_static_runtime(served):
+    from hf_dllm_spec.serving.batcher import Batcher
+
+    served.model.generation_config.cache_implementation = "static"
+    try:
+        with pytest.raises(ValueError, match=r"`workers` \(=2\) must be 1 with cache_implementation='static'"):
+            Batcher(served.model, workers=2)
+    finally:
+        served.model.generation_config.cache_implementation = None

@@ -53,6 +53,8 @@ class ServedModel:
         default_params (`dict`): its parameters (`serve --param k=v`), under the request's own.
         default_max_tokens (`int`): the budget of requests without `max_tokens`.
         max_batch_size (`int`): most requests per batch.
+        max_concurrent_batches (`int`): batches decoded at the same time (the batcher's worker threads; 1 with the
+            static runtime).
     """
 
     name: str
@@ -63,6 +65,7 @@ class ServedModel:
     default_params: dict = field(default_factory=dict)
     default_max_tokens: int = 256
     max_batch_size: int = 16
+    max_concurrent_batches: int = 1
 
 
 def load_served_model(path: str, *, draft_model: str | None = None, strategy: str | None = None,
@@ -146,7 +149,8 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
     from contextlib import asynccontextmanager
 
     limits = limits if limits is not None else ServerLimits()
-    batcher = Batcher(served.model, served.drafter, max_batch_size=served.max_batch_size)
+    batcher = Batcher(served.model, served.drafter, max_batch_size=served.max_batch_size,
+                      workers=served.max_concurrent_batches)
     try:                                   # the `serve` extra has it; without it /metrics answers 501
         from .metrics import ServerMetrics
 

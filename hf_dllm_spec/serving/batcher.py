@@ -163,7 +163,7 @@ class _DraftStreamer:
 
 
 class Batcher:
-    """The worker thread and its queue (see the module docstring).
+    """The worker threads and their queue (see the module docstring).
 
     Args:
         model (`PreTrainedModel`): the target.
@@ -172,13 +172,25 @@ class Batcher:
         observer (*optional*): given every job's events (the server's metrics).
         pad_token_id (`int`, *optional*): left padding of the prompts (default: the generation config's, else
             the first stop id).
+        workers (`int`, defaults to 1): batches decoded at the same time (threads sharing the model; 1 with the
+            static runtime).
+
+    Raises:
+        ValueError: `workers` < 1, or > 1 with `cache_implementation="static"` on the model's generation config.
     """
 
     def __init__(self, model, drafter=None, *, max_batch_size: int = 16, pad_token_id: int | None = None,
-                 observer: Any = None) -> None:
+                 observer: Any = None, workers: int = 1) -> None:
         from ..integration.generate import dllm_generate
         from ..integration.mixin import DllmGenerationMixin
 
+        from ..validation import invalid
+
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise invalid("workers", workers, "be an integer >= 1", "pass e.g. workers=2")
+        if workers > 1 and getattr(model.generation_config, "cache_implementation", None) == "static":
+            raise invalid("workers", workers, "be 1 with cache_implementation='static' (the static runtime keeps its "
+                          "buffers on the model)", "pass workers=1 (--max-concurrent-batches 1), or the eager runtime")
         self.model, self.drafter, self.max_batch_size, self.observer = model, drafter, max_batch_size, observer
         self.device = execution_device(model)
         self.stop_ids = list(model_patches.get_patch(model).stop_token_ids(model, model.generation_config))
@@ -193,8 +205,10 @@ class Batcher:
         self.batch_seconds: deque[float] = deque(maxlen=32)  # wall time of the last batches
         self.history: deque[dict] = deque(maxlen=1024)     # finished rows: id, tokens, reason, batch size
         self.closed = False
-        self.thread = threading.Thread(target=self._work, name="hf-dllm-spec-batcher", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._work, name=f"hf-dllm-spec-batcher-{k}", daemon=True)
+                        for k in range(workers)]
+        for thread in self.threads:
+            thread.start()
 
     # -- the event-loop side ---------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -216,11 +230,12 @@ class Batcher:
             return max(1, round(mean * (1 + len(self.queue) // self.max_batch_size)))
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop taking batches; the batch in progress finishes first."""
+        """Stop taking batches; the batches in progress finish first."""
         with self.cond:
             self.closed = True
-            self.cond.notify()
-        self.thread.join(timeout)
+            self.cond.notify_all()
+        for thread in self.threads:
+            thread.join(timeout)
 
     # -- the worker thread -----------------------------------------------------------------------------------
     def _take(self) -> list[Job]:
@@ -239,8 +254,12 @@ class Batcher:
             batch = [waiting[0]] if waiting[0].request.stream_drafts else batch[: self.max_batch_size]
             taken = {id(j) for j in batch}
             self.queue = deque(j for j in waiting if id(j) not in taken)
-            self.running = len(batch)
+            self.running += len(batch)
             return batch
+
+    def _count(self, name: str) -> None:
+        with self.cond:
+            self.counts[name] += 1
 
     def _work(self) -> None:
         while not self.closed:
@@ -252,7 +271,7 @@ class Batcher:
                 self._run(jobs)
             finally:
                 with self.cond:
-                    self.running = 0
+                    self.running -= len(jobs)
                     self.batch_seconds.append(time.perf_counter() - started)
 
     def _run(self, jobs: list[Job]) -> None:
@@ -266,12 +285,12 @@ class Batcher:
                 for job in jobs:
                     self._run([job])
                 return
-            self.counts["errors"] += 1
+            self._count("errors")
             jobs[0].emit("error", (400, server_terms(str(err))))
         except Exception as err:                                  # noqa: BLE001 - reported to the client
             traceback.print_exc()
             for job in jobs:
-                self.counts["errors"] += 1
+                self._count("errors")
                 job.emit("error", (500, f"{type(err).__name__}: {err}"))
 
     def _decode(self, jobs: list[Job]) -> None:
@@ -292,7 +311,7 @@ class Batcher:
                                   max_new_tokens=max(j.request.max_tokens for j in jobs),
                                   pad_token_id=self.pad_token_id, return_dict_in_generate=True,
                                   stopping_criteria=StoppingCriteriaList([streams]), **self.entry, **kwargs)
-        self.counts["batches"] += 1
+        self._count("batches")
         for n, job in enumerate(jobs):
             stats = out.spec_stats_per_row[n]
             tokens = out.sequences[n, width:][: stats.num_generated_tokens].tolist()
@@ -301,7 +320,7 @@ class Batcher:
             stopped = tokens and tokens[-1] in self.stop_ids and not job.request.options.ignore_eos
             reason = "stop" if stopped else "length"
             if job.cancelled.is_set():
-                self.counts["cancelled"] += 1
+                self._count("cancelled")
                 reason = "cancelled"
             self.history.append({"id": job.id, "tokens": len(tokens), "finish_reason": reason,
                                  "batch_size": len(jobs), "time": time.time()})

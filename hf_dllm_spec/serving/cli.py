@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the `model` id clients pass (default: the "
                                                                   "checkpoint folder's name)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="most requests per batch (default 16)")
+    parser.add_argument("--max-concurrent-batches", type=int, default=1, metavar="N",
+                        help="batches decoded at the same time, sharing the model: with 2 or more, a request that "
+                             "arrives while a long batch decodes starts at once in a free worker instead of waiting "
+                             "for it (eager runtime only; default 1)")
     parser.add_argument("--max-tokens", type=int, default=256, help="budget of requests without max_tokens "
                                                                     "(default 256)")
     add_loading_arguments(parser)          # --dtype, --device, --device-map, --quantization, --draft-device
@@ -127,10 +131,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
             parser.error(message)
         raise SystemExit(message) from err
     for name, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-tokens", args.max_tokens, 1),
+                             ("--max-concurrent-batches", args.max_concurrent_batches, 1),
                              ("--max-waiting", args.max_waiting, 0), ("--timeout-keep-alive", args.timeout_keep_alive, 1),
                              ("--limit-concurrency", args.limit_concurrency, 1)):
         if value is not None and value < low and parser is not None:
             parser.error(f"{name} must be >= {low} (got {value})")
+    if args.max_concurrent_batches > 1 and args.cache_implementation == "static" and parser is not None:
+        parser.error("--max-concurrent-batches must be 1 with --cache-implementation static (the static runtime "
+                     "keeps its buffers on the model)")
     if not args.body_timeout > 0 and parser is not None:
         parser.error(f"--body-timeout must be a number of seconds > 0 (got {args.body_timeout})")
     limits = server_limits(args)
@@ -138,8 +146,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         served = load_served_model(args.model, draft_model=args.draft_model, strategy=args.strategy,
                                    params=dict(args.param), loading=LoadOptions.from_args(args),
                                    name=args.served_model_name, cache_implementation=args.cache_implementation,
-                                   default_max_tokens=args.max_tokens,
-                                   max_batch_size=args.max_batch_size)
+                                   default_max_tokens=args.max_tokens, max_batch_size=args.max_batch_size,
+                                   max_concurrent_batches=args.max_concurrent_batches)
     except ValueError as err:          # a UsageError reads "argument FLAG: ..."
         if parser is None:
             raise
