@@ -329,13 +329,19 @@ def test_serve_command_serves_until_stopped(tmp_path):
 
 
 def test_benchmark_reports_every_setting_with_the_baseline_texts(one_thread, capsys):
-    """`hf_dllm_spec.serving.bench` (tiny settings): a row per setting, each run returned the baseline's texts."""
+    """`hf_dllm_spec.serving.bench` (tiny settings, both runtimes): a row per runtime and setting with latency
+    and time to first token, each run returned the baseline's texts."""
     from hf_dllm_spec.serving import bench
 
-    bench.main(["--num-prompts", "3", "--max-tokens", "4", "--concurrency", "1", "3", "--repeats", "1"])
+    rows = bench.main(["--num-prompts", "3", "--max-tokens", "4", "--concurrency", "1", "3", "--repeats", "1",
+                       "--runtimes", "eager", "static"])
     table = capsys.readouterr().out
-    assert "| generate, one at a time |" in table and "| server, 3 concurrent clients |" in table
-    assert table.count("| yes |") == 3 and "| NO |" not in table
+    for runtime in ("eager", "static"):
+        assert f"| {runtime} | generate, one at a time |" in table and f"| {runtime} | server, 3 concurrent clients |" \
+            in table
+    assert table.count("| yes |") == 6 and "| NO |" not in table
+    assert all(r["p50_s"] <= r["p95_s"] for r in rows)
+    assert all((r["ttft_p50_s"] is None) == r["setting"].startswith("generate") for r in rows)
 
 
 def test_static_runtime_server_batches_give_the_eager_tokens(one_thread):

@@ -1,14 +1,17 @@
-"""Benchmark: the server with 1, 4 and 16 concurrent clients against the same prompts decoded one at a time.
+"""Benchmark: the server with concurrent clients against the same prompts decoded one at a time, per runtime.
 
-    python -m hf_dllm_spec.serving.bench                                  # bundled model, 16 prompts, 32 tokens
-    python -m hf_dllm_spec.serving.bench --strategy s2d2 --concurrency 1 4 16 --num-prompts 32
+    python -m hf_dllm_spec.serving.bench                          # bundled model, 32 prompts, 1/8/32 clients, eager
+    python -m hf_dllm_spec.serving.bench --runtimes eager static --concurrency 1 32 --max-concurrent-batches 2
 
-In one process: every prompt through `model.generate` one at a time (the baseline, in a worker thread like the
-server's batches), and the server (in-process, on 127.0.0.1) answering the same prompts from `--concurrency`
-clients (threads with the `openai` client; each sends its share one request after another, so up to that many
-requests wait to be batched). After a warm-up the settings alternate `--repeats` times; prints requests/s and
-generated tokens/s of the median run, the ratio to the baseline, and whether every run returned the baseline's
-texts (greedy). A measurement, not a test: numbers depend on the machine; record it with them.
+In one process, for each runtime (`eager`, or `static`: `cache_implementation="static"` on the model's generation
+config, as `serve --cache-implementation static` sets it): every prompt through `model.generate` one at a time (the
+baseline, in a worker thread like the server's batches), and the server (in-process, on 127.0.0.1) answering the
+same prompts from `--concurrency` clients (threads with the `openai` client, streaming; each sends its share one
+request after another, so up to that many requests wait to be batched). After a warm-up the settings alternate
+`--repeats` times; prints requests/s and generated tokens/s of the median run, the ratio to the baseline of the
+same runtime, p50 / p95 latency and p50 time to first token (streamed text) over every request of every repeat
+(the baseline's latency is its `generate` call; it streams nothing), and whether every run returned the
+baseline's texts (greedy). A measurement, not a test: numbers depend on the machine; record it with them.
 """
 
 from __future__ import annotations
@@ -23,9 +26,18 @@ import torch
 
 from ..jobs.evaluation import DEFAULT_MODEL, arithmetic_prompts
 
+RUNTIMES = {"eager": None, "static": "static"}
 
-def _baseline(served, prompts: list[str], max_tokens: int) -> tuple[list[str], int, float]:
-    """Each prompt alone through `model.generate` (the server's decoding options): texts, tokens, seconds."""
+
+def _percentile(values: list[float], q: float) -> float:
+    """The `q`-quantile (0..1) of `values`, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+
+
+def _baseline(served, prompts: list[str], max_tokens: int):
+    """Each prompt alone through `model.generate` (the server's decoding options): texts, tokens, seconds, the
+    latency of each call."""
     from ..integration.generate import dllm_generate
     from ..integration.mixin import DllmGenerationMixin
     from ..strategies.registry import get_strategy
@@ -33,88 +45,127 @@ def _baseline(served, prompts: list[str], max_tokens: int) -> tuple[list[str], i
     entry = {} if isinstance(served.model, DllmGenerationMixin) else {"custom_generate": dllm_generate}
     if get_strategy(served.default_strategy).uses_drafter:
         entry["draft_model"] = served.drafter
-    texts, tokens = [], 0
+    texts, tokens, latencies = [], 0, []
     t0 = time.perf_counter()
     for prompt in prompts:
+        start = time.perf_counter()
         ids = served.tokenizer(prompt, return_tensors="pt").input_ids.to(served.model.device)
         out = served.model.generate(ids, decoding_strategy=served.default_strategy, max_new_tokens=max_tokens,
                                     return_dict_in_generate=True, **served.default_params, **entry)
         n = out.spec_stats_per_row[0].num_generated_tokens
         texts.append(served.tokenizer.decode(out.sequences[0, ids.shape[1]:][:n], skip_special_tokens=True))
         tokens += n
-    return texts, tokens, time.perf_counter() - t0
+        latencies.append(time.perf_counter() - start)
+    return texts, tokens, time.perf_counter() - t0, latencies, []
 
 
 def _clients(base: str, name: str, prompts: list[str], max_tokens: int, concurrency: int):
-    """The prompts sent by `concurrency` clients: texts (in prompt order), tokens, seconds."""
+    """The prompts sent by `concurrency` streaming clients: texts (in prompt order), tokens, seconds, each
+    request's latency and time to its first text."""
     import openai
 
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=600, max_retries=0)
 
     def ask(prompt: str):
-        r = client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens)
-        return r.choices[0].text, r.usage.completion_tokens
+        start, first, text, tokens = time.perf_counter(), None, "", 0
+        for chunk in client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, stream=True):
+            if chunk.choices and chunk.choices[0].text:
+                first = first if first is not None else time.perf_counter() - start
+                text += chunk.choices[0].text
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        latency = time.perf_counter() - start
+        return text, tokens, latency, first if first is not None else latency
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         answers = list(pool.map(ask, prompts))
-    return [a[0] for a in answers], sum(a[1] for a in answers), time.perf_counter() - t0
+    return ([a[0] for a in answers], sum(a[1] for a in answers), time.perf_counter() - t0,
+            [a[2] for a in answers], [a[3] for a in answers])
+
+
+def _set_runtime(served, runtime: str) -> None:
+    for model in filter(None, (served.model, served.drafter)):
+        model.generation_config.cache_implementation = RUNTIMES[runtime]
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    """Run the benchmark; print and return one row per setting."""
+    """Run the benchmark; print and return one row per runtime and setting."""
     from .app import create_app, load_served_model, serve_in_background
 
-    served = load_served_model(args.model, draft_model=args.draft_model, strategy=args.strategy)
+    served = load_served_model(args.model, draft_model=args.draft_model, strategy=args.strategy,
+                               max_concurrent_batches=args.max_concurrent_batches)
     prompts = [p.text for p in arithmetic_prompts(args.model, args.num_prompts)]
     settings = ["generate, one at a time"] + [f"server, {c} concurrent client{'s' * (c > 1)}" for c in args.concurrency]
-    walls: dict[str, list[float]] = {name: [] for name in settings}
-    tokens: dict[str, int] = {}
-    same: dict[str, bool] = {name: True for name in settings}
+    rows = []
     # The baseline runs in a worker thread as the server's batches do (torch's intra-op threading differs between
     # the main thread and others); every setting is warmed up, then the settings alternate `--repeats` times.
     with concurrent.futures.ThreadPoolExecutor(1) as worker, serve_in_background(create_app(served)) as base:
-        worker.submit(_baseline, served, prompts[:2], args.max_tokens).result()
-        _clients(base, served.name, prompts[:2], args.max_tokens, 2)
-        texts = None
-        for _ in range(args.repeats):
-            got, n, wall = worker.submit(_baseline, served, prompts, args.max_tokens).result()
-            texts = texts if texts is not None else got
-            walls[settings[0]].append(wall)
-            tokens[settings[0]], same[settings[0]] = n, same[settings[0]] and got == texts
-            for name, c in zip(settings[1:], args.concurrency):
-                got, n, wall = _clients(base, served.name, prompts, args.max_tokens, c)
-                walls[name].append(wall)
-                tokens[name], same[name] = n, same[name] and got == texts
-    rows = [{"setting": name, "requests_s": len(prompts) / statistics.median(walls[name]),
-             "tokens_s": tokens[name] / statistics.median(walls[name]), "same_texts": same[name]}
-            for name in settings]
-    base_tps = rows[0]["tokens_s"]
+        for runtime in args.runtimes:
+            _set_runtime(served, runtime)
+            walls: dict[str, list[float]] = {name: [] for name in settings}
+            latencies: dict[str, list[float]] = {name: [] for name in settings}
+            firsts: dict[str, list[float]] = {name: [] for name in settings}
+            tokens: dict[str, int] = {}
+            same: dict[str, bool] = {name: True for name in settings}
+            worker.submit(_baseline, served, prompts[:2], args.max_tokens).result()
+            _clients(base, served.name, prompts[:2], args.max_tokens, 2)
+            texts = None
+            for _ in range(args.repeats):
+                runs = [(settings[0], lambda: worker.submit(_baseline, served, prompts, args.max_tokens).result())]
+                runs += [(name, lambda c=c: _clients(base, served.name, prompts, args.max_tokens, c))
+                         for name, c in zip(settings[1:], args.concurrency)]
+                for name, call in runs:
+                    got, n, wall, latency, first = call()
+                    texts = texts if texts is not None else got
+                    walls[name].append(wall)
+                    latencies[name] += latency
+                    firsts[name] += first
+                    tokens[name], same[name] = n, same[name] and got == texts
+            for name in settings:
+                wall = statistics.median(walls[name])
+                rows.append({"runtime": runtime, "setting": name, "requests_s": len(prompts) / wall,
+                             "tokens_s": tokens[name] / wall, "p50_s": _percentile(latencies[name], 0.5),
+                             "p95_s": _percentile(latencies[name], 0.95),
+                             "ttft_p50_s": _percentile(firsts[name], 0.5) if firsts[name] else None,
+                             "same_texts": same[name]})
+        _set_runtime(served, "eager")
     print(f"{served.name}, decoding_strategy={served.default_strategy!r}, {len(prompts)} prompts, "
-          f"max_tokens={args.max_tokens}; {platform.processor() or platform.machine()}, "
-          f"torch threads {torch.get_num_threads()}")
-    print("| setting | requests/s | tokens/s | vs one at a time | same texts |")
-    print("|---|---|---|---|---|")
+          f"max_tokens={args.max_tokens}, max_concurrent_batches={args.max_concurrent_batches}; "
+          f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}")
+    print("| runtime | setting | requests/s | tokens/s | vs one at a time | p50 / p95 latency (s) | p50 TTFT (s) | "
+          "same texts |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['setting']} | {r['requests_s']:.2f} | {r['tokens_s']:.1f} | {r['tokens_s'] / base_tps:.2f}x | "
+        base_tps = next(b["tokens_s"] for b in rows if b["runtime"] == r["runtime"])
+        ttft = "-" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:.3f}"
+        print(f"| {r['runtime']} | {r['setting']} | {r['requests_s']:.2f} | {r['tokens_s']:.1f} | "
+              f"{r['tokens_s'] / base_tps:.2f}x | {r['p50_s']:.3f} / {r['p95_s']:.3f} | {ttft} | "
               f"{'yes' if r['same_texts'] else 'NO'} |")
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m hf_dllm_spec.serving.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint (default: the bundled model)")
     parser.add_argument("--draft-model", default=None, metavar="PATH")
     parser.add_argument("--strategy", default=None, help="default: the model's stored strategy")
-    parser.add_argument("--num-prompts", type=int, default=16, help="held-out arithmetic prompts (default 16)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="held-out arithmetic prompts (default 32)")
     parser.add_argument("--max-tokens", type=int, default=32, help="default 32")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="default 1 4 16")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="default 1 8 32")
+    parser.add_argument("--runtimes", nargs="+", default=["eager"], choices=list(RUNTIMES),
+                        help="runtimes measured in turn, each against its own one-at-a-time baseline (default "
+                             "eager)")
+    parser.add_argument("--max-concurrent-batches", type=int, default=1, help="the server's worker threads "
+                                                                              "(eager runtime; default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of every setting; the median "
                                                                "wall time is reported (default 3)")
     args = parser.parse_args(argv)
-    if min(args.num_prompts, args.max_tokens, args.repeats, *args.concurrency) < 1:
-        parser.error("--num-prompts, --max-tokens, --repeats and --concurrency must be >= 1")
-    run(args)
+    if min(args.num_prompts, args.max_tokens, args.repeats, args.max_concurrent_batches, *args.concurrency) < 1:
+        parser.error("--num-prompts, --max-tokens, --repeats, --max-concurrent-batches and --concurrency must be >= 1")
+    if args.max_concurrent_batches > 1 and "static" in args.runtimes:
+        parser.error("--max-concurrent-batches must be 1 with the static runtime")
+    return run(args)
 
 
 if __name__ == "__main__":
