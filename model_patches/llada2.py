@@ -189,7 +189,11 @@ class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
 
 
 class LLaDA2MoeAttention(nn.Module):
-    """GQA with a fused `query_key_value`, q/k RMSNorm before partial RoPE, and the `dense` output projection."""
+    """GQA with a fused `query_key_value`, q/k RMSNorm before partial RoPE, and the `dense` output projection.
+
+    Under tensor parallelism (`head_group` = `(r, n)`) it computes q heads `[r*H/n, (r+1)*H/n)` and K/V heads
+    `[r*H_kv/n, (r+1)*H_kv/n)` (the ones those q heads read) from the gathered `query_key_value` output, caches
+    those K/V heads only, and hands `dense` (sharded `rowwise`) the matching input columns."""
 
     def __init__(self, config: LLaDA2MoeConfig, layer_idx: int):
         super().__init__()
@@ -207,23 +211,17 @@ class LLaDA2MoeAttention(nn.Module):
         # configs carry it) while every checkpoint has and applies the norms (families.md §4.1).
         self.query_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.key_layernorm = Glm4MoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def head_group(self) -> tuple[int, int]:
-        """`(rank, ranks)`: which of `ranks` equal head groups this module computes; `(0, 1)` (all heads) unless
-        tensor parallelism shards `dense` by its input columns (the `rowwise` rule of the config's plan)."""
-        weight = self.dense.weight
-        if DTensor is not None and isinstance(weight, DTensor):
-            for mesh_dim, placement in enumerate(weight.placements):
-                if isinstance(placement, Shard) and placement.dim in (-1, weight.ndim - 1):
-                    return weight.device_mesh.get_local_rank(mesh_dim), weight.device_mesh.size(mesh_dim)
-        return 0, 1
+        # `(rank, ranks)`: this module computes head group `rank` of `ranks` (q heads and the K/V heads they read);
+        # set by `LLaDA2MoePreTrainedModel.maybe_distribute_model` when the plan shards `dense` by its input
+        # columns (`rowwise`), else all heads.
+        self.head_group: tuple[int, int] = (0, 1)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache: DynamicCache | None = None, **kwargs):
         b, q_len, _ = hidden_states.shape
         qkv = self.query_key_value(hidden_states).view(b, q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
-        rank, ranks = self.head_group()
+        rank, ranks = self.head_group
         if ranks > 1:               # this rank's q heads and the K/V heads they read (GQA groups stay whole)
             q, kv = self.num_heads // ranks, self.num_kv_heads // ranks
             query, key, value = query[:, :, rank * q:(rank + 1) * q], key[:, :, rank * kv:(rank + 1) * kv], \
@@ -308,10 +306,18 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, *args, **kwargs):
         """transformers' step that shards the (still empty) model for `from_pretrained(distributed_config=...)`,
-        after :func:`check_parallel_sizes` has refused a layout this model cannot split (before any weight loads)."""
-        if distributed_config is not None:
-            check_parallel_sizes(model.config, *resolved_parallel_layout(model, distributed_config))
-        return super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
+        after :func:`check_parallel_sizes` has refused a layout this model cannot split (before any weight loads);
+        then, where the plan shards `attention.dense` by its input columns (`rowwise`), each attention module is
+        told its head group."""
+        layout = resolved_parallel_layout(model, distributed_config) if distributed_config is not None else None
+        if layout is not None:
+            check_parallel_sizes(model.config, *layout)
+        model = super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
+        if layout is not None and layout[1] > 1 and plan_style(layout[0], "layers.*.attention.dense") == "rowwise":
+            for module in model.modules():
+                if isinstance(module, LLaDA2MoeAttention):
+                    module.head_group = input_shard_group(module.dense.weight)
+        return model
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -336,17 +342,36 @@ class LLaDA2MoePreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
 
 
+def plan_style(plan: dict[str, str], rule: str) -> str | None:
+    """The style `plan` gives `rule` (e.g. "layers.*.attention.dense"), under any prefix (the LM's plan names the
+    base model's rules "model.layers.*...."); None when it has no such rule."""
+    return next((style for key, style in plan.items() if key == rule or key.endswith("." + rule)), None)
+
+
+def input_shard_group(weight: torch.Tensor) -> tuple[int, int]:
+    """`(rank, ranks)` of the mesh dimension that shards a linear `weight` `(out, in)` by its input columns (a
+    `DTensor` with a `Shard(1)` placement); `(0, 1)` for a weight that is not sharded so."""
+    if DTensor is not None and isinstance(weight, DTensor):
+        for mesh_dim, placement in enumerate(weight.placements):
+            if isinstance(placement, Shard) and placement.dim in (-1, weight.ndim - 1):
+                return weight.device_mesh.get_local_rank(mesh_dim), weight.device_mesh.size(mesh_dim)
+    return 0, 1
+
+
 def resolved_parallel_layout(model: PreTrainedModel, distributed_config) -> tuple[dict[str, str], int, int]:
     """`(tp_plan, tp_size, ep_size)` that transformers' `from_pretrained` applies for `distributed_config` (a
-    `transformers.distributed.DistributedConfig`): the model's plan with the config's `tp_plan` dict merged in (an
-    empty dict: none); with expert parallelism, the experts' rules are the EP plan's. transformers 5.17 - 5.20 have no
-    `ep_size`: there `enable_expert_parallel=True` applies the EP plan alone over the `tp_size` ranks."""
+    `transformers.distributed.DistributedConfig`): the model's plan, or a `tp_plan` dict given there (transformers
+    whose models resolve their plans, `_resolve_parallel_plans`, 5.24: merged into the model's plan, an empty dict
+    meaning none; 5.17: in place of it); with expert parallelism the experts' rules are the EP plan's. transformers
+    5.17 - 5.20 have no `ep_size`: there `enable_expert_parallel=True` applies the EP plan alone over the `tp_size`
+    ranks."""
     tp_size = getattr(distributed_config, "tp_size", None) or 1
     ep_size = getattr(distributed_config, "ep_size", None) or 1
     plan = dict(getattr(model, "_tp_plan", None) or {})
     override = getattr(distributed_config, "tp_plan", None)
     if isinstance(override, dict):
-        plan = {**plan, **override} if override else {}
+        merges = hasattr(model, "_resolve_parallel_plans")
+        plan = ({**plan, **override} if override else {}) if merges else dict(override)
     legacy_expert_parallel = getattr(distributed_config, "enable_expert_parallel", False) and \
         not hasattr(distributed_config, "ep_size")
     if legacy_expert_parallel:
@@ -371,14 +396,11 @@ def check_parallel_sizes(config: LLaDA2MoeConfig, tp_plan: dict[str, str], tp_si
             whole heads and the K/V heads its q heads read); with the routed experts sharded (`packed_colwise`)
             `moe_intermediate_size` must be; with expert parallelism `num_experts` must be a multiple of `ep_size`.
     """
-    def style(suffix: str) -> str | None:      # the LM's plan names the base model's rules with a "model." prefix
-        return next((style for key, style in tp_plan.items() if key.endswith(suffix)), None)
-
     rules = []
-    if tp_size > 1 and style("layers.*.attention.dense") == "rowwise":
+    if tp_size > 1 and plan_style(tp_plan, "layers.*.attention.dense") == "rowwise":
         rules += [("num_attention_heads", tp_size, "tensor-parallel size (each rank computes whole heads)"),
                   ("num_key_value_heads", tp_size, "tensor-parallel size (each rank keeps whole K/V heads)")]
-    if tp_size > 1 and style("layers.*.mlp.experts.gate_up_proj") == "packed_colwise":
+    if tp_size > 1 and plan_style(tp_plan, "layers.*.mlp.experts.gate_up_proj") == "packed_colwise":
         rules.append(("moe_intermediate_size", tp_size, "tensor-parallel size (each rank keeps an equal slice of "
                                                         "every expert's gate and up projections)"))
     if ep_size > 1:

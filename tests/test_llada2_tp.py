@@ -47,9 +47,11 @@ TIMES = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s"
 #: expert-parallel plan alone).
 EXPERT_PARALLEL = (dict(tp_plan="auto", ep_size=2) if "ep_size" in DistributedConfig.__dataclass_fields__
                    else dict(tp_plan="auto", enable_expert_parallel=True))
+#: The attention kept whole on every rank (docs/placement.md: the layout for more ranks than K/V heads).
+WHOLE_ATTENTION = dict(tp_plan={"model.layers.*.attention.dense": "rowwise_split_input"})
 CASES = [("llada2-tiny", ["llada2", "s2d2-llada2", "dynamic"], dict(tp_plan="auto")),
          ("sdar-tiny-arith", ["ar", "dynamic", "s2d2"], dict(tp_plan="auto")),
-         ("llada2-tiny", ["llada2"], EXPERT_PARALLEL)]
+         ("llada2-tiny", ["llada2"], EXPERT_PARALLEL), ("llada2-tiny", ["llada2"], WHOLE_ATTENTION)]
 
 
 def counters(stats):
@@ -78,6 +80,8 @@ for name, rows, layout in CASES:
         experts = sharded.model.layers[-1].mlp.experts.gate_up_proj
         report["experts"] = [experts.to_local().shape[0], experts.shape[0]]
         name += " ep"
+    if layout is WHOLE_ATTENTION:
+        name += " whole attention"
     params = dict(sharded.named_parameters())
     report[name + " dtensors"] = sorted({k.split(".")[-2] if k.endswith("weight") else k.split(".")[-1]
                                          for k, p in params.items() if type(p).__name__ == "DTensor"})
@@ -123,8 +127,10 @@ def test_tensor_parallel_llada2_and_sdar_give_the_single_process_tokens(tmp_path
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1]
     for report in reports:
-        assert report["differ"] == [] and report["checked"] == (3 + 3 + 1) * 2 * 2 * 2, report
+        assert report["differ"] == [] and report["checked"] == (3 + 3 + 1 + 1) * 2 * 2 * 2, report
         assert report["experts"] == [4, 8]                        # expert parallel: each rank runs 4 of the 8
+        assert report["llada2-tiny whole attention kv heads"] == [2, 2]
+        assert "dense" in report["llada2-tiny whole attention dtensors"]
         assert report["refused"].startswith("`num_key_value_heads` (=1) must be a multiple of the tensor-parallel"), \
             report
         assert report["llada2-tiny kv heads"] == [1, 2]           # each rank caches its own K/V head
@@ -202,4 +208,4 @@ def test_the_check_runs_in_transformers_sharding_step():
 
 def test_head_group_is_all_heads_without_tensor_parallelism():
     model = LLaDA2MoeModelLM(_tiny())
-    assert model.model.layers[0].attention.head_group() == (0, 1)
+    assert model.model.layers[0].attention.head_group == (0, 1)
