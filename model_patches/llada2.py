@@ -23,6 +23,13 @@ whose MoE maths is LLaDA2's (source: `../shared/reference/families.md` §4; the 
   / `down_proj` and `mlp.gate.expert_bias` is read into the router's bias by a checkpoint conversion mapping
   (registered with transformers by the classes' `from_pretrained` / `save_pretrained`); `save_pretrained`
   reverses it, so saved checkpoints are in the Hub layout.
+- Tensor parallelism under torchrun (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`):
+  `LLaDA2MoeConfig.base_model_tp_plan` + `LLaDA2MoeModelLM._tp_plan`, transformers' styles; the fused
+  `query_key_value` is sharded by rows and gathered, then each rank computes its own head group
+  (`LLaDA2MoeAttention.head_group`) and caches its K/V heads; experts, shared expert and dense MLP as GLM-4-MoE,
+  router replicated, `lm_head` gathered. Expert parallelism: `base_model_ep_plan` (the installed GLM-4-MoE's). A
+  layout that cannot split is refused before any weight loads (:func:`check_parallel_sizes`). The Hub tensors load
+  unchanged (each rank reads its slices). docs/placement.md.
 - Tokens: the Hub config has no mask id. `config.mask_token_id` (set by `from_pretrained` from the tokenizer
   files' `<|mask|>` when found) else 156895 with a warning (families.md §4.4); EOS 156892 from the config.
 - Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): bitsandbytes
@@ -127,7 +134,7 @@ class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
         "layers.*.attention.dense": "rowwise",
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",
-        "layers.*.mlp.experts": "moe_tp_experts",      # after its parameters' rules (transformers 5.17 matches in order)
+        "layers.*.mlp.experts": "moe_tp_experts",      # after its parameters' rules, as GLM-4-MoE's
         "layers.*.mlp.shared_experts.gate_proj": "colwise",
         "layers.*.mlp.shared_experts.up_proj": "colwise",
         "layers.*.mlp.shared_experts.down_proj": "rowwise",
