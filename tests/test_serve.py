@@ -133,6 +133,32 @@ def test_openai_client_gets_the_tokens_of_generate(family):
         assert text == want_text and last.choices[0].finish_reason in ("stop", "length"), strategy
 
 
+def test_concurrent_batches_give_each_request_its_batch_one_tokens(family):
+    """`max_concurrent_batches=2` (two workers sharing the model, drafter pairs included): concurrent requests of
+    every strategy of the family, greedy and seeded sampling (so several groups decode at the same time), each get
+    the tokens of their own batch-1 `generate` call."""
+    import dataclasses
+
+    served, _, strategies = family
+    tok = served.tokenizer
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS[:6]]
+    cases = [(prompts[i], strategies[i % len(strategies)], i % 3 == 2) for i in range(6)]
+    with running(dataclasses.replace(served, max_concurrent_batches=2)) as (client, base, app):
+        def ask(i):
+            prompt, strategy, sampled = cases[i]
+            extra = {"temperature": 0.8, "seed": 40 + i} if sampled else {}
+            return client.completions.create(model=served.name, prompt=prompt, max_tokens=8,
+                                             extra_body={"decoding_strategy": strategy}, **extra).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            texts = list(pool.map(ask, range(6)))
+    for i, (prompt, strategy, sampled) in enumerate(cases):
+        extra = dict(do_sample=True, temperature=0.8, generator=[torch.Generator().manual_seed(40 + i)]) \
+            if sampled else {}
+        want = reference(served, tok(prompt)["input_ids"], 8, strategy, **extra)
+        assert texts[i] == tok.decode(want, skip_special_tokens=True), (i, strategy, sampled)
+
+
 @pytest.fixture(scope="module")
 def sdar(one_thread):
     served = load_served_model(str(MODELS / "sdar-tiny-arith"))
