@@ -7,6 +7,15 @@
 Clients pick another strategy or parameters per request in the body (the `openai` client's `extra_body`):
 `{"decoding_strategy": "s2d2", "confidence_threshold": 0.8}`; `--strategy` and `--param` are the defaults.
 
+Scheduling: waiting requests with the same decoding options are batched (up to --max-batch-size rows, the
+oldest request's group first); a batch admits no rows once started (no continuous batching yet). With
+--max-concurrent-batches 2 or more (eager runtime), a request that arrives during a long batch starts in a free
+worker beside it. /metrics reports running and waiting requests, tokens/s, time to first token and per-strategy
+acceptance rate and tokens per forward (Prometheus text).
+
+Loading (as `generate`): --dtype auto, --device or --device-map (accelerate), --quantization 4bit|8bit
+(bitsandbytes), --draft-device.
+
 Security and limits: with `--api-key KEY` (or the environment variable HF_DLLM_SPEC_API_KEY) every route but
 /health needs `Authorization: Bearer KEY` (401 otherwise; the `openai` client's api_key). Bodies over
 --max-body-bytes get 413 before they are read, bodies that are not application/json 415, bodies slower than
