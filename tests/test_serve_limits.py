@@ -437,3 +437,26 @@ def test_two_workers_are_refused_with_the_static_runtime(served):
             Batcher(served.model, workers=2)
     finally:
         served.model.generation_config.cache_implementation = None
+
+
+def test_max_step_tokens_bounds_each_batch_and_refuses_a_longer_prompt(served):
+    """`max_step_tokens` = 2 prompts: six concurrent requests of one length run in batches of at most 2 rows, each
+    with its batch-1 tokens; a prompt longer than the limit gets 400 naming the flag."""
+    import concurrent.futures
+    import dataclasses
+
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS]
+    width = max(len(served.tokenizer(p)["input_ids"]) for p in prompts)
+    bounded = dataclasses.replace(served, max_step_tokens=2 * width)
+    app = create_app(bounded, ServerLimits(api_key=KEY))
+    with serve_in_background(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, timeout=60, max_retries=0)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda p: client.completions.create(model=served.name, prompt=p,
+                                                                      max_tokens=6).choices[0].text, prompts * 2))
+        assert max(row["batch_size"] for row in app.state.batcher.history) <= 2
+        for prompt, text in zip(prompts * 2, texts):
+            assert text == served.tokenizer.decode(reference(served, prompt, 6), skip_special_tokens=True)
+        status, text = post(base, {"prompt": [5] * (2 * width + 1), "max_tokens": 2})
+        assert status == 400 and "the server's --max-step-tokens" in message(text)
+        still_serving(served, base)

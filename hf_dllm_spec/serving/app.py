@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from ..validation import invalid
 from .batcher import Batcher, Job, Result
 from .limits import BodyLimitMiddleware, ServerLimits, check_content_type, key_matches, parse_json, shorten
 from .loading import LoadOptions
@@ -55,6 +56,8 @@ class ServedModel:
         max_batch_size (`int`): most requests per batch.
         max_concurrent_batches (`int`): batches decoded at the same time (the batcher's worker threads; 1 with the
             static runtime).
+        max_step_tokens (`int`, *optional*): most tokens a batch's largest forward (the prefill: rows x longest
+            prompt) may hold; a longer prompt is refused (400).
     """
 
     name: str
@@ -66,6 +69,7 @@ class ServedModel:
     default_max_tokens: int = 256
     max_batch_size: int = 16
     max_concurrent_batches: int = 1
+    max_step_tokens: int | None = None
 
 
 def load_served_model(path: str, *, draft_model: str | None = None, strategy: str | None = None,
@@ -85,7 +89,6 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
         ValueError: no strategy can be chosen (a plain causal LM: pass `strategy`), or a bad strategy parameter.
     """
     from ..strategies.registry import resolve_config
-    from ..validation import invalid
     from .loading import load_models
 
     loading = loading if loading is not None else LoadOptions(dtype=dtype, device=device)
@@ -150,7 +153,7 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
 
     limits = limits if limits is not None else ServerLimits()
     batcher = Batcher(served.model, served.drafter, max_batch_size=served.max_batch_size,
-                      workers=served.max_concurrent_batches)
+                      workers=served.max_concurrent_batches, max_step_tokens=served.max_step_tokens)
     try:                                   # the `serve` extra has it; without it /metrics answers 501
         from .metrics import ServerMetrics
 
@@ -219,6 +222,12 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         raw = await request.body()                      # BodyLimitMiddleware: 413 / 408 while it arrives
         loop = asyncio.get_running_loop()
         parsed = await loop.run_in_executor(parser, parse, raw, chat)
+        if served.max_step_tokens is not None and len(parsed.prompt_ids) > served.max_step_tokens:
+            raise RequestError(str(invalid("messages" if chat else "prompt",
+                                           f"<prompt of {len(parsed.prompt_ids)} tokens>",
+                                           f"fit one forward of at most {served.max_step_tokens} tokens (the "
+                                           "server's --max-step-tokens)", "send a shorter prompt")),
+                               param="messages" if chat else "prompt")
         status = batcher.status()
         if limits.max_waiting is not None and status["queued"] >= limits.max_waiting and (
                 status["running"] or status["queued"]):          # an idle batcher takes the request at once

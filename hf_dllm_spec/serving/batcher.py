@@ -174,13 +174,16 @@ class Batcher:
             the first stop id).
         workers (`int`, defaults to 1): batches decoded at the same time (threads sharing the model; 1 with the
             static runtime).
+        max_step_tokens (`int`, *optional*): most tokens one forward of a batch may hold, counted on its largest
+            forward, the prefill: rows x longest prompt (the prompts are left-padded to it). A request is added to
+            a batch only while the batch stays within it (a lone request over it is refused before it is queued).
 
     Raises:
         ValueError: `workers` < 1, or > 1 with `cache_implementation="static"` on the model's generation config.
     """
 
     def __init__(self, model, drafter=None, *, max_batch_size: int = 16, pad_token_id: int | None = None,
-                 observer: Any = None, workers: int = 1) -> None:
+                 observer: Any = None, workers: int = 1, max_step_tokens: int | None = None) -> None:
         from ..integration.generate import dllm_generate
         from ..integration.mixin import DllmGenerationMixin
 
@@ -192,6 +195,7 @@ class Batcher:
             raise invalid("workers", workers, "be 1 with cache_implementation='static' (the static runtime keeps its "
                           "buffers on the model)", "pass workers=1 (--max-concurrent-batches 1), or the eager runtime")
         self.model, self.drafter, self.max_batch_size, self.observer = model, drafter, max_batch_size, observer
+        self.max_step_tokens = max_step_tokens
         self.device = execution_device(model)
         self.stop_ids = list(model_patches.get_patch(model).stop_token_ids(model, model.generation_config))
         gc_pad = model.generation_config.pad_token_id
@@ -251,11 +255,23 @@ class Batcher:
                 return []
             key = waiting[0].request.options.batch_key
             batch = [j for j in waiting if j.request.options.batch_key == key and not j.request.stream_drafts]
-            batch = [waiting[0]] if waiting[0].request.stream_drafts else batch[: self.max_batch_size]
+            batch = [waiting[0]] if waiting[0].request.stream_drafts else self._fit(batch)
             taken = {id(j) for j in batch}
             self.queue = deque(j for j in waiting if id(j) not in taken)
             self.running += len(batch)
             return batch
+
+    def _fit(self, group: list[Job]) -> list[Job]:
+        """The oldest requests of a group that fit one batch: at most `max_batch_size` rows, and rows x longest
+        prompt within `max_step_tokens` (the first request always: it was checked alone)."""
+        batch, width = [], 0
+        for job in group[: self.max_batch_size]:
+            wider = max(width, len(job.request.prompt_ids))
+            if batch and self.max_step_tokens is not None and (len(batch) + 1) * wider > self.max_step_tokens:
+                continue
+            batch.append(job)
+            width = wider
+        return batch
 
     def _count(self, name: str) -> None:
         with self.cond:

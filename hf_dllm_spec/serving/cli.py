@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batches decoded at the same time, sharing the model: with 2 or more, a request that "
                              "arrives while a long batch decodes starts at once in a free worker instead of waiting "
                              "for it (eager runtime only; default 1)")
+    parser.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                        help="most tokens one forward of a batch may hold, on its largest forward (the prefill: rows "
+                             "x longest prompt); requests join a batch only within it, a longer prompt gets 400 "
+                             "(default: no limit)")
     parser.add_argument("--max-tokens", type=int, default=256, help="budget of requests without max_tokens "
                                                                     "(default 256)")
     add_loading_arguments(parser)          # --dtype, --device, --device-map, --quantization, --draft-device
@@ -141,6 +145,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         raise SystemExit(message) from err
     for name, value, low in (("--max-batch-size", args.max_batch_size, 1), ("--max-tokens", args.max_tokens, 1),
                              ("--max-concurrent-batches", args.max_concurrent_batches, 1),
+                             ("--max-step-tokens", args.max_step_tokens, 1),
                              ("--max-waiting", args.max_waiting, 0), ("--timeout-keep-alive", args.timeout_keep_alive, 1),
                              ("--limit-concurrency", args.limit_concurrency, 1)):
         if value is not None and value < low and parser is not None:
@@ -156,7 +161,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
                                    params=dict(args.param), loading=LoadOptions.from_args(args),
                                    name=args.served_model_name, cache_implementation=args.cache_implementation,
                                    default_max_tokens=args.max_tokens, max_batch_size=args.max_batch_size,
-                                   max_concurrent_batches=args.max_concurrent_batches)
+                                   max_concurrent_batches=args.max_concurrent_batches,
+                                   max_step_tokens=args.max_step_tokens)
     except ValueError as err:          # a UsageError reads "argument FLAG: ..."
         if parser is None:
             raise
