@@ -15,10 +15,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import _moved
-
-_moved.install()  # the module paths before 0.1 still import, with a DeprecationWarning
-
 __version__ = "0.1.0.dev0"
 
 _EXPORTS = {

@@ -389,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .jobs import batch, main as main_job, sweep
     from .serving import cli as serve
+    from .strategies.registry import load_strategy_plugins
 
+    load_strategy_plugins()            # installed third-party strategies become options and server strategies
     doc = __doc__.split("\n\n")
     parser = Parser(prog="hf-dllm-spec", description=doc[0], epilog="examples:\n" + doc[1], formatter_class=_RAW)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

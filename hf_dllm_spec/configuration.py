@@ -60,6 +60,11 @@ class DecodingConfig:
     def validate(self) -> None:
         """Raise `ValueError` naming the first bad parameter, its value, the rule and the fix."""
 
+    def stochastic_acceptance(self) -> tuple[str, str] | None:
+        """`(parameter, value)` when this config asks for a random acceptance rule (rejection sampling of the
+        drafts), else None; under `do_sample=False` such a rule needs an explicit `generator`."""
+        return None
+
     @classmethod
     def parameter_names(cls) -> tuple[str, ...]:
         """Names accepted by this strategy, in declaration order."""
@@ -145,6 +150,11 @@ class DrafterConfig(DecodingConfig):
     """
 
     draft_block_size: int | None = None
+
+    def stochastic_acceptance(self) -> tuple[str, str] | None:
+        """`("acceptance", "rejection_sampling")` when asked for (the drafter strategies' `acceptance` field)."""
+        value = getattr(self, "acceptance", None)
+        return ("acceptance", value) if value == "rejection_sampling" else None
 
     def validate(self) -> None:
         super().validate()

@@ -149,18 +149,3 @@ def test_native_decoding_strategy_matches_the_family_patch():
     for patch in model_patches.PATCHES:
         for _, model_class in patch.auto_classes:
             assert model_class.native_decoding_strategy == patch.native_strategy, model_class
-
-
-def test_old_module_paths_still_import_with_a_warning():
-    """The flat layout's module paths (before the rooms) resolve to the same module objects, with a warning."""
-    import importlib
-    import sys
-
-    from hf_dllm_spec._moved import MOVED
-
-    assert MOVED
-    for old, new in MOVED.items():
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-            module = importlib.import_module(old)
-        assert module is importlib.import_module(new)

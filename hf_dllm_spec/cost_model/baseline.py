@@ -9,7 +9,7 @@ of a shape, timed in the same process as the shape's forwards.
 - Whether transformers compiled it: `generate` compiles the decode step when
   `GenerationMixin._valid_auto_compile_criteria` returns True (an accelerator, a compileable cache such as the
   static one, no bitsandbytes quantizer that refuses it, no CPU/disk offload); the decision is read from that very
-  method during the warm-up call (:func:`_compile_decision`), not re-derived.
+  method during the warm-up call (`hf_dllm_spec.bridge.spy_compile_decision`), not re-derived.
 - What is timed (:func:`time_ar_steps`): after a warm-up call of `new_tokens` tokens (on CUDA: the compilation)
   and one of a single token, `reps` interleaved pairs of calls with `new_tokens` and with 1 new token (EOS
   disabled, greedy, the same prompt); the decode step is (t(new_tokens) - t(1)) / (new_tokens - 1), the marginal
@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from hf_dllm_spec.bridge import spy_compile_decision
 from hf_dllm_spec.runtime.timing import now
 
 from .shapes import Shape, available_bytes, build_model, count_parameters, shape_config
@@ -60,31 +61,6 @@ def stock_twin(shape: Shape) -> Shape | None:
             name = f"{base.__name__.removesuffix('Config')}ForCausalLM ({shape.name} dims)"
             return Shape(name, family, fields, f"stock twin of {shape.name} ({shape.source})")
     return None
-
-
-def _compile_decision(model) -> tuple[Callable[[], bool | None], Callable[[], None]]:
-    """Spy on `model._valid_auto_compile_criteria` (transformers' compile rule for `generate`).
-
-    Returns:
-        `(decision, restore)`: `decision()` is the value the rule returned in the last `generate` call (None if
-        it was not called: a transformers without the rule), `restore()` removes the spy.
-    """
-    seen: list[bool] = []
-    original = getattr(model, "_valid_auto_compile_criteria", None)
-    if original is None:
-        return (lambda: None), (lambda: None)
-
-    def spy(*args, **kwargs):
-        value = bool(original(*args, **kwargs))
-        seen.append(value)
-        return value
-
-    model._valid_auto_compile_criteria = spy
-
-    def restore() -> None:
-        model.__dict__.pop("_valid_auto_compile_criteria", None)
-
-    return (lambda: seen[-1] if seen else None), restore
 
 
 def time_ar_steps(call: Callable[[int], None], device: torch.device, *, new_tokens: int, reps: int,
@@ -144,7 +120,8 @@ def stock_ar_step(model, *, prompt_tokens: int, new_tokens: int, reps: int, seed
     """Stock transformers `generate(cache_implementation="static")`, greedy AR, on `model` (a stock class).
 
     `do_sample=False`, EOS disabled (`eos_token_id=None`), a random prompt of `prompt_tokens` tokens; timed by
-    :func:`time_ar_steps`. "compiled" is transformers' own decision in these calls (:func:`_compile_decision`).
+    :func:`time_ar_steps`. "compiled" is transformers' own decision in these calls
+    (`hf_dllm_spec.bridge.spy_compile_decision`).
 
     Returns:
         :func:`time_ar_steps`' dict plus "baseline" ("stock"), "class", "compiled" (`bool`, or None when this
@@ -158,7 +135,7 @@ def stock_ar_step(model, *, prompt_tokens: int, new_tokens: int, reps: int, seed
         # Every stock twin shares the Qwen2/Qwen3 forward's code object, hence dynamo's recompile budget for it
         # (`cache_size_limit`, past which it silently runs eager): a fresh budget per baseline.
         torch._dynamo.reset()
-    decision, restore = _compile_decision(model)
+    decision, restore = spy_compile_decision(model)
 
     def call(n: int) -> None:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,

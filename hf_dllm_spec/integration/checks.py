@@ -409,3 +409,36 @@ def _check_one_generator(name: str, generator: Any, device: torch.device) -> Non
         raise invalid(name, generator, rule, fix)
     if torch.device(generator.device).type != torch.device(device).type:
         raise invalid(name, f"<torch.Generator on {generator.device}>", f"live on the model's device ({device})", fix)
+
+
+def _special_ids(patch, model, gc=None) -> dict[str, Any]:
+    gc = gc if gc is not None else getattr(model, "generation_config", None)
+    ids: dict[str, Any] = {"eos_token_id": sorted(patch.stop_token_ids(model, gc)) or None}
+    for key in ("pad_token_id", "bos_token_id"):
+        value = getattr(gc, key, None)
+        ids[key] = value if value is not None else getattr(model.config, key, None)
+    return ids
+
+
+def check_model_pair(target, target_patch, drafter, drafter_patch, generation_config=None) -> None:
+    """Before any forward: the drafter must share the target's vocabulary (size and special ids).
+
+    The target's special ids are those of this call (`generation_config`), the drafter's its own. A stop list the
+    call sets (an `eos_token_id` other than the target's own) is never compared: it is what both models stop on
+    (the session's stop ids), as stock `generate` and the other strategies accept it; without one, the target's
+    own stop ids must match the drafter's (a drafter of another tokenizer).
+
+    Raises:
+        ValueError: naming the first difference (vocabulary size, eos/pad/bos ids).
+    """
+    check_vocabulary(target, target_patch, drafter, drafter_patch)
+    ids_target = _special_ids(target_patch, target, generation_config)
+    ids_drafter = _special_ids(drafter_patch, drafter)
+    per_call_stops = ids_target["eos_token_id"] != _special_ids(target_patch, target)["eos_token_id"]
+    for key, value in ids_target.items():
+        other = ids_drafter[key]
+        if key == "eos_token_id" and per_call_stops:
+            continue
+        if value is not None and other is not None and value != other:
+            raise invalid("draft_model", f"<{key}={other}>", f"use the target's {key} ({value})",
+                          f"align the drafter's generation config (`draft_model.generation_config.{key} = {value}`)")

@@ -59,6 +59,7 @@ from transformers.cache_utils import StaticCache
 from model_patches.compat import find_cache, pop_cache
 
 from ..maths.masks import to_additive
+from ..bridge import prepared_by_generate, transformers_compiles
 from ..outputs import BatchStats
 from ..validation import invalid
 from .experts import capturable_experts, experts_configs, experts_implementation
@@ -107,7 +108,8 @@ def _round_up(value: int, granule: int) -> int:
 def _bitsandbytes_bits(quantizer) -> int | None:
     """4 or 8 for a bitsandbytes quantizer, else None."""
     config = getattr(quantizer, "quantization_config", None)
-    if config is None or str(getattr(config, "quant_method", "")).lower().split(".")[-1] != "bitsandbytes":
+    method = getattr(config, "quant_method", None)
+    if str(getattr(method, "value", method)) != "bitsandbytes":          # transformers' QuantizationMethod enum
         return None
     return 4 if getattr(config, "load_in_4bit", False) else 8 if getattr(config, "load_in_8bit", False) else None
 
@@ -128,27 +130,19 @@ def compile_plan(model, generation_config: GenerationConfig) -> tuple[str, str]:
     the reason in `spec_stats.runtime`); neither is compiled (`HfQuantizer.is_compileable` is False).
     """
     config = generation_config.compile_config
-    if generation_config.disable_compile:
-        return "eager", "disable_compile=True"
     device = execution_device(model)
-    all_devices = bool(config is not None and config._compile_all_devices)
-    if device.type != "cuda" and not all_devices:
-        return "eager", f"no compilation on {device.type} (transformers compiles on accelerators, or with " \
-                        "`CompileConfig._compile_all_devices`)"
-    quantizer = getattr(model, "hf_quantizer", None)
-    bits = _bitsandbytes_bits(quantizer) if quantizer is not None else None
+    bits = _bitsandbytes_bits(getattr(model, "hf_quantizer", None))
+    compiles, reason = transformers_compiles(model, generation_config, device, ignore_quantizer=bits is not None)
+    if not compiles:
+        return "eager", reason
     if bits == 8:
         return "eager", "bitsandbytes 8-bit layers cannot be captured in CUDA graphs"
-    if quantizer is not None and not quantizer.is_compileable and (config is not None or bits != 4):
-        return "eager", f"{type(quantizer).__name__} weights cannot be compiled or captured (transformers' " \
-                        "`HfQuantizer.is_compileable` is False)"
-    devices = {str(d) for d in getattr(model, "hf_device_map", {}).values()}
-    if "cpu" in devices and len(devices) > 1 or "disk" in devices:
-        return "eager", "offloaded weights (`device_map` with cpu/disk) cannot be compiled"
     if config is not None:
+        if bits is not None:
+            return "eager", "bitsandbytes weights cannot be compiled (transformers' `HfQuantizer.is_compileable` " \
+                            "is False); drop `compile_config` to capture 4-bit layers in CUDA graphs"
         return "compile", ""
-    params = {p.device for p in model.parameters()}
-    if len(params) > 1:
+    if len({p.device for p in model.parameters()}) > 1:
         return "eager", "CUDA graphs need the whole model on one device (pass a `compile_config` to use torch.compile)"
     if bits == 4:
         return "cuda_graph", "bitsandbytes 4-bit: each capture checked against its eager forward"
@@ -548,7 +542,7 @@ def drop_prepared_static_cache(generation_config: GenerationConfig, model_kwargs
     if generation_config.cache_implementation != "static":
         return
     cache = find_cache(model_kwargs)
-    if isinstance(cache, StaticCache) and not getattr(cache, "_is_user_defined", False):
+    if isinstance(cache, StaticCache) and prepared_by_generate(cache):
         pop_cache(model_kwargs)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import torch
@@ -41,7 +41,7 @@ class DecodingSession:
             `generated`: the budget, a stop id, or the caller's stopping criteria (`generate` passes one that reads
             the tokens on the host once); without it, the budget and the stop ids decide.
         stream (`TokenStream`, *optional*): receives final tokens (batch size 1).
-        block_size (`int`): the target's block size; draft_block_size (`int`, *optional*): the drafter's.
+        draft_block_size (`int`, *optional*): the drafter's block size (the target's is `config.block_size`).
     """
 
     prompts: list[torch.Tensor]
@@ -51,16 +51,33 @@ class DecodingSession:
     mask_token_id: int
     stop_token_ids: list[int]
     max_new_tokens: int
-    block_size: int = 1
     drafter: ModelRunner | None = None
     draft_mask_token_id: int | None = None
     draft_block_size: int | None = None
     stop_check: Callable[[int, torch.Tensor, list[int] | None], bool] | None = None
     stream: TokenStream | None = None
+    _followers: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
 
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    def follow(self, select_rows: Callable[[torch.Tensor], None]) -> None:
+        """Have `select_rows(index)` called on every :meth:`select_rows` (a strategy's own per-row state: routing
+        policies, a drafter's seen lengths)."""
+        self._followers.append(select_rows)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """The one owner of the batch's rows: keep the rows `index` `(M,)` int64, in that order, in the target's and
+        the drafter's runners (their caches), the sampler's per-row generators, the counters and every follower
+        (finished rows stop costing compute)."""
+        self.target.select_rows(index)
+        if self.drafter is not None:
+            self.drafter.select_rows(index)
+        self.sampler.select_rows(index)             # per-row generators follow their rows
+        self.stats.select(index.tolist())
+        for select_rows in self._followers:
+            select_rows(index)
 
     def draft_sampler(self) -> Sampler:
         """The separate drafter's sampler: the target's processors, mode and generator, the drafter's mask

@@ -203,12 +203,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
 
     def __init__(self, config, session) -> None:
         super().__init__(config, session)
-        self.block_size = session.block_size
+        self.block_size = config.block_size          # resolved by the call's plan (the checkpoint's when unset)
         self.steps_per_block = config.steps_per_block or self.block_size
         self.sub_block_size = config.sub_block_size or self.block_size
-        if self.block_size % self.sub_block_size:
-            raise invalid("sub_block_size", self.sub_block_size, f"divide the block size (={self.block_size})",
-                          "pass a divisor of the block size, or None for whole blocks")
         # Right-shifted model, separate cache writes: a new block's first token is committed from the carry.
         self.first_from_carry = session.target.alignment == "right_shift" and not config.fuse_cache_write
         self._full_mask: torch.Tensor | None = None            # (B, B), built once
@@ -373,13 +370,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
                           s.mask_token_id)
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Drop finished rows from every per-row structure (the runners' caches and the counters)."""
-        s = self.session
-        s.target.select_rows(index)
-        if s.drafter is not None:
-            s.drafter.select_rows(index)
-        s.sampler.select_rows(index)            # per-row generators follow their rows
-        s.stats.select(index.tolist())
+        """Drop finished rows from every per-row structure (the session owns them: runners, sampler, counters)."""
+        self.session.select_rows(index)
 
     def final_prefix(self, block: BlockState, row: int) -> torch.Tensor:
         """Committed tokens of `row`'s block left of its first mask (final without token editing), `(n,)`."""

@@ -122,6 +122,7 @@ class DeerStrategy(DecodingStrategy):
         self.draft_sampler = s.draft_sampler()
         self.drafter = OneStepDrafter(s.drafter, s.draft_mask_token_id, draft_attention=config.draft_attention,
                                       sep_token_id=config.sep_token_id, sep_position=config.sep_position)
+        s.follow(self.drafter.select_rows)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -221,9 +222,6 @@ class DeerStrategy(DecodingStrategy):
         if not any(done):
             return
         index = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long, device=self.last.device)
-        s.target.select_rows(index)
-        self.drafter.select_rows(index)
-        s.sampler.select_rows(index)            # per-row generators follow their rows
-        s.stats.select(index.tolist())
+        s.select_rows(index)                    # runners, generators, counters, the drafter's own state
         self.last, self.next_pos = self.last[index], self.next_pos[index]
         self.new_tokens = [self.new_tokens[i] for i in index.tolist()]

@@ -93,9 +93,9 @@ class OneStepDrafter:
         self.context = [torch.empty(0, dtype=torch.long, device=device) for _ in range(n)]   # "full" only
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep the rows `index` `(M,)` int64, in that order."""
+        """Keep the rows `index` `(M,)` int64, in that order, of this drafter's own state (the runner's rows are
+        selected by its owner, the session)."""
         index = index.to(self.runner.device)
-        self.runner.select_rows(index)
         self.lengths = self.lengths[index]
         self.context = [self.context[i] for i in index.tolist()]
 

@@ -6,9 +6,8 @@ parameter routing of the `custom_generate` callable and the error messages all r
 
 from __future__ import annotations
 
-import sys
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from transformers import GenerationConfig
 
@@ -20,7 +19,7 @@ from .fast_dllm_v2 import FastDLLMV2Strategy
 from .llada2 import LLaDA2Strategy
 from .s2d2 import S2D2Strategy
 from .simsd import SimSDStrategy
-from ..validation import check_choice
+from ..validation import check_choice, invalid
 
 STRATEGIES: dict[str, type[DecodingStrategy]] = {}
 
@@ -37,21 +36,81 @@ class DecodingStrategyName(str, Enum):
     LLADA2 = "llada2"
 
 
+#: Called after every registration (the `custom_generate` callable refreshes the keywords it accepts).
+_LISTENERS: list[Callable[[], None]] = []
+
+
+def on_register(listener: Callable[[], None]) -> None:
+    """Call `listener()` now and after every :func:`register_strategy` (how the layers above learn of a new strategy
+    without this module importing them)."""
+    _LISTENERS.append(listener)
+    listener()
+
+
 def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy]:
     """Add `strategy` under `strategy.name` (replacing an entry of that name); usable as a class decorator.
 
-    Its config's parameters become keyword arguments of `hf_dllm_spec.dllm_generate` (so `generate` routes them).
+    Its config class must name the strategy (`decoding_strategy` ClassVar); a config class that does not set its
+    own gets `strategy.name`. Its parameters become keyword arguments of `hf_dllm_spec.dllm_generate` (so
+    `generate` routes them), and the CLI and the server offer them.
+
+    Raises:
+        ValueError: if `strategy` has no `name` or no `config_class`, or its config class names another strategy.
     """
-    STRATEGIES[strategy.name] = strategy
-    generation = sys.modules.get(f"{__package__}.generation")
-    if generation is not None and hasattr(generation, "refresh_signature"):
-        generation.refresh_signature()
+    name = getattr(strategy, "name", None)
+    if not isinstance(name, str) or not name:
+        raise invalid("strategy.name", name, "be a non-empty string: the `decoding_strategy` value",
+                      f"set `name = \"mine\"` on {strategy.__name__}")
+    config_class = getattr(strategy, "config_class", None)
+    if not (isinstance(config_class, type) and issubclass(config_class, DecodingConfig)):
+        raise invalid("strategy.config_class", config_class, "be a DecodingConfig subclass",
+                      f"define a dataclass config for {strategy.__name__} and set `config_class` to it")
+    if "decoding_strategy" not in vars(config_class):
+        config_class.decoding_strategy = name              # inherited from another strategy's config: its own now
+    if config_class.decoding_strategy != name:
+        raise invalid(f"{config_class.__name__}.decoding_strategy", config_class.decoding_strategy,
+                      f"name the strategy it configures ({name!r})",
+                      f"give {strategy.__name__} its own config subclass with decoding_strategy = {name!r}")
+    STRATEGIES[name] = strategy
+    for listener in _LISTENERS:
+        listener()
     return strategy
 
 
 for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy, FastDLLMV2Strategy, DeerStrategy, SimSDStrategy,
                   LLaDA2Strategy):
     register_strategy(_strategy)
+
+
+#: The entry point group under which installed packages declare their strategies (a strategy class each).
+PLUGIN_GROUP = "hf_dllm_spec.strategies"
+
+
+def load_strategy_plugins() -> list[str]:
+    """Register the strategies installed packages declare under the entry point group :data:`PLUGIN_GROUP`
+    (``name = "module:StrategyClass"``); the command line and the server call it at start.
+
+    Returns:
+        `list[str]`: the names registered.
+
+    Raises:
+        ValueError: if an entry point does not load to a strategy class (naming the entry point and the package).
+    """
+    from importlib.metadata import entry_points
+
+    names = []
+    for entry in entry_points(group=PLUGIN_GROUP):
+        try:
+            strategy = entry.load()
+        except Exception as error:                     # noqa: BLE001 - any import error of the plugin, reported
+            raise invalid(f"entry point {entry.name}", entry.value, f"load ({type(error).__name__}: {error})",
+                          f"fix or uninstall the package that declares it in the {PLUGIN_GROUP!r} group") from error
+        if not (isinstance(strategy, type) and issubclass(strategy, DecodingStrategy)):
+            raise invalid(f"entry point {entry.name}", entry.value, "name a DecodingStrategy subclass",
+                          f"point the {PLUGIN_GROUP!r} entry point at the strategy class")
+        register_strategy(strategy)
+        names.append(strategy.name)
+    return names
 
 
 def get_strategy(decoding_strategy: str) -> type[DecodingStrategy]:

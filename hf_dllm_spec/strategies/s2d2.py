@@ -150,6 +150,10 @@ class S2D2Config(BlockDiffusionConfig, EditingConfig):
     allow_resample: bool = True
     s2d2_acceptance: str | None = None
 
+    def stochastic_acceptance(self) -> tuple[str, str] | None:
+        """`("s2d2_acceptance", "stochastic")` when asked for (Alg. 3's random acceptance)."""
+        return ("s2d2_acceptance", "stochastic") if self.s2d2_acceptance == "stochastic" else None
+
     def validate(self) -> None:
         super().validate()
         EditingConfig.validate(self)
@@ -226,14 +230,15 @@ class S2D2Strategy(BlockDiffusionStrategy):
         # The UCB progress convention follows the target family's S2D2 reference (FamilyPatch attribute).
         tail = session.target.patch.ucb_progress_counts_prompt_tail
         self.policies = [build_policy(config, ucb_counts_prompt_tail=tail) for _ in range(session.batch_size)]
+        session.follow(self._select_policies)
         self._verify_masks: dict[tuple[int, int], torch.Tensor] = {}     # Eq. 3 patterns by (span end, start)
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
         policy = self.policies[0]
         self.full_probs = (self.full_probs or self.acceptance == "stochastic" or policy.needs_score
                            or policy.needs_entropy)
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        super().select_rows(index)
+    def _select_policies(self, index: torch.Tensor) -> None:
+        """Each row's routing policy follows its row (a session follower)."""
         self.policies = [self.policies[i] for i in index.tolist()]
 
     def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:

@@ -1,0 +1,185 @@
+"""Where each row's output ends: the budget, the first stop id (kept, transformers' convention), the first position
+where one of transformers' stopping criteria fires for the row; and `stop_strings` as a criterion.
+
+A block decoder finishes several tokens at once and its rows advance at different paces; :class:`RowEnds` decides,
+from each row's final tokens, whether the row ends and what it returns, calling the stopping criteria as stock
+`generate` calls them (:class:`CriteriaScan`), only those that the budget and the stop ids do not already decide
+(:func:`criteria_to_scan`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria
+
+from ..validation import invalid
+
+
+def stop_strings_as_criteria(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Turn `stop_strings=` (+ `tokenizer=`) into a `StopStringCriteria` in `stopping_criteria`.
+
+    transformers drops `tokenizer` before calling a `custom_generate` callable and then cannot build the
+    stop-string criterion itself; built here, it reaches the decoding loop like any other criterion. (On a plain
+    transformers model's `custom_generate=` path, `stop_strings` is a parameter of the callable, which reads the
+    tokenizer from the `generate` call: :func:`dllm_generate`.)
+
+    Raises:
+        ValueError: if `stop_strings` is given without `tokenizer`.
+    """
+    stop_strings = kwargs.pop("stop_strings", None)
+    if stop_strings is None:
+        return kwargs
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is None:
+        raise invalid("stop_strings", stop_strings, "come with `tokenizer`",
+                      "pass tokenizer=<the model's tokenizer> to generate")
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer, stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    return kwargs
+
+
+def stop_cut(ids: list[int], stop_ids: set[int]) -> int:
+    """Length of `ids` up to and including the first stop id (kept, HF convention); all of them without one."""
+    return next((k + 1 for k, token in enumerate(ids) if token in stop_ids), len(ids))
+
+
+def criteria_to_scan(criteria, stop_ids: list[int], prompt_width: int, max_new_tokens: int) -> StoppingCriteriaList:
+    """The stopping criteria the decoding loop must call: those of `criteria` that the budget and the stop ids do
+    not already decide.
+
+    transformers' `generate` always adds a `MaxLengthCriteria` (prompt width + `max_new_tokens`) and an
+    `EosTokenCriteria` (the eos ids); a row already ends at its budget and after its first stop id, so these two
+    fire exactly where the row ends anyway, and calling them for every position of every finished block (a few
+    kernels and one host read each) changes nothing. A `MaxLengthCriteria` shorter than the budget, an
+    `EosTokenCriteria` with ids outside `stop_ids`, subclasses of either and every other criterion are kept.
+
+    Args:
+        criteria (`StoppingCriteriaList` or `None`): as `generate` prepared them.
+        stop_ids (`list[int]`): the ids a row stops after. prompt_width (`int`): P, the padded prompt width the
+            criteria see first. max_new_tokens (`int`): the budget.
+
+    Returns:
+        `StoppingCriteriaList` (empty when none is left).
+    """
+    kept = StoppingCriteriaList()
+    for criterion in criteria or []:
+        if type(criterion) is MaxLengthCriteria and criterion.max_length - prompt_width >= max_new_tokens:
+            continue
+        if type(criterion) is EosTokenCriteria and set(
+                torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist()) <= set(stop_ids):
+            continue
+        kept.append(criterion)
+    return kept
+
+
+class CriteriaScan:
+    """transformers' stopping criteria, called as transformers calls them: the whole batch in, one verdict per row.
+
+    Stock `generate` calls its criteria once per generated position t on the batch `(N, P + t)` (the padded prompts,
+    then every row's tokens, finished rows continued with `pad_token_id`) and a row ends at the first t where a
+    criterion fires for it; criteria may keep per-row state across calls (lm-evaluation-harness's stop sequences do)
+    or return one bool for the batch. A block decoder finishes several tokens at once and its rows advance at
+    different paces, so position t is evaluated once every row's token t is final (or the row has ended): each row
+    is then cut at the exact token where a criterion first fires for it, as in stock `generate`; a row that runs
+    ahead of the batch may decode past its cut (the surplus is discarded).
+    """
+
+    def __init__(self, criteria, input_ids: torch.Tensor, pad_token_id: int | None, max_new_tokens: int) -> None:
+        n = input_ids.shape[0]
+        self.criteria, self.input_ids, self.max_new_tokens = criteria, input_ids, max_new_tokens
+        self.pad = pad_token_id if pad_token_id is not None else 0
+        self.tokens: list[torch.Tensor] = [input_ids.new_empty(0)] * n    # each row's final tokens so far
+        self.ended = [False] * n                                           # no more tokens will come
+        self.cut: list[int | None] = [None] * n
+        self.checked = 0                                                   # positions evaluated
+
+    def observe(self, prompt_index: int, tokens: torch.Tensor, *, ended: bool = False) -> int | None:
+        """Record row `prompt_index`'s final tokens `(n,)` (cut to the budget and the first stop id; `ended` when
+        no more will come), evaluate every position the whole batch now knows, and return the length at which
+        the row ends, or None while no criterion has fired for it."""
+        self.tokens[prompt_index] = tokens
+        self.ended[prompt_index] = self.ended[prompt_index] or ended
+        verdicts = []
+        while self.checked < self.max_new_tokens and all(self._settled(n) for n in range(len(self.tokens))):
+            self.checked += 1
+            verdicts.append((self.checked, self._call(self.checked)))
+            if len(self.tokens) > 1:           # a batch: a row cut at t is continued with padding after t: read now
+                self._apply(verdicts)
+                verdicts = []
+        self._apply(verdicts)                  # batch 1: one host read for all positions (after its cut the row's
+        return self.cut[prompt_index]          # verdicts no longer matter, so the criteria may see its tokens)
+
+    def _settled(self, n: int) -> bool:
+        """Whether row n's token at position `checked + 1` is known (or the row has ended before it)."""
+        return self.ended[n] or self.cut[n] is not None or self.tokens[n].shape[0] > self.checked
+
+    def _call(self, t: int) -> torch.Tensor:
+        """Call the criteria on position t (every row's first t tokens, padded after its cut); `(N,)` bool."""
+        rows = []
+        for n, tokens in enumerate(self.tokens):
+            length = tokens.shape[0] if self.cut[n] is None else self.cut[n]
+            row = tokens[:min(t, length)].to(self.input_ids.device)
+            rows.append(torch.cat([row, row.new_full((t - row.shape[0],), self.pad)]))
+        fired = self.criteria(torch.cat([self.input_ids, torch.stack(rows)], dim=1), None)
+        return torch.as_tensor(fired, device=self.input_ids.device).expand(len(rows))
+
+    def _apply(self, verdicts: list[tuple[int, torch.Tensor]]) -> None:
+        """Cut each row at the first position whose verdict fires for it (the verdicts read on the host at once)."""
+        if not verdicts:
+            return
+        fired = torch.stack([v for _, v in verdicts]).tolist()
+        for (t, _), row_fired in zip(verdicts, fired):
+            for n, tokens in enumerate(self.tokens):
+                if self.cut[n] is None and tokens.shape[0] >= t and row_fired[n]:
+                    self.cut[n] = t
+
+
+class RowEnds:
+    """Each row's end for one call: the budget, the first stop id, the first criterion that fires.
+
+    Args:
+        max_new_tokens (`int`): the budget. stop_ids (`Iterable[int]`): a row ends after the first of them.
+        criteria (`StoppingCriteriaList`): the criteria left to call (:func:`criteria_to_scan`; may be empty).
+        input_ids (`torch.Tensor` of shape `(N, P)`): the padded prompts the criteria see first.
+        pad_id (`int` or None): what continues a row after its end, for the criteria.
+    """
+
+    def __init__(self, max_new_tokens: int, stop_ids, criteria, input_ids: torch.Tensor, pad_id: int | None) -> None:
+        self.max_new_tokens, self.stop_set = max_new_tokens, set(stop_ids)
+        self.scan = CriteriaScan(criteria, input_ids, pad_id, max_new_tokens) if criteria else None
+
+    def final_tokens(self, prompt_index: int, generated: torch.Tensor, ended: bool = False,
+                     host_ids: list[int] | None = None) -> tuple[torch.Tensor, bool]:
+        """What row `prompt_index` returns of its tokens `generated` `(n,)` (`ended`: it decodes no more), and whether
+        it ends there. One host read of the tokens, none when the caller passes them as `host_ids`."""
+        kept = generated[:self.max_new_tokens]
+        ids = host_ids[:self.max_new_tokens] if host_ids is not None else kept.tolist()
+        cut = stop_cut(ids, self.stop_set)
+        tokens = kept[:cut]
+        ended = (ended or cut < generated.shape[0] or cut >= self.max_new_tokens
+                 or (cut > 0 and ids[cut - 1] in self.stop_set))
+        if self.scan is not None:
+            criteria_cut = self.scan.observe(prompt_index, tokens, ended=ended)
+            if criteria_cut is not None:
+                return tokens[:criteria_cut], True
+        return tokens, ended
+
+    def stop_check(self, prompt_index: int, generated: torch.Tensor, host_ids: list[int] | None) -> bool:
+        """The session's `stop_check`: whether the row ends after `generated`."""
+        return self.final_tokens(prompt_index, generated, host_ids=host_ids)[1]
+
+    def output_tokens(self, prompt_index: int, generated: torch.Tensor, ended: bool = False) -> torch.Tensor:
+        return self.final_tokens(prompt_index, generated, ended)[0]
+
+    def finish(self, generated: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every row's output once all rows have ended (the criteria then see every position)."""
+        if self.scan is not None:
+            for n, g in enumerate(generated):
+                self.output_tokens(n, g, ended=True)
+        return [self.output_tokens(n, g, ended=True) for n, g in enumerate(generated)]
+
+
+__all__ = ["CriteriaScan", "RowEnds", "criteria_to_scan", "stop_cut", "stop_strings_as_criteria"]

@@ -1,0 +1,153 @@
+"""A strategy anyone can add (issue 33): `examples/custom_strategy.py` registers `burst`, a block-diffusion strategy
+with a parameter of its own, and it runs its own code with its own parameter through `model.generate` (a model
+class), the `custom_generate` callable (a stock transformers model), the command line (found through the entry
+point group of an installed package) and the server. Plus the registry's rules for a config class."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import hf_dllm_spec
+from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy
+from hf_dllm_spec.strategies.registry import STRATEGIES, register_strategy
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+MODELS = ROOT / "models"
+PROMPT = "Question: Tom has 3 apples. He gets 2 more. How many apples does Tom have now?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def burst():
+    """The example module, imported (which registers `burst`); the registry restored afterwards."""
+    before = dict(STRATEGIES)
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import custom_strategy
+        yield custom_strategy
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        STRATEGIES.clear()
+        STRATEGIES.update(before)
+        register_strategy(before["ar"])                  # refresh the routed keywords
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from hf_dllm_spec.jobs.evaluation import load
+
+    return load(MODELS / "sdar-tiny-arith")
+
+
+def _calls(monkeypatch, cls) -> list:
+    seen = []
+    original = cls.tokens_per_step
+
+    def spy(self, block):
+        seen.append(self.config.first_step_tokens)
+        return original(self, block)
+
+    monkeypatch.setattr(cls, "tokens_per_step", spy)
+    return seen
+
+
+def test_model_class_and_custom_generate_run_the_third_party_strategy(burst, bundled, qwen_model, sdar_model,
+                                                                      monkeypatch, one_thread):
+    tokenizer, model = bundled
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    seen = _calls(monkeypatch, burst.BurstStrategy)
+    plain = model.generate(ids, decoding_strategy="block_diffusion", max_new_tokens=16, return_dict_in_generate=True)
+    out = model.generate(ids, decoding_strategy="burst", first_step_tokens=3, max_new_tokens=16,
+                         return_dict_in_generate=True)
+    assert seen and set(seen) == {3}, "the strategy's own code with its own parameter"
+    assert out.spec_stats.num_forward_calls < plain.spec_stats.num_forward_calls      # 3 commits per first step
+    assert out.sequences.shape == plain.sequences.shape
+    # the custom_generate callable on a stock transformers model (the SDAR weights in Qwen3ForCausalLM)
+    prompt = torch.tensor([[5, 17, 42, 8, 23, 61, 4]])
+    seen.clear()
+    stock = qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="burst",
+                                first_step_tokens=2, block_size=4, mask_token_id=98, max_new_tokens=8, eos_token_id=None)
+    own = sdar_model.generate(prompt, decoding_strategy="burst", first_step_tokens=2, max_new_tokens=8,
+                              eos_token_id=None)
+    assert set(seen) == {2} and stock.tolist() == own.tolist()
+    with pytest.raises(ValueError, match="first_step_tokens"):
+        model.generate(ids, decoding_strategy="burst", first_step_tokens=0, max_new_tokens=8)
+
+
+def test_a_config_without_its_own_name_runs_its_own_strategy(sdar_model, prompt, monkeypatch):
+    """Before: a config subclass that did not set `decoding_strategy` ran the built-in block diffusion silently."""
+    @dataclass
+    class QuietConfig(BlockDiffusionConfig):
+        quietness: float = 0.5
+
+    class QuietStrategy(BlockDiffusionStrategy):
+        name = "quiet"
+        config_class = QuietConfig
+
+        def decode(self):
+            ran.append(self.config.quietness)
+            return super().decode()
+
+    ran = []
+    before = dict(STRATEGIES)
+    try:
+        register_strategy(QuietStrategy)
+        assert QuietConfig.decoding_strategy == "quiet"
+        sdar_model.generate(prompt, decoding_strategy="quiet", strategy_config=QuietConfig(quietness=0.25),
+                            max_new_tokens=4, eos_token_id=None)
+        sdar_model.generate(prompt, decoding_strategy="quiet", quietness=0.75, max_new_tokens=4, eos_token_id=None)
+        assert ran == [0.25, 0.75]
+
+        class Borrowing(BlockDiffusionStrategy):
+            name = "borrowing"
+            config_class = BlockDiffusionConfig          # another strategy's own config
+        with pytest.raises(ValueError, match="name the strategy it configures"):
+            register_strategy(Borrowing)
+    finally:
+        STRATEGIES.clear()
+        STRATEGIES.update(before)
+        register_strategy(before["ar"])
+
+
+def test_the_command_line_finds_an_installed_strategy(burst, bundled, tmp_path, one_thread):
+    """An installed package that declares `burst` under the `hf_dllm_spec.strategies` entry points: the command line
+    offers it with its own option and prints the tokens of `model.generate`."""
+    site = tmp_path / "site"
+    dist = site / "custom_strategy-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: custom-strategy\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text('[hf_dllm_spec.strategies]\nburst = custom_strategy:BurstStrategy\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(EXAMPLES)]), HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "hf_dllm_spec.cli", "generate", "--model", str(MODELS / "sdar-tiny-arith"),
+               "--prompt", PROMPT, "--strategy", "burst", "--first-step-tokens", "3", "--max-new-tokens", "12"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokenizer, model = bundled
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    out = model.generate(ids, decoding_strategy="burst", first_step_tokens=3, max_new_tokens=12)
+    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert expected.strip() and expected.strip() in done.stdout
+
+
+def test_the_server_serves_the_third_party_strategy(burst, one_thread):
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from hf_dllm_spec.serving.app import create_app, load_served_model, serve_in_background
+
+    served = load_served_model(str(MODELS / "sdar-tiny-arith"))
+    ids = served.tokenizer(PROMPT).input_ids
+    out = served.model.generate(torch.tensor([ids]), decoding_strategy="burst", first_step_tokens=3,
+                                max_new_tokens=12, return_dict_in_generate=True)
+    want = out.sequences[0, len(ids):][: out.spec_stats_per_row[0].num_generated_tokens].tolist()
+    with serve_in_background(create_app(served)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60, max_retries=0)
+        got = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                        extra_body={"decoding_strategy": "burst", "first_step_tokens": 3})
+    assert got.choices[0].text == served.tokenizer.decode(want, skip_special_tokens=True)
