@@ -784,7 +784,8 @@ def test_check_gpu_rows_on_stood_in_graphs(replayed_graphs, monkeypatch, one_thr
                                              "qwen2-tiny-ar": (["deer"], "deer-drafter-tiny")})
     rows = check_gpu.check_tokens(torch.device("cpu"), torch.float32, max_new_tokens=8)
     assert [row["ok"] for row in rows] == [True, True], rows
-    assert all(row["tokens_equal"] and row["captured"] and "cuda_graph" in row["runtime"] for row in rows)
+    assert all(row["tokens_equal"] and row["graph_equal"] and row["captured"] and "cuda_graph" in row["runtime"]
+               for row in rows)
     monkeypatch.setattr(_ReplayedGraphs, "fail", True)
     (failed, _) = check_gpu.check_tokens(torch.device("cpu"), torch.float32, max_new_tokens=8)
     assert failed["tokens_equal"] and not failed["captured"] and not failed["ok"]
