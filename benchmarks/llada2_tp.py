@@ -16,7 +16,8 @@ timed under three placements:
    groups, expert slices, vocabulary; docs/placement.md).
 
 For each batch size it prints, on rank 0, the generated tokens, forwards, seconds (median of `--repeats` calls
-after one warm-up call), tokens/s, ms per forward and the ratio of tokens/s to one GPU. Random prompts (seeded),
+after one warm-up call), tokens/s, ms per forward, the ratio of tokens/s to one GPU and whether the tokens are one
+GPU's (bf16: a sharded sum may round differently and flip a near tie). Random prompts (seeded),
 greedy decoding with `--strategy` (default "llada2": threshold decoding with LLaDA2.1 token editing; random weights
 are rarely confident, so expect about one token per forward, the same under every placement). `--static` runs the
 static runtime (`cache_implementation="static"`: CUDA graphs on one device; with tensor parallelism the graphs must
@@ -100,10 +101,11 @@ def timed(model, ids: torch.Tensor, args, device: torch.device) -> dict:
         out = model.generate(ids, **kwargs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        runs.append((time.perf_counter() - start, out.spec_stats))
-    seconds = statistics.median(s for s, _ in runs)
+        runs.append((time.perf_counter() - start, out.spec_stats, out.sequences.tolist()))
+    seconds = statistics.median(s for s, _, _ in runs)
     stats = runs[0][1]
-    return {"seconds": seconds, "tokens": stats.num_generated_tokens, "forwards": stats.num_forward_calls}
+    return {"seconds": seconds, "tokens": stats.num_generated_tokens, "forwards": stats.num_forward_calls,
+            "sequences": runs[0][2]}
 
 
 def prompts(args, batch: int, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -157,15 +159,16 @@ def main(argv=None) -> None:
         device = torch.cuda.get_device_name(0) if cuda else "cpu"
         print(f"\n{shape_of(args).name}, bf16, {args.strategy}{' static' if args.static else ''}, prompt "
               f"{args.prompt_length}, {args.max_new_tokens} new tokens, device {device}")
-        print("| placement | batch | tokens | forwards | s | tokens/s | ms / forward | tokens/s vs 1 GPU |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| placement | batch | tokens | forwards | s | tokens/s | ms / forward | tokens/s vs 1 GPU "
+              "| same tokens |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for label, by_batch in rows.items():
             for b, r in by_batch.items():
                 base = rows["1 GPU"][b]
                 ratio = (r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"])
                 print(f"| {label} | {b} | {r['tokens']} | {r['forwards']} | {r['seconds']:.2f} | "
                       f"{r['tokens'] / r['seconds']:.1f} | {1000 * r['seconds'] / max(r['forwards'], 1):.1f} | "
-                      f"{ratio:.2f} |")
+                      f"{ratio:.2f} | {'yes' if r['sequences'] == base['sequences'] else 'no'} |")
     dist.barrier()
     dist.destroy_process_group()
 
