@@ -56,7 +56,7 @@ def blocks(page: pathlib.Path, language: str) -> list[tuple[str, bool]]:
 
 #: Data constants documented by a `#:` comment, which mkdocstrings does not show: each should get a docstring (a
 #: string right after the assignment), then leave this set.
-KNOWN_UNDOCUMENTED = {"STRATEGIES", "PATCHES", "CAUSAL_LM_PATCH", "ALIGNMENTS"}
+KNOWN_UNDOCUMENTED = {"PATCHES", "CAUSAL_LM_PATCH", "ALIGNMENTS"}
 
 
 def api_references() -> set[str]:

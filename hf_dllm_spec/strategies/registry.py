@@ -22,6 +22,8 @@ from .simsd import SimSDStrategy
 from ..validation import check_choice, invalid
 
 STRATEGIES: dict[str, type[DecodingStrategy]] = {}
+"""`decoding_strategy` name -> strategy class, the built-in strategies and those added by `register_strategy`
+(each class names its config in `config_class`)."""
 
 
 class DecodingStrategyName(str, Enum):
