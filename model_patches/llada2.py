@@ -52,11 +52,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:     # a torch built without torch.distributed: nothing is ever sharded
-    DTensor = Shard = None
 from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
@@ -82,6 +77,11 @@ from .compat import CACHE_NAMES, accepts_cache_names, cache_field, cache_kwarg, 
 from .generation import DllmGenerationMixin
 from .hub_generate import MaskTokenFromFilesMixin, hub_temperature, rename_hub_keywords
 from .remote_code import ShimsConfigMixin
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:     # a torch built without torch.distributed: nothing is ever sharded
+    DTensor = Shard = None
 
 logger = logging.getLogger(__name__)
 
