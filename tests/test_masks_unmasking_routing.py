@@ -532,9 +532,9 @@ def test_s2d2_routing_context_buckets_from_block_state(family, expected):
 
     M, V = 99, 8
     patch = _patch(family)
-    session = SimpleNamespace(batch_size=3, block_size=4, sampler=SimpleNamespace(do_sample=False),
+    session = SimpleNamespace(batch_size=3, sampler=SimpleNamespace(do_sample=False), follow=lambda select: None,
                               target=SimpleNamespace(alignment="position", patch=patch))
-    config = S2D2Config(do_verify_policy="contextual_bandit_ucb", ucb_span_length_bins=3,
+    config = S2D2Config(block_size=4, do_verify_policy="contextual_bandit_ucb", ucb_span_length_bins=3,
                         ucb_block_progress_bins=3, ucb_entropy_bins=2)
     strategy = S2D2Strategy(config, session)
     assert all(p.counts_prompt_tail is patch.ucb_progress_counts_prompt_tail for p in strategy.policies)

@@ -27,6 +27,7 @@ import hf_dllm_spec.runtime.graphs as graphs_runtime
 import hf_dllm_spec.runtime.static as static_runtime
 import model_patches
 from model_patches.compat import CACHE_KWARG
+from hf_dllm_spec.cost_model import check_gpu
 from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, load
 from hf_dllm_spec.jobs.main import SUB_BLOCKS, specs
 from hf_dllm_spec.maths.masks import causal_mask
@@ -40,14 +41,8 @@ from hf_dllm_spec.runtime.trace import trace_forwards
 
 MODELS = ROOT / "models"
 MAX_NEW_TOKENS = 8
-#: model -> (strategy rows of the main job on it, drafter): every strategy, every family.
-CASES = {
-    "sdar-tiny-arith": (["ar", "static", "dynamic", "s2d2"], None),
-    "fast-dllm-v2-tiny": (["ar", "fast_dllm_v2", "s2d2"], None),
-    "llada2-tiny": (["llada2", "s2d2-llada2"], None),
-    "sdar-large": (["simsd"], "sdar-tiny-arith"),
-    "qwen2-tiny-ar": (["ar", "deer"], "deer-drafter-tiny"),
-}
+#: model -> (strategy rows of the main job on it, drafter): every strategy, every family (check-gpu's table).
+CASES = check_gpu.CASES
 TIMES = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s", "warmup_time_s", "runtime"}
 
 
@@ -601,8 +596,8 @@ def test_inference_mode_with_captured_graphs(bundled, replayed_graphs, one_threa
 
 # -- finding 5: threads --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,strategy,rounds", [("sdar-tiny-arith", "s2d2", 50),
-                                                  ("qwen2-tiny-ar", "deer", 25),
-                                                  ("fast-dllm-v2-tiny", "fast_dllm_v2", 25)])
+                                                  ("qwen2-tiny-ar", "deer", 10),
+                                                  ("fast-dllm-v2-tiny", "fast_dllm_v2", 10)])
 def test_two_threads_on_one_model_get_their_own_tokens(name, strategy, rounds, bundled, one_thread):
     """Two threads call the static runtime of one model `rounds` times each with different prompts: each call waits
     its turn and returns its single-thread tokens (never another thread's, never a stray error)."""
@@ -778,8 +773,6 @@ def test_compile_plan_follows_the_bitsandbytes_rules(sdar_model, monkeypatch):
 def test_check_gpu_rows_on_stood_in_graphs(replayed_graphs, monkeypatch, one_thread):
     """check-gpu's first check, run on the CPU with capture stood in for: every row compares tokens and counters
     with the eager runtime and reports the capture; a failed capture makes its row fail."""
-    from hf_dllm_spec.cost_model import check_gpu
-
     monkeypatch.setattr(check_gpu, "CASES", {"sdar-tiny-arith": (["dynamic"], None),
                                              "qwen2-tiny-ar": (["deer"], "deer-drafter-tiny")})
     rows = check_gpu.check_tokens(torch.device("cpu"), torch.float32, max_new_tokens=8)

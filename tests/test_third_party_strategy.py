@@ -5,6 +5,7 @@ point group of an installed package) and the server. Plus the registry's rules f
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -28,12 +29,13 @@ PROMPT = "Question: Tom has 3 apples. He gets 2 more. How many apples does Tom h
 def burst():
     """The example module, imported (which registers `burst`); the registry restored afterwards."""
     before = dict(STRATEGIES)
-    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location("custom_strategy", EXAMPLES / "custom_strategy.py")
+    module = sys.modules["custom_strategy"] = importlib.util.module_from_spec(spec)
     try:
-        import custom_strategy
-        yield custom_strategy
+        spec.loader.exec_module(module)
+        yield module
     finally:
-        sys.path.remove(str(EXAMPLES))
+        sys.modules.pop("custom_strategy", None)
         STRATEGIES.clear()
         STRATEGIES.update(before)
         register_strategy(before["ar"])                  # refresh the routed keywords

@@ -137,6 +137,10 @@ def compile_plan(model, generation_config: GenerationConfig) -> tuple[str, str]:
         return "eager", reason
     if bits == 8:
         return "eager", "bitsandbytes 8-bit layers cannot be captured in CUDA graphs"
+    tp_size = getattr(model, "tp_size", None) or 1
+    if tp_size > 1:
+        return "eager", f"tensor-parallel model (tp_size={tp_size}): capturing or compiling its collectives is not " \
+                        "verified yet"
     if config is not None:
         if bits is not None:
             return "eager", "bitsandbytes weights cannot be compiled (transformers' `HfQuantizer.is_compileable` " \
