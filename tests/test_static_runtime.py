@@ -796,3 +796,12 @@ def test_check_gpu_refuses_without_cuda(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["check-gpu"])
     assert exit_info.value.code == 2 and "check-gpu needs a CUDA device" in capsys.readouterr().err
+
+
+def test_compile_plan_keeps_tensor_parallel_models_eager(sdar_model, monkeypatch):
+    """Capturing or compiling a sharded model's collectives is not verified: eager forwards, with the reason."""
+    monkeypatch.setattr(static_runtime, "execution_device", lambda model: torch.device("cuda"))
+    assert compile_plan(sdar_model, GenerationConfig(cache_implementation="static"))[0] == "cuda_graph"
+    monkeypatch.setattr(sdar_model, "_tp_size", 2, raising=False)
+    mode, reason = compile_plan(sdar_model, GenerationConfig(cache_implementation="static"))
+    assert mode == "eager" and "tensor-parallel model (tp_size=2)" in reason
