@@ -23,6 +23,7 @@ import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig
 
 import hf_dllm_spec
+import hf_dllm_spec.integration.plan as plan_module
 import hf_dllm_spec.runtime.graphs as graphs_runtime
 import hf_dllm_spec.runtime.static as static_runtime
 import model_patches
@@ -132,7 +133,7 @@ def test_overflowing_cache_and_width_buckets(bundled, monkeypatch, one_thread):
     """A cache allocated far too short grows (several times) mid-call, and widths above a small granule go to its
     multiples: tokens and counts stay the eager ones."""
     tokenizer, model = bundled["sdar-tiny-arith"]
-    monkeypatch.setattr(hf_dllm_spec.integration.generate, "static_cache_length", lambda *args: 1)
+    monkeypatch.setattr(plan_module, "static_cache_length", lambda *args: 1)
     monkeypatch.setattr(static_runtime, "WIDTH_GRANULE", 8)
     monkeypatch.setattr(static_runtime, "LENGTH_GRANULE", 8)
     assert [width_bucket(w) for w in (1, 3, 8, 9, 17)] == [1, 4, 8, 16, 24]
