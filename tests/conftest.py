@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -92,3 +95,13 @@ def left_padded_batch(lengths, seed: int = 1, high: int = 90):
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
     return ids, mask, prompts
+
+
+@contextlib.contextmanager
+def torchrun_lock():
+    """Hold a lock file while a test runs a `torchrun` job: parallel test workers start one job at a time (two at
+    once contend for the CPU cores and their rendezvous)."""
+    from filelock import FileLock
+
+    with FileLock(str(pathlib.Path(tempfile.gettempdir()) / "hf-dllm-spec-torchrun.lock")):
+        yield
