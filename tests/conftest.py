@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,11 +98,15 @@ def left_padded_batch(lengths, seed: int = 1, high: int = 90):
     return ids, mask, prompts
 
 
-@contextlib.contextmanager
-def torchrun_lock():
-    """Hold a lock file while a test runs a `torchrun` job: parallel test workers start one job at a time (two at
-    once contend for the CPU cores and their rendezvous)."""
+def run_torchrun(script, *args: str, timeout: int) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node 2 script *args` on the CPU (one thread per rank, offline, the repository
+    importable), holding a lock file: parallel test workers start one torchrun job at a time (two at once contend for
+    the CPU cores and their rendezvous)."""
     from filelock import FileLock
 
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(root))
     with FileLock(str(pathlib.Path(tempfile.gettempdir()) / "hf-dllm-spec-torchrun.lock")):
-        yield
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               str(script), *args], capture_output=True, text=True, env=env, cwd=root,
+                              timeout=timeout)

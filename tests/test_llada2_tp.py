@@ -13,9 +13,6 @@ that cannot split is refused before any weight loads, naming the value, the rule
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import fields
 
 import pytest
@@ -24,7 +21,7 @@ import torch
 from hf_dllm_spec.jobs.evaluation import ROOT
 from model_patches.llada2 import (LLaDA2MoeConfig, LLaDA2MoeModelLM, check_parallel_sizes,
                                   resolved_parallel_layout)
-from conftest import torchrun_lock
+from conftest import run_torchrun
 
 LLADA2_DIR = ROOT / "models" / "llada2-tiny"
 
@@ -121,10 +118,7 @@ def test_tensor_parallel_llada2_and_sdar_give_the_single_process_tokens(tmp_path
         pytest.skip("needs torch.distributed with gloo")
     script = tmp_path / "tp_llada2.py"
     script.write_text(_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    with torchrun_lock():                # one torchrun job at a time (parallel test workers)
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               str(script), str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    done = run_torchrun(script, str(tmp_path), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1]

@@ -21,7 +21,7 @@ from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, load
 from hf_dllm_spec.runtime.placement import execution_device
 from hf_dllm_spec.runtime.runner import ModelRunner
 from recipes.arithmetic import format_prompt
-from conftest import torchrun_lock
+from conftest import run_torchrun
 
 SDAR_DIR = ROOT / "models" / "sdar-tiny-arith"
 FAST_DIR = ROOT / "models" / "fast-dllm-v2-tiny"
@@ -243,19 +243,11 @@ for strategy in ("ar", "s2d2"):
 @pytest.mark.slow
 def test_tensor_parallel_sdar_equals_the_plain_model(tmp_path):
     """`DistributedConfig(tp_plan="auto")` (SDAR inherits Qwen3's `base_model_tp_plan`) under torchrun."""
-    import os
-    import subprocess
-    import sys
-
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     script = tmp_path / "tp.py"
     script.write_text(_TP_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    with torchrun_lock():                # one torchrun job at a time (parallel test workers)
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               str(script)],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    done = run_torchrun(script, timeout=300)
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank="))
     assert done.returncode == 0, done.stderr[-2000:]
     assert lines == [f"rank={r} sharded=True {s}=True" for r in (0, 1) for s in ("ar", "s2d2")], lines

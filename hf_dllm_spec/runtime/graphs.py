@@ -127,6 +127,13 @@ class CapturedForwards:
             return f"CUDA graph capture failed ({failure.reason}): eager forwards in this call, retried once later"
         return f"an earlier CUDA graph capture failed ({failure.reason}); retried in this call"
 
+    def bound(self, max_graphs: int) -> None:
+        """Keep at most `max_graphs` graphs from now on, dropping the least recently used ones past it."""
+        self.max_graphs = max_graphs
+        while len(self.graphs) > max_graphs:
+            self.graphs.popitem(last=False)
+            self.evictions += 1
+
     def clear(self) -> None:
         """Drop every graph and the pool (the buffers they were captured against are gone); keep the failures."""
         self.graphs.clear()
@@ -180,9 +187,7 @@ class CapturedForwards:
                 return out.clone()
         self.graphs[key] = _Graph(replay, buffers, output)
         self.captures += 1
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
-            self.evictions += 1
+        self.bound(self.max_graphs)
         return out.clone()
 
     def _fail(self, error: BaseException, call: int) -> None:

@@ -272,10 +272,7 @@ def configure_static_runtime(model, *, max_graphs: int = DEFAULT_MAX_GRAPHS) -> 
     holder = _holder(model)
     holder.max_graphs = max_graphs
     for state in holder.states.values():
-        state.graphs.max_graphs = max_graphs
-        while len(state.graphs.graphs) > max_graphs:
-            state.graphs.graphs.popitem(last=False)
-            state.graphs.evictions += 1
+        state.graphs.bound(max_graphs)
 
 
 @contextlib.contextmanager
@@ -417,7 +414,7 @@ class StaticModelRunner(ModelRunner):
             pos[:, front:] = position_ids
         else:                                      # already at its bucket: no copies
             wide, ids, pos = intra, input_ids, position_ids
-        inputs = (ids, pos, wide, columns.expand(n, width), self.lengths)
+        inputs = (ids, pos, wide, columns, self.lengths)
         if self.compile_mode != "eager":
             inputs = _pad_rows(inputs, rows_bucket(n, self.cache.batch_capacity))
         with self.timer.span("forward"), self._own_span(), self._traced(kind, n, width, s, kept):

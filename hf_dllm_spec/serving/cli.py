@@ -32,7 +32,7 @@ import json
 import os
 from typing import Any
 
-from ..jobs import CACHE_IMPLEMENTATIONS
+from ..jobs import CACHE_IMPLEMENTATIONS, positive_int
 from .limits import API_KEY_ENV
 from .loading import LoadOptions, add_loading_arguments
 
@@ -81,11 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--api-key", default=None, metavar="KEY",
                         help=f"require `Authorization: Bearer KEY` on every route but /health (401 otherwise); "
                              f"default: the environment variable {API_KEY_ENV}, else no key")
-    limits.add_argument("--max-body-bytes", type=_positive, default=4 * 2 ** 20, metavar="N",
+    limits.add_argument("--max-body-bytes", type=positive_int, default=4 * 2 ** 20, metavar="N",
                         help="largest request body; larger ones get 413 before they are read (default 4194304)")
-    limits.add_argument("--max-json-depth", type=_positive, default=32, metavar="N",
+    limits.add_argument("--max-json-depth", type=positive_int, default=32, metavar="N",
                         help="deepest nesting of JSON arrays and objects in a body (default 32)")
-    limits.add_argument("--max-prompt-tokens", type=_positive, default=32768, metavar="N",
+    limits.add_argument("--max-prompt-tokens", type=positive_int, default=32768, metavar="N",
                         help="longest prompt in tokens, after the chat template (default 32768; the model's context "
                              "is checked too)")
     limits.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -99,13 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="uvicorn closes a connection idle for that long (default 5)")
     limits.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
                         help="uvicorn answers 503 past N open connections and tasks (default: no limit)")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
 
 
 def _is_loopback(host: str) -> bool:
