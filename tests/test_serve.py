@@ -355,11 +355,11 @@ def test_serve_command_serves_until_stopped(tmp_path):
 
 
 def test_benchmark_reports_every_setting_with_the_baseline_texts(one_thread, capsys):
-    """`hf_dllm_spec.serving.bench` (tiny settings, both runtimes): a row per runtime and setting with latency
+    """`hf_dllm_spec.tools.serving_bench` (tiny settings, both runtimes): a row per runtime and setting with latency
     and time to first token, each run returned the baseline's texts."""
-    from hf_dllm_spec.serving import bench
+    from hf_dllm_spec.tools import serving_bench
 
-    rows = bench.main(["--num-prompts", "3", "--max-tokens", "4", "--concurrency", "1", "3", "--repeats", "1",
+    rows = serving_bench.main(["--num-prompts", "3", "--max-tokens", "4", "--concurrency", "1", "3", "--repeats", "1",
                        "--runtimes", "eager", "static"])
     table = capsys.readouterr().out
     for runtime in ("eager", "static"):

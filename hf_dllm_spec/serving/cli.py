@@ -32,7 +32,7 @@ import json
 import os
 from typing import Any
 
-from ..jobs import CACHE_IMPLEMENTATIONS, positive_int
+from ..cli_args import CACHE_IMPLEMENTATIONS, positive_int
 from .limits import API_KEY_ENV
 from .loading import LoadOptions, add_loading_arguments
 

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..jobs import DTYPES, UsageError
+from ..cli_args import DTYPES, UsageError
 
 LOAD_DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("4bit", "8bit")

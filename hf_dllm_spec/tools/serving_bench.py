@@ -1,7 +1,7 @@
 """Benchmark: the server with concurrent clients against the same prompts decoded one at a time, per runtime.
 
-    python -m hf_dllm_spec.serving.bench                          # bundled model, 32 prompts, 1/8/32 clients, eager
-    python -m hf_dllm_spec.serving.bench --runtimes eager static --concurrency 1 32 --max-concurrent-batches 2
+    python -m hf_dllm_spec.tools.serving_bench                    # bundled model, 32 prompts, 1/8/32 clients, eager
+    python -m hf_dllm_spec.tools.serving_bench --runtimes eager static --concurrency 1 32 --max-concurrent-batches 2
 
 In one process, for each runtime (`eager`, or `static`: `cache_implementation="static"` on the model's generation
 config, as `serve --cache-implementation static` sets it): every prompt through `model.generate` one at a time (the
@@ -91,7 +91,7 @@ def _set_runtime(served, runtime: str) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Run the benchmark; print and return one row per runtime and setting."""
-    from .app import create_app, load_served_model, serve_in_background
+    from ..serving.app import create_app, load_served_model, serve_in_background
 
     served = load_served_model(args.model, draft_model=args.draft_model, strategy=args.strategy,
                                max_concurrent_batches=args.max_concurrent_batches)
@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="python -m hf_dllm_spec.serving.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hf_dllm_spec.tools.serving_bench",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint (default: the bundled model)")
     parser.add_argument("--draft-model", default=None, metavar="PATH")
     parser.add_argument("--strategy", default=None, help="default: the model's stored strategy")
