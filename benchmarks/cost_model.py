@@ -5,11 +5,11 @@
         --count-device cuda --count-runtime static       # GPU: static runtime vs stock AR, the issue-25 targets
     hf-dllm-spec bench-gpu                                # the same (GPU defaults), into runs/bench-gpu-<date>-<time>/
 
-The code is `hf_dllm_spec.cost_model` (its docstring lists the phases and commands; docs/performance.md states
+The code is `hf_dllm_spec.tools.cost_model` (its docstring lists the phases and commands; docs/performance.md states
 the equations and the results). Results: benchmarks/results/cost_model/.
 """
 
-from hf_dllm_spec.cost_model.cli import main
+from hf_dllm_spec.tools.cost_model.cli import main
 
 if __name__ == "__main__":
     main()

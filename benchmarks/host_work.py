@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_dllm_spec
 import model_patches
-from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, load
-from hf_dllm_spec.jobs.main import SUB_BLOCKS, specs
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
+from hf_dllm_spec.tools.jobs.main import SUB_BLOCKS, specs
 from hf_dllm_spec.runtime.static import StaticModelRunner
 from hf_dllm_spec.runtime.syncs import count_host_syncs
 

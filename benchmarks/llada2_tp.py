@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 benchmarks/llada2_tp.py \
         [--checkpoint /tmp/llada2.1-mini-random] [--layers 20] [--batch 1,8] [--max-new-tokens 128] [--repeats 3]
 
-LLaDA2.1-mini shapes (`hf_dllm_spec.cost_model.shapes.SHAPES["LLaDA2.1-mini"]`: 20 layers, hidden 2048, 16 heads /
+LLaDA2.1-mini shapes (`hf_dllm_spec.tools.cost_model.shapes.SHAPES["LLaDA2.1-mini"]`: 20 layers, hidden 2048, 16 heads /
 4 K/V heads, 256 experts of 512, top-8, 1 shared expert; 16.3B parameters, about 33 GB in bf16) with seeded random
 weights, built on cuda:0 by rank 0 and saved once to `--checkpoint` in the Hub layout (reused when it exists;
 `--layers` shrinks the stack for a quick run). In the one torchrun job, the same checkpoint, prompts and call are
@@ -40,12 +40,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_dllm_spec.cost_model.shapes import SHAPES, Shape, build_model
+from hf_dllm_spec.tools.cost_model.shapes import SHAPES, Shape, build_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="LLaDA2.1-mini", help="a LLaDA2 shape of hf_dllm_spec.cost_model.shapes.SHAPES")
+    ap.add_argument("--shape", default="LLaDA2.1-mini",
+                    help="a LLaDA2 shape of hf_dllm_spec.tools.cost_model.shapes.SHAPES")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (llada2 shapes)")
     ap.add_argument("--checkpoint", default="/tmp/llada2-tp-random", help="where the random checkpoint is kept")
     ap.add_argument("--batch", default="1,8", help="comma list of batch sizes")

@@ -66,7 +66,7 @@ class BurstStrategy(BlockDiffusionStrategy):
 
 
 if __name__ == "__main__":
-    from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, load
+    from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
 
     tokenizer, model = load(ROOT / "models" / "sdar-tiny-arith")
     ids = tokenizer(arithmetic_prompts(ROOT / "models" / "sdar-tiny-arith", 1)[0].text, return_tensors="pt").input_ids

@@ -76,7 +76,7 @@ def load_target(path: str, dtype: torch.dtype, max_memory: dict | None, offload_
 
 def load_tokenizer(path: str):
     """`AutoTokenizer`, except for the bundled Qwen2-architecture models, which ship their own tokenizer.json
-    (declared "TokenizersBackend"; as `hf_dllm_spec.jobs.evaluation.load`)."""
+    (declared "TokenizersBackend"; as `hf_dllm_spec.tools.jobs.evaluation.load`)."""
     import json
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

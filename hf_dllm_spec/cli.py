@@ -30,8 +30,8 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from .jobs import (CACHE_IMPLEMENTATIONS, UsageError, add_model_argument, check_model, did_you_mean, positive_int,
-                   suggest)
+from .cli_args import CACHE_IMPLEMENTATIONS, UsageError, did_you_mean, positive_int, suggest
+from .tools.jobs import add_model_argument, check_model
 from .serving.loading import add_loading_arguments
 
 PARAM_PREFIX = "strategy_param:"
@@ -319,7 +319,7 @@ BENCH_GPU_SMOKE = ("hf-dllm-spec bench-gpu --device cpu --dtype float32 --shape 
 
 
 def _add_bench_gpu(sub) -> None:
-    from .cost_model import cli as cost_model_cli
+    from .tools.cost_model import cli as cost_model_cli
 
     p = sub.add_parser("bench-gpu", help="GPU benchmark: the static runtime against stock transformers' compiled AR",
                        formatter_class=_RAW,
@@ -337,12 +337,12 @@ def _add_bench_gpu(sub) -> None:
 
 
 def _bench_gpu(args: argparse.Namespace, argv: list[str]) -> None:
-    """`hf-dllm-spec bench-gpu`: `hf_dllm_spec.cost_model.cli.run` with the GPU defaults; no CUDA device for
+    """`hf-dllm-spec bench-gpu`: `hf_dllm_spec.tools.cost_model.cli.run` with the GPU defaults; no CUDA device for
     --device / --count-device is a usage error (exit 2) that names the CPU smoke command."""
     import shlex
 
-    from .cost_model import cli as cost_model_cli
-    from .jobs import fresh_out_dir
+    from .tools.cost_model import cli as cost_model_cli
+    from .tools.jobs import fresh_out_dir
 
     if args.count_device is None:
         args.count_device = args.device
@@ -353,7 +353,7 @@ def _bench_gpu(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def _add_check_gpu(sub) -> None:
-    from .cost_model import check_gpu
+    from .tools.cost_model import check_gpu
 
     p = sub.add_parser("check-gpu", help="GPU: is the static runtime (CUDA graphs) on the fast path and exact here?",
                        formatter_class=_RAW, description=check_gpu.__doc__.split("\n\n", 1)[1].split("\n\nSource")[0])
@@ -363,7 +363,7 @@ def _add_check_gpu(sub) -> None:
 
 def _check_gpu(args: argparse.Namespace, argv: list[str]) -> None:
     """`hf-dllm-spec check-gpu`: exit 0 when every check holds, 1 when one does not, 2 without a CUDA device."""
-    from .cost_model import check_gpu
+    from .tools.cost_model import check_gpu
 
     sys.exit(check_gpu.main(args))
 
@@ -387,7 +387,7 @@ def _strategies(args: argparse.Namespace, argv: list[str]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .jobs import batch, main as main_job, sweep
+    from .tools.jobs import batch, main as main_job, sweep
     from .serving import cli as serve
     from .strategies.registry import load_strategy_plugins
 

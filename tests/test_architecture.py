@@ -115,6 +115,22 @@ def test_no_circle_between_rooms():
     assert cycle is None, " -> ".join(cycle)
 
 
+def test_only_the_command_line_imports_the_tools():
+    """The tools (jobs, cost model, serving benchmark) are a floor above the library and the server: the decoding
+    path and the server never depend on them; only `hf_dllm_spec.cli` and the tools themselves import them."""
+    def is_tool(module: str) -> bool:
+        return module == "hf_dllm_spec.tools" or module.startswith("hf_dllm_spec.tools.")
+
+    offenders = {name: sorted(t for t in targets if is_tool(t)) for name, targets in graph().items()
+                 if not is_tool(name) and name != "hf_dllm_spec.cli"}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_tools_are_found_by_the_walk():
+    """The rule above reads real edges: the command line does import the tools."""
+    assert any(t.startswith("hf_dllm_spec.tools") for t in graph()["hf_dllm_spec.cli"])
+
+
 @pytest.mark.parametrize("edges,expected", [
     ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
     ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),

@@ -189,7 +189,7 @@ def test_reported_batches_that_crashed_equal_one_by_one(model_name, drafter_name
     import warnings
 
     import hf_dllm_spec
-    from hf_dllm_spec.jobs.evaluation import arithmetic_prompts, load
+    from hf_dllm_spec.tools.jobs.evaluation import arithmetic_prompts, load
 
     tokenizer, model = load(BUNDLED / model_name)
     if drafter_name is not None:

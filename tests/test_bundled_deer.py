@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_dllm_spec
-from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, humaneval_prompts, load
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, humaneval_prompts, load
 
 AR_DIR = ROOT / "models" / "qwen2-tiny-ar"
 DRAFTER_DIR = ROOT / "models" / "deer-drafter-tiny"

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from hf_dllm_spec.jobs.evaluation import ROOT
+from hf_dllm_spec.tools.jobs.evaluation import ROOT
 
 AR_DIR = ROOT / "models" / "qwen2-tiny-ar"
 FAST_DIR = ROOT / "models" / "fast-dllm-v2-tiny"
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def _prompts(tokenizer, model_dir, n: int = 3) -> list[torch.Tensor]:
-    from hf_dllm_spec.jobs.evaluation import arithmetic_prompts, humaneval_prompts
+    from hf_dllm_spec.tools.jobs.evaluation import arithmetic_prompts, humaneval_prompts
 
     texts = [p.text for p in arithmetic_prompts(model_dir, n)] + [humaneval_prompts(1)[0].text]
     return [tokenizer(t, return_tensors="pt").input_ids for t in texts]
@@ -24,7 +24,7 @@ def _prompts(tokenizer, model_dir, n: int = 3) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def ar():
-    from hf_dllm_spec.jobs.evaluation import load
+    from hf_dllm_spec.tools.jobs.evaluation import load
 
     tokenizer, model = load(AR_DIR)
     return tokenizer, model, _prompts(tokenizer, AR_DIR)
@@ -32,7 +32,7 @@ def ar():
 
 @pytest.fixture(scope="module")
 def fast():
-    from hf_dllm_spec.jobs.evaluation import load
+    from hf_dllm_spec.tools.jobs.evaluation import load
 
     tokenizer, model = load(FAST_DIR)
     return tokenizer, model, _prompts(tokenizer, FAST_DIR)
@@ -42,7 +42,7 @@ def test_ar_model_tokenizer_is_the_bundled_one(ar):
     """The AR model's tokenizer tokenizes exactly as the SDAR model's (not as transformers' Qwen2Tokenizer)."""
     from transformers import PreTrainedTokenizerFast
 
-    from hf_dllm_spec.jobs.evaluation import DEFAULT_MODEL
+    from hf_dllm_spec.tools.jobs.evaluation import DEFAULT_MODEL
 
     tokenizer, _, _ = ar
     sdar = PreTrainedTokenizerFast.from_pretrained(DEFAULT_MODEL)

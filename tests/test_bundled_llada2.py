@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from safetensors import safe_open
 
-from hf_dllm_spec.jobs.evaluation import ROOT
+from hf_dllm_spec.tools.jobs.evaluation import ROOT
 
 MODEL_DIR = ROOT / "models" / "llada2-tiny"
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def bundled():
-    from hf_dllm_spec.jobs.evaluation import arithmetic_prompts, load
+    from hf_dllm_spec.tools.jobs.evaluation import arithmetic_prompts, load
 
     tokenizer, model = load(MODEL_DIR)
     prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in arithmetic_prompts(MODEL_DIR, 4)]

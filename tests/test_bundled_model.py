@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dllm_spec.jobs.evaluation import DEFAULT_MODEL as MODEL_DIR
+from hf_dllm_spec.tools.jobs.evaluation import DEFAULT_MODEL as MODEL_DIR
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def bundled():
-    from hf_dllm_spec.jobs.evaluation import arithmetic_prompts, humaneval_prompts, load
+    from hf_dllm_spec.tools.jobs.evaluation import arithmetic_prompts, humaneval_prompts, load
 
     tokenizer, model = load(MODEL_DIR)
     prompts = [p.text for p in arithmetic_prompts(MODEL_DIR, 3)] + [humaneval_prompts(1)[0].text]
@@ -67,7 +67,7 @@ def test_statistics_add_up(bundled, strategy, params):
 @pytest.fixture(scope="module")
 def real_batch(bundled):
     """8 real prompts of different lengths (arithmetic and HumanEval), left-padded by the tokenizer."""
-    from hf_dllm_spec.jobs.evaluation import arithmetic_prompts, humaneval_prompts
+    from hf_dllm_spec.tools.jobs.evaluation import arithmetic_prompts, humaneval_prompts
 
     tokenizer, _, _ = bundled
     texts = [p.text for p in arithmetic_prompts(MODEL_DIR, 5)] + [p.text for p in humaneval_prompts(3)]

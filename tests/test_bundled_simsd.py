@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dllm_spec.jobs.evaluation import ROOT, StrategySpec, arithmetic_prompts, humaneval_prompts, load, run
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, StrategySpec, arithmetic_prompts, humaneval_prompts, load, run
 
 TARGET_DIR = ROOT / "models" / "sdar-large"
 DRAFTER_DIR = ROOT / "models" / "sdar-tiny-arith"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_dllm_spec import cli
-from hf_dllm_spec.jobs.evaluation import DEFAULT_MODEL, ROOT, arithmetic_prompts, load
+from hf_dllm_spec.tools.jobs.evaluation import DEFAULT_MODEL, ROOT, arithmetic_prompts, load
 from hf_dllm_spec.strategies.registry import STRATEGIES, resolve_config
 
 SUBCOMMANDS = ("generate", "main", "bench", "bench-batch", "export", "strategies", "serve", "bench-gpu")
@@ -254,8 +254,8 @@ def test_main_with_a_custom_prompt_and_no_second_set(capsys):
 
 
 def test_bench_writes_rows_as_they_finish_into_a_fresh_folder(capsys, monkeypatch, tmp_path):
-    from hf_dllm_spec.jobs.evaluation import StrategySpec
-    from hf_dllm_spec.jobs import fresh_out_dir, sweep
+    from hf_dllm_spec.tools.jobs.evaluation import StrategySpec
+    from hf_dllm_spec.tools.jobs import fresh_out_dir, sweep
 
     written = []
     real_table = sweep.table

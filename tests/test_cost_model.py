@@ -1,4 +1,4 @@
-"""hf_dllm_spec.cost_model (benchmarks/cost_model.py): the pure maths (interpolation, prediction, efficiency)
+"""hf_dllm_spec.tools.cost_model (benchmarks/cost_model.py): the pure maths (interpolation, prediction, efficiency)
 against hand-computed values, the COUNT phase's trace against the statistics, and a smoke run of the COUNT and
 TIME phases on the bundled SDAR model (1 prompt, 8 tokens, tiny shape)."""
 
@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-from hf_dllm_spec.cost_model.cli import main
-from hf_dllm_spec.cost_model.count import count_phase, default_rows, tally
-from hf_dllm_spec.cost_model.measure import representative_context, select_widths
-from hf_dllm_spec.cost_model.predict import (TimeCurve, efficiency, interpolate, outside_per_step, predict_phase,
+from hf_dllm_spec.tools.cost_model.cli import main
+from hf_dllm_spec.tools.cost_model.count import count_phase, default_rows, tally
+from hf_dllm_spec.tools.cost_model.measure import representative_context, select_widths
+from hf_dllm_spec.tools.cost_model.predict import (TimeCurve, efficiency, interpolate, outside_per_step, predict_phase,
                                              predict_seconds)
-from hf_dllm_spec.cost_model.shapes import SCALES, SHAPES, build_model
+from hf_dllm_spec.tools.cost_model.shapes import SCALES, SHAPES, build_model
 from hf_dllm_spec.outputs import FORWARD_KINDS
 
 
@@ -198,7 +198,7 @@ def _hand_targets_inputs():
 
 def test_targets_by_hand_meet_and_miss():
     """Ratios are the plain divisions and every met / not met follows its number (both outcomes occur)."""
-    from hf_dllm_spec.cost_model.predict import targets_phase
+    from hf_dllm_spec.tools.cost_model.predict import targets_phase
 
     count, timing, predict = _hand_targets_inputs()
     targets = targets_phase(count, timing, predict, "tiny")
@@ -225,7 +225,7 @@ def test_time_ar_steps_takes_the_prefill_out(monkeypatch):
     """t(n) = 50 ms + 10 ms x n on a fake clock: the step is 10 ms, the whole call 90 ms for 4 tokens."""
     import torch
 
-    from hf_dllm_spec.cost_model import baseline
+    from hf_dllm_spec.tools.cost_model import baseline
 
     clock = [0.0]
     monkeypatch.setattr(baseline, "now", lambda device: clock[0])
@@ -241,8 +241,8 @@ def test_time_ar_steps_takes_the_prefill_out(monkeypatch):
 
 
 def test_stock_twins_have_the_dimensions_of_the_shape():
-    from hf_dllm_spec.cost_model.baseline import stock_twin
-    from hf_dllm_spec.cost_model.shapes import count_parameters
+    from hf_dllm_spec.tools.cost_model.baseline import stock_twin
+    from hf_dllm_spec.tools.cost_model.shapes import count_parameters
 
     sdar, fast = stock_twin(SHAPES["tiny:sdar-tiny-arith"]), stock_twin(SHAPES["tiny:fast-dllm-v2-tiny"])
     assert (sdar.family, fast.family) == ("qwen3", "qwen2")
@@ -258,7 +258,7 @@ def test_static_time_forward_gives_the_eager_logits(name):
     call (`time_forward`'s EagerForward) give the same logits for one width; the write position stays put."""
     import torch
 
-    from hf_dllm_spec.cost_model.measure import EagerForward, StaticForward, time_static_forward
+    from hf_dllm_spec.tools.cost_model.measure import EagerForward, StaticForward, time_static_forward
     from hf_dllm_spec.runtime.static import static_cache_length
 
     model = build_model(SHAPES[name], torch.device("cpu"), torch.float32, "none", 0)

@@ -16,7 +16,7 @@ import torch
 from transformers import TextDiffusionStreamer
 
 import model_patches
-from hf_dllm_spec.jobs.evaluation import load
+from hf_dllm_spec.tools.jobs.evaluation import load
 from hf_dllm_spec.integration.generate import dllm_generate
 from hf_dllm_spec.integration.mixin import DllmGenerationMixin
 from hf_dllm_spec.strategies.registry import resolve_config

@@ -246,7 +246,7 @@ def test_lm_eval_stop_criteria_batch_equals_single(strategy, kwargs):
     does) on a batch of 8 bundled-model prompts: no row is lost, and each text up to the stop sequence equals the
     text of that prompt decoded alone with criteria of batch size 1."""
     utils_hf = pytest.importorskip("lm_eval.models.utils_hf")
-    from hf_dllm_spec.jobs.evaluation import arithmetic_prompts, load
+    from hf_dllm_spec.tools.jobs.evaluation import arithmetic_prompts, load
 
     tokenizer, model = load(MODEL_DIR)
     tokenizer.padding_side = "left"

@@ -18,7 +18,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from hf_dllm_spec.jobs.evaluation import ROOT
+from hf_dllm_spec.tools.jobs.evaluation import ROOT
 from model_patches.llada2 import (LLaDA2MoeConfig, LLaDA2MoeModelLM, check_parallel_sizes,
                                   resolved_parallel_layout)
 from conftest import run_torchrun
@@ -36,8 +36,8 @@ from transformers.distributed import DistributedConfig
 
 import hf_dllm_spec, model_patches
 from model_patches.compat import output_cache
-from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, load
-from hf_dllm_spec.jobs.main import specs
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
+from hf_dllm_spec.tools.jobs.main import specs
 
 TIMES = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s", "warmup_time_s", "runtime"}
 #: (model, rows, layout): tensor parallelism for both families, then LLaDA2's routed experts split by expert

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from hf_dllm_spec.jobs.evaluation import load
+from hf_dllm_spec.tools.jobs.evaluation import load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -96,7 +96,7 @@ def fresh(tmp_path_factory) -> dict[str, dict]:
 
 
 def in_process_tokens(model: str) -> list[list[int]]:
-    """The same calls on the library's own classes (`hf_dllm_spec.jobs.evaluation.load`) in this process."""
+    """The same calls on the library's own classes (`hf_dllm_spec.tools.jobs.evaluation.load`) in this process."""
     tokenizer, target = load(MODELS / model)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     out = []

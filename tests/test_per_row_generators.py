@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hf_dllm_spec
-from hf_dllm_spec.jobs.evaluation import ROOT, load
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
 from hf_dllm_spec.maths.sampling import RowGenerators, draw_categorical, draw_uniforms, rows_of
 from hf_dllm_spec.maths.verification import rejection_sample
 

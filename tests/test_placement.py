@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_dllm_spec
 import hf_dllm_spec.runtime.static as static_runtime
-from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, load
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
 from hf_dllm_spec.runtime.placement import execution_device
 from hf_dllm_spec.runtime.runner import ModelRunner
 from recipes.arithmetic import format_prompt
@@ -226,7 +226,7 @@ import sys, torch, torch.distributed as dist
 import hf_dllm_spec
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
-from hf_dllm_spec.jobs.evaluation import DEFAULT_MODEL, arithmetic_prompts, load
+from hf_dllm_spec.tools.jobs.evaluation import DEFAULT_MODEL, arithmetic_prompts, load
 hf_dllm_spec.register_auto_classes()
 model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32,
                                              distributed_config=DistributedConfig(tp_plan="auto")).eval()

@@ -20,7 +20,7 @@ pytest.importorskip("bitsandbytes", reason="the `quant` extra (bitsandbytes) is 
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedTokenizerFast  # noqa: E402
 
 import hf_dllm_spec  # noqa: E402
-from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts  # noqa: E402
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts  # noqa: E402
 from hf_dllm_spec.integration.mixin import DllmGenerationMixin  # noqa: E402
 from hf_dllm_spec.runtime.quantization import check_quantized_model, quantization_of  # noqa: E402
 

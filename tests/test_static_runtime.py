@@ -28,9 +28,9 @@ import hf_dllm_spec.runtime.graphs as graphs_runtime
 import hf_dllm_spec.runtime.static as static_runtime
 import model_patches
 from model_patches.compat import CACHE_KWARG
-from hf_dllm_spec.cost_model import check_gpu
-from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, load
-from hf_dllm_spec.jobs.main import SUB_BLOCKS, specs
+from hf_dllm_spec.tools.cost_model import check_gpu
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
+from hf_dllm_spec.tools.jobs.main import SUB_BLOCKS, specs
 from hf_dllm_spec.maths.masks import causal_mask
 from hf_dllm_spec.outputs import BatchStats
 from hf_dllm_spec.runtime.runner import ModelRunner

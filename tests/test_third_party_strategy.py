@@ -43,7 +43,7 @@ def burst():
 
 @pytest.fixture(scope="module")
 def bundled():
-    from hf_dllm_spec.jobs.evaluation import load
+    from hf_dllm_spec.tools.jobs.evaluation import load
 
     return load(MODELS / "sdar-tiny-arith")
 

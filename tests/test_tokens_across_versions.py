@@ -21,8 +21,8 @@ import transformers
 
 import hf_dllm_spec
 import model_patches
-from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, humaneval_prompts, load
-from hf_dllm_spec.jobs.main import SUB_BLOCKS, specs
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, humaneval_prompts, load
+from hf_dllm_spec.tools.jobs.main import SUB_BLOCKS, specs
 
 DATA = pathlib.Path(__file__).parent / "data" / "tokens_across_versions.json"
 WRITE = os.environ.get("HF_DLLM_SPEC_WRITE_TOKENS") == "1"

@@ -181,7 +181,7 @@ def test_pipeline_decodes_with_a_strategy_as_generate_does():
     model: each text equals `model.generate` of that prompt alone (greedy: the pipeline's own default samples)."""
     from transformers import pipeline
 
-    from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts, load
+    from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
 
     path = ROOT / "models" / "sdar-tiny-arith"
     tokenizer, model = load(path)

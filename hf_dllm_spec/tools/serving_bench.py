@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ..jobs.evaluation import DEFAULT_MODEL, arithmetic_prompts
+from .jobs.evaluation import DEFAULT_MODEL, arithmetic_prompts
 
 RUNTIMES = {"eager": None, "static": "static"}
 

@@ -49,7 +49,7 @@ def default_rows() -> list[Row]:
     """The best settings of the existing benchmarks (benchmarks/results/*/sweep.md, greedy, held-out arithmetic).
 
     - sdar (`models/sdar-tiny-arith`): AR (block size 1), dynamic 0.9 at B=4 (best accuracy of the dynamic rows),
-      and the four S2D2 routing presets of `hf_dllm_spec.jobs.sweep.s2d2_presets` at B=4.
+      and the four S2D2 routing presets of `hf_dllm_spec.tools.jobs.sweep.s2d2_presets` at B=4.
     - simsd (`models/sdar-large` target, `models/sdar-tiny-arith` drafter): AR, SimSD `simsd-dynamic` at B=4 (best
       SimSD row: 96% exact match, 1.86x).
     - fast_dllm_v2 (`models/fast-dllm-v2-tiny`): AR (separate block writes, as the sweep), the family decoder at
@@ -58,7 +58,7 @@ def default_rows() -> list[Row]:
       `llada2.1-mini-quality` (the sweep's best accuracy at > 1.5x).
     - deer (`models/qwen2-tiny-ar` target, `models/deer-drafter-tiny` drafter): AR, DEER k=16 (best sweep speed).
     """
-    from hf_dllm_spec.jobs.sweep import s2d2_presets
+    from hf_dllm_spec.tools.jobs.sweep import s2d2_presets
 
     rows = [Row("sdar", "AR", "ar", {}, "sdar-tiny-arith"),
             Row("sdar", "dynamic 0.9 B=4", "block_diffusion", {"block_size": 4, "confidence_threshold": 0.9},
@@ -99,7 +99,8 @@ def tally(records: Iterable[ForwardRecord]) -> list[list]:
     batched = sorted({r.rows for r in records} - {1})
     if batched:
         raise ValueError(f"tally: forwards with {batched} batch rows; the COUNT phase records batch-size-1 forwards "
-                         "only. Run one prompt per `generate` call (`hf_dllm_spec.jobs.evaluation.run`, batch_size=1).")
+                         "only. Run one prompt per `generate` call (`hf_dllm_spec.tools.jobs.evaluation.run`, "
+                         "batch_size=1).")
     counts = Counter((r.role, r.kind, r.width, r.context, r.keep) for r in records)
     return [[*key, n] for key, n in sorted(counts.items())]
 
@@ -129,7 +130,7 @@ def count_phase(rows: list[Row], num_prompts: int, max_new_tokens: int, seed: in
     Raises:
         ValueError: if `repeats` < 1 or `runtime` is not "eager" or "static".
     """
-    from hf_dllm_spec.jobs.evaluation import StrategySpec, arithmetic_prompts, load, run as run_spec
+    from hf_dllm_spec.tools.jobs.evaluation import StrategySpec, arithmetic_prompts, load, run as run_spec
 
     if repeats < 1:
         raise ValueError(f"count_phase: `repeats` (={repeats}) must be >= 1; pass --count-repeats 1 or more.")

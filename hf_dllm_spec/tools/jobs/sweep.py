@@ -32,9 +32,9 @@ import time
 
 import torch
 
+from ...cli_args import UsageError, add_dtype_argument, float_list, int_list, non_negative_int
 from .evaluation import LEGEND, StrategySpec, arithmetic_prompts, humaneval_prompts, run as run_spec, table
-from . import (UsageError, add_dtype_argument, add_model_argument, float_list, fresh_out_dir, int_list, job_main,
-               load_checkpoint, non_negative_int)
+from . import add_model_argument, fresh_out_dir, job_main, load_checkpoint
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 

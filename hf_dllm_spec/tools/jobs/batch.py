@@ -25,8 +25,9 @@ import time
 import torch
 from tqdm import tqdm
 
+from ...cli_args import add_dtype_argument, positive_int
 from .evaluation import StrategySpec, arithmetic_prompts, humaneval_prompts
-from . import add_dtype_argument, add_model_argument, fresh_out_dir, job_main, load_checkpoint, positive_int
+from . import add_model_argument, fresh_out_dir, job_main, load_checkpoint
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from hf_dllm_spec.jobs import UsageError
-from hf_dllm_spec.jobs.evaluation import ROOT
+from hf_dllm_spec.cli_args import UsageError
+from hf_dllm_spec.tools.jobs.evaluation import ROOT
 
 from .count import GROUPS, count_phase, default_rows
 from .measure import RUNTIMES, STATS, time_phase

@@ -20,11 +20,11 @@ from tqdm import tqdm
 
 from recipes.arithmetic import extract_answer, format_prompt
 
-from ..outputs import SpecDecodingStats
-from ..runtime.placement import execution_device
+from ...outputs import SpecDecodingStats
+from ...runtime.placement import execution_device
 
 #: The source checkout (an editable install): the bundled model and the benchmark results live there.
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 DEFAULT_MODEL = ROOT / "models" / "sdar-tiny-arith"
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
@@ -67,7 +67,7 @@ def load(model_dir: pathlib.Path | str, dtype: torch.dtype = torch.float32):
     """Tokenizer and model through the Auto classes (no remote code)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import register_auto_classes
+    from ... import register_auto_classes
 
     register_auto_classes()          # SDAR checkpoints load through the Auto classes, no remote code
 
@@ -124,8 +124,8 @@ def run(model, tokenizer, prompts: list[Prompt], spec: StrategySpec, *, max_new_
         batch_size: int = 1, progress: bool = True) -> RunResult:
     """Generate every prompt with one strategy, `batch_size` prompts per call (left-padded); merge the
     statistics; score arithmetic and HumanEval. `progress` shows a bar on stderr when it is a terminal."""
-    from ..integration.generate import dllm_generate
-    from ..integration.mixin import DllmGenerationMixin
+    from ...integration.generate import dllm_generate
+    from ...integration.mixin import DllmGenerationMixin
 
     result = RunResult(spec, [], SpecDecodingStats())
     # transformers' own classes (an AR Qwen2 model) reach the strategies through `custom_generate`

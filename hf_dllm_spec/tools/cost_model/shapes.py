@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_dllm_spec.jobs.evaluation import ROOT
+from hf_dllm_spec.tools.jobs.evaluation import ROOT
 
 MODELS_DIR = ROOT / "models"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

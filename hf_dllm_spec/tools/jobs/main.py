@@ -25,9 +25,9 @@ import ast
 
 import torch
 
+from ...cli_args import UsageError, add_dtype_argument, did_you_mean, non_negative_int, positive_int, suggest
 from .evaluation import Prompt, StrategySpec, arithmetic_prompts, humaneval_prompts, run as run_spec, table
-from . import (DEFAULT_MODEL, UsageError, add_dtype_argument, add_model_argument, did_you_mean, job_main,
-               load_checkpoint, non_negative_int, positive_int, suggest)
+from . import DEFAULT_MODEL, add_model_argument, job_main, load_checkpoint
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -43,7 +43,7 @@ def parse_set(items: list[str]) -> dict:
     Raises:
         UsageError: an item without "=", or a key or value S2D2 refuses (the library's message, naming --set).
     """
-    from ..strategies.registry import resolve_config
+    from ...strategies.registry import resolve_config
 
     out = {}
     for item in items:

@@ -13,8 +13,7 @@ import sys
 import time
 from typing import Callable
 
-from ..cli_args import (CACHE_IMPLEMENTATIONS, DTYPES, UsageError, add_dtype_argument, did_you_mean, float_list,
-                       int_list, non_negative_int, positive_int, suggest)
+from ...cli_args import UsageError, did_you_mean
 from .evaluation import DEFAULT_MODEL
 
 
@@ -57,7 +56,7 @@ def check_model(parser: argparse.ArgumentParser, model: str, flag: str = "--mode
 
 
 def load_checkpoint(path: str, dtype, flag: str = "--model"):
-    """`(tokenizer, model)` of `path` (:func:`hf_dllm_spec.jobs.evaluation.load`).
+    """`(tokenizer, model)` of `path` (:func:`hf_dllm_spec.tools.jobs.evaluation.load`).
 
     Raises:
         UsageError: the checkpoint cannot be loaded (e.g. a Hub id offline), naming `flag`, with the first line of

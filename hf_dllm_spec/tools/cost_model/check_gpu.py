@@ -49,7 +49,7 @@ def _counters(stats) -> dict:
 
 
 def _load(name: str, dtype: torch.dtype, device: torch.device):
-    from hf_dllm_spec.jobs.evaluation import ROOT, load
+    from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
 
     tokenizer, model = load(ROOT / "models" / name, dtype=dtype)
     return tokenizer, model.to(device)
@@ -57,7 +57,7 @@ def _load(name: str, dtype: torch.dtype, device: torch.device):
 
 def _spec(model, strategy: str, drafter):
     import model_patches
-    from hf_dllm_spec.jobs.main import SUB_BLOCKS, specs
+    from hf_dllm_spec.tools.jobs.main import SUB_BLOCKS, specs
 
     patch = model_patches.get_patch(model)
     family = SUB_BLOCKS if patch.native_strategy == "fast_dllm_v2" else None
@@ -87,7 +87,7 @@ def check_tokens(device: torch.device, dtype: torch.dtype, *, max_new_tokens: in
         role of the call captured at least one graph and none failed), "graphs" (graphs held per model and role),
         "runtime" (`spec_stats.runtime`), "ok".
     """
-    from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts
+    from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts
     from hf_dllm_spec.runtime.static import clear_static_state, static_states
 
     rows = []
@@ -127,7 +127,7 @@ def check_memory(device: torch.device, dtype: torch.dtype, *, calls: int = 50, m
     Returns:
         `dict`: "calls", "memory_bytes" (after the second call, after the last), "graphs" (the same two), "ok".
     """
-    from hf_dllm_spec.jobs.evaluation import ROOT, arithmetic_prompts
+    from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts
     from hf_dllm_spec.runtime.static import clear_static_state, static_states
 
     tokenizer, model = _load("sdar-tiny-arith", dtype, device)
@@ -151,7 +151,7 @@ def check_speed(device: torch.device, *, widths=WIDTHS, context: int = 160, reps
 
     Returns:
         `dict`: "shape", "stock_step_s", "compiled" (transformers' own decision), "widths" (a list of {"q",
-        "seconds", "ratio", "met"} with issue 25's target :data:`~hf_dllm_spec.cost_model.predict.WIDTH_TARGET`).
+        "seconds", "ratio", "met"} with issue 25's target :data:`~hf_dllm_spec.tools.cost_model.predict.WIDTH_TARGET`).
     """
     from .baseline import measure_baseline
     from .measure import StaticForward, time_static_forward
