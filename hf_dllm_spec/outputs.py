@@ -320,6 +320,15 @@ class BatchStats:
         self.flush()
         self.active = [self.active[i] for i in index]
 
+    def add_rows(self, count: int) -> list[int]:
+        """Append `count` rows that join the batch (continuous batching), each a new prompt with fresh counters;
+        return their prompt indices (flushes device-side counters first: their rows are the batch's before)."""
+        self.flush()
+        first = len(self.per_row)
+        self.per_row.extend(SpecDecodingStats() for _ in range(count))
+        self.active.extend(range(first, first + count))
+        return list(range(first, first + count))
+
     def total(self) -> SpecDecodingStats:
         """Counters summed over the rows; `num_forward_calls` and the times are the batch's own."""
         self.flush()

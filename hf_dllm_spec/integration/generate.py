@@ -49,6 +49,7 @@ from ..strategies.registry import on_register, strategy_parameter_names
 from ..strategies.streaming import TokenStream
 from ..validation import invalid
 from .checks import check_call
+from .continuous import RowFeed, feed_admission
 from .plan import DecodePlan, build_plan
 from .stopping import RowEnds, criteria_to_scan, stop_strings_as_criteria
 
@@ -74,6 +75,7 @@ def dllm_generate(
     assistant_model=None,
     draft_mask_token_id: int | None = None,
     stop_strings: str | list[str] | None = None,
+    row_feed: RowFeed | None = None,
     **kwargs: Any,
 ):
     """Decode with a hf_dllm_spec strategy; the `custom_generate` callable of transformers' `generate`.
@@ -110,6 +112,10 @@ def dllm_generate(
         stop_strings (`str` or `list[str]`, *optional*): transformers' stop strings, with `tokenizer=` as for stock
             `generate`. A parameter of the callable, so transformers hands them over instead of refusing them: it
             drops `tokenizer` before calling a `custom_generate` callable (the tokenizer is read from the call).
+        row_feed (`RowFeed`, *optional*): continuous batching: the call's rows as requests (one per row of
+            `input_ids`, each with its own budget, generator and callbacks) and the requests that join the running
+            batch at the strategy's join points (:mod:`hf_dllm_spec.integration.continuous`); every row's result
+            goes to its `on_done`.
         **kwargs: strategy parameters (see the config classes) and the model kwargs transformers prepared.
 
     Returns:
@@ -139,7 +145,7 @@ def dllm_generate(
             stopping_criteria=stopping_criteria, streamer=streamer, assistant_model=assistant_model,
             custom_generate=dllm_generate, decoding_strategy=decoding_strategy, generator=generator,
             mask_token_id=mask_token_id, strategy_config=strategy_config, preset=preset, draft_model=draft_model,
-            draft_mask_token_id=draft_mask_token_id, **kwargs)
+            draft_mask_token_id=draft_mask_token_id, row_feed=row_feed, **kwargs)
     streamer = streamer if streamer is not None else call.get("streamer")
     try:
         generation_config = generation_config if generation_config is not None else model.generation_config
@@ -152,7 +158,7 @@ def dllm_generate(
                           draft_model=_draft_model(draft_model, assistant_model, call), mask_token_id=mask_token_id,
                           draft_mask_token_id=draft_mask_token_id, generator=generator, streamer=streamer,
                           stopping_criteria=stopping_criteria, raw_attention_mask=call.get("attention_mask"))
-        return _decode(plan, input_ids, logits_processor, kwargs, streamer)
+        return _decode(plan, input_ids, logits_processor, kwargs, streamer, row_feed)
     finally:
         if streamer is not None:        # always, also when a check or the decoding fails (no hung consumer)
             streamer.end()
@@ -169,15 +175,21 @@ def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
     return assistant_model
 
 
-def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_kwargs: dict[str, Any], streamer):
+def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_kwargs: dict[str, Any], streamer,
+            row_feed: RowFeed | None = None):
     """Runtimes, session, strategy and output for a checked `plan` (the one static call per model held meanwhile)."""
     timer, stats = ForwardTimer(plan.device), BatchStats(plan.batch_size)
     ends = RowEnds(plan.max_new_tokens, plan.stop_ids, plan.criteria, input_ids, plan.pad_id)
+    admission = feed_admission(plan, row_feed, stats, streamer) if row_feed is not None else None
     with hold_static_runtime(plan.generation_config, plan.model, plan.draft_model):
         session = _session(plan, input_ids, logits_processor, model_kwargs, streamer, timer, stats, ends)
+        if admission is not None:
+            session.admission, session.stop_check = admission, admission.stop_check
         t0 = now(plan.device)
-        generated = plan.strategy(plan.config, session).decode()
+        generated = plan.strategy(plan.config, session).decode()[:plan.batch_size]
         wall = now(plan.device) - t0
+    if admission is not None:
+        admission.finish()
     runtime = "; ".join(f"{role}: {runner.runtime_note}"
                         for role, runner in (("target", session.target), ("drafter", session.drafter)) if runner)
     return _output(plan, input_ids, ends.finish(generated), stats, timer, wall, runtime)
@@ -209,7 +221,7 @@ def _output(plan: DecodePlan, input_ids, generated: list[torch.Tensor], stats: B
             wall: float, runtime: str):
     """The sequences `(N, P + n)` (right-padded with the pad id), with the statistics when asked."""
     stats.flush()
-    for n, row in enumerate(stats.per_row):
+    for n, row in enumerate(stats.per_row[:plan.batch_size]):
         row.num_generated_tokens = generated[n].shape[0]
         row.num_discarded_tokens = row.num_committed_tokens - row.num_generated_tokens
         row.wall_time_s, row.forward_time_s, row.prefill_time_s = wall, timer.total("forward"), timer.total("prefill")
@@ -222,7 +234,8 @@ def _output(plan: DecodePlan, input_ids, generated: list[torch.Tensor], stats: B
         new[n, : g.shape[0]] = g
     sequences = torch.cat([input_ids.to(plan.device), new], dim=1)
     if plan.generation_config.return_dict_in_generate:
-        return GenerateDllmOutput(sequences=sequences, spec_stats=stats.total(), spec_stats_per_row=stats.per_row)
+        return GenerateDllmOutput(sequences=sequences, spec_stats=stats.total(),
+                                  spec_stats_per_row=stats.per_row[:plan.batch_size])
     return sequences
 
 

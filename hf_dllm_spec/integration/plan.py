@@ -220,9 +220,8 @@ def _check_positions(patch, model, lengths: list[int], block_size: int, max_new_
 
 def _resolve_tokens(strategy, config, patch, model, input_ids, lengths, generation_config, mask_token_id):
     """`(mask id or None, stop ids, pad id or None)` of the target, checked against the prompts."""
-    alignment = patch.alignment_of(model)
     mask = patch.mask_token_id(model, mask_token_id)
-    needs_mask = strategy.requires_mask_token and not (strategy.name == "ar" and alignment == "right_shift")
+    needs_mask = _needs_mask(strategy, patch, model)
     if needs_mask and mask is None:
         raise invalid("mask_token_id", None, f"be known for decoding_strategy={strategy.name!r}: "
                       f"model_type `{model.config.model_type}` has no `mask_token_id` in its config or generation "
@@ -236,6 +235,11 @@ def _resolve_tokens(strategy, config, patch, model, input_ids, lengths, generati
     check_tokens(input_ids, lengths, model.get_input_embeddings().num_embeddings, mask_token_id=mask,
                  stop_ids=stop_ids, pad_token_id=pad_id, mask_required=needs_mask)
     return mask, stop_ids, pad_id
+
+
+def _needs_mask(strategy, patch, model) -> bool:
+    """Whether the strategy denoises the target with its mask token (not AR decoding of a right-shifted model)."""
+    return strategy.requires_mask_token and not (strategy.name == "ar" and patch.alignment_of(model) == "right_shift")
 
 
 def _resolve_drafter(strategy, config, model, patch, draft_model, drafter_patch, input_ids, lengths,
@@ -265,4 +269,25 @@ def _resolve_drafter(strategy, config, model, patch, draft_model, drafter_patch,
     return draft_mask, draft_block_size
 
 
-__all__ = ["DecodePlan", "build_plan"]
+def check_row(plan: DecodePlan, prompt_ids: torch.Tensor, max_new_tokens: int) -> None:
+    """The checks of one more row of a planned call (a request that joins a running batch, continuous batching):
+    its token ids, its prompt and budget within the model's positions, the block size against it.
+
+    Args:
+        prompt_ids (`torch.Tensor` of shape `(P,)`, int64): the row's prompt. max_new_tokens (`int`): its budget.
+
+    Raises:
+        ValueError: as :func:`build_plan` for the same row.
+    """
+    length = [prompt_ids.shape[0]]
+    check_tokens(prompt_ids[None], length, plan.model.get_input_embeddings().num_embeddings,
+                 mask_token_id=plan.mask_token_id, stop_ids=list(plan.stop_ids), pad_token_id=plan.pad_id,
+                 mask_required=_needs_mask(plan.strategy, plan.patch, plan.model))
+    if plan.draft_mask_token_id is not None:
+        check_mask_not_in_prompt(prompt_ids[None], length, plan.draft_mask_token_id, owner="drafter's")
+    _check_positions(plan.patch, plan.model, length, plan.block_size, max_new_tokens)
+    if plan.strategy.decodes_whole_blocks:
+        check_block_budget(plan.block_size, plan.patch.trained_block_size(plan.model), length, max_new_tokens)
+
+
+__all__ = ["DecodePlan", "build_plan", "check_row"]

@@ -140,6 +140,10 @@ class RowGenerators:
         """Keep the rows `index` `(M,)`, in that order (in place: every sampler sharing this object follows)."""
         self.generators = [self.generators[i] for i in _as_list(index)]
 
+    def extend(self, generators: Sequence[torch.Generator]) -> None:
+        """Append the generators of rows that join the batch (continuous batching), in place."""
+        self.generators.extend(generators)
+
     def subset(self, index: torch.Tensor | Sequence[int]) -> "RowGenerators":
         """A new object over the rows `index` `(M,)` (the same generator objects: drawing advances them)."""
         return RowGenerators([self.generators[i] for i in _as_list(index)])
@@ -306,6 +310,22 @@ class Sampler:
         generator). Samplers sharing the generators (target and drafter) follow; call it once per selection."""
         if isinstance(self.generator, RowGenerators):
             self.generator.select(index)
+
+    def add_rows(self, generators: Sequence[torch.Generator | None]) -> None:
+        """Rows join the batch (continuous batching) with their own generators (`None` each for a greedy sampler,
+        which draws nothing).
+
+        Raises:
+            ValueError: a sampling batch without one generator per row (a joining row's draws would come from
+                another row's generator, or the global one).
+        """
+        if not self.do_sample:
+            return
+        if not isinstance(self.generator, RowGenerators) or any(g is None for g in generators):
+            raise invalid("generator", "shared", "be one torch.Generator per row for rows that join a sampling "
+                          "batch (each row draws from its own)", "pass generator=[g_0, ...] and a generator with "
+                          "every joining row")
+        self.generator.extend(generators)
 
     def choose(self, probs: torch.Tensor, draw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick one token per position and report its probability (the confidence).

@@ -289,6 +289,27 @@ class ModelRunner:
             self.carry = self.carry[index]
         self._ids, self._pos, self._visible = self._ids[index], self._pos[index], self._visible[index]
 
+    def add_rows(self, count: int) -> None:
+        """Append `count` empty rows (continuous batching: requests that join the running batch). They have no
+        stored token (every column is padding to them) and no carry; their prompts are stored by a later forward
+        in which only they store (`store_valid` False for the other rows)."""
+        if count <= 0:
+            return
+        if self.use_cache:
+            for layer in self.cache.layers:
+                keys = getattr(layer, "keys", None)
+                if keys is None:                     # never written: the next storing forward sizes it
+                    continue
+                layer.keys = torch.cat([keys, keys.new_zeros(count, *keys.shape[1:])])
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(count, *layer.values.shape[1:])])
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(count, self.stored_len)])
+        if self.carry is not None:
+            self.carry = torch.cat([self.carry, self.carry.new_zeros(count, self.carry.shape[1])])
+        t = self._ids.shape[1]
+        self._ids = torch.cat([self._ids, self._ids.new_zeros(count, t)])
+        self._pos = torch.cat([self._pos, self._pos.new_zeros(count, t)])
+        self._visible = torch.cat([self._visible, self._visible.new_zeros(count, t, t)])
+
     def _maybe_compact(self) -> None:
         """Drop padding columns once they outnumber the longest row's real tokens (one host sync, rarely)."""
         length = self.stored_len

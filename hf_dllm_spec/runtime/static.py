@@ -513,6 +513,20 @@ class StaticModelRunner(ModelRunner):
             self.carry = self.carry[index]
 
 
+    def add_rows(self, count: int) -> None:
+        """Append `count` empty rows (continuous batching) at the next slots of the static buffers, which double
+        their rows when full (new addresses: the graphs captured against the old buffers go)."""
+        if count <= 0:
+            return
+        need = self.batch_size + count
+        if need > self.cache.batch_capacity:
+            self.cache.grow_rows(1 << (need - 1).bit_length())
+            self._state.graphs.clear()
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
+        if self.carry is not None:
+            self.carry = torch.cat([self.carry, self.carry.new_zeros(count, self.carry.shape[1])])
+
+
 def _pad_rows(inputs: tuple, rows: int) -> tuple:
     """`(ids, pos, wide, columns, lengths)` of n rows padded to `rows`: each extra row is one query of ids 0 at
     positions 0 that sees only itself, written at columns `[0, W)` of an unused row of the buffers."""

@@ -103,6 +103,19 @@ class RowStaticCache(Cache):
                 layer.keys[:m] = layer.keys[rows]
                 layer.values[:m] = layer.values[rows]
 
+    def grow_rows(self, rows: int) -> None:
+        """Reallocate every layer with `rows` rows, keeping the stored ones (new addresses; continuous batching)."""
+        with torch.inference_mode(False):
+            for layer in self.layers:
+                if layer.is_initialized:
+                    for name in ("keys", "values"):
+                        old = getattr(layer, name)
+                        new = old.new_zeros(rows, *old.shape[1:])
+                        new[:old.shape[0]] = old
+                        torch._dynamo.mark_static_address(new)
+                        setattr(layer, name, new)
+        self.rows = max(self.rows, rows)
+
     def grow(self, max_cache_len: int) -> None:
         """Reallocate every layer with `max_cache_len` columns, keeping the stored ones (new addresses)."""
         with torch.inference_mode(False):

@@ -17,6 +17,37 @@ from ..validation import invalid
 
 
 @dataclass
+class JoiningRow:
+    """A request that joins a running batch (continuous batching).
+
+    Attributes:
+        prompt (`torch.Tensor` of shape `(P,)`, int64): its prompt, without padding.
+        generator (`torch.Generator`, *optional*): its own generator (required when the batch samples).
+    """
+
+    prompt: torch.Tensor
+    generator: torch.Generator | None = None
+
+
+class RowAdmission(ABC):
+    """Continuous batching, the strategies' side: which rows join the running batch at a join point, which rows are
+    cancelled, and who hears of a row that leaves. :class:`~hf_dllm_spec.integration.continuous.FeedAdmission`
+    implements it over the server's queue."""
+
+    @abstractmethod
+    def take(self, rows: int) -> list[JoiningRow]:
+        """The rows that join now, given the `rows` now in the batch (none, usually: it is asked at every join
+        point). Must not block."""
+
+    def cancelled(self, prompt_index: int) -> bool:
+        """Whether row `prompt_index` is to leave the batch now, unfinished (its client went away)."""
+        return False
+
+    def left(self, prompt_index: int) -> None:
+        """Row `prompt_index` has left the batch (finished or cancelled); its counters are final."""
+
+
+@dataclass
 class DecodingSession:
     """Everything a strategy needs for one `generate` call, resolved and validated before any forward.
 
@@ -42,6 +73,9 @@ class DecodingSession:
             the tokens on the host once); without it, the budget and the stop ids decide.
         stream (`TokenStream`, *optional*): receives final tokens (batch size 1).
         draft_block_size (`int`, *optional*): the drafter's block size (the target's is `config.block_size`).
+        admission (`RowAdmission`, *optional*): continuous batching: rows join the running batch at the
+            strategy's join points (:meth:`add_rows`), cancelled rows leave (strategies that support it call
+            :meth:`joining_rows` / :meth:`cancelled_rows`; the others ignore it).
     """
 
     prompts: list[torch.Tensor]
@@ -56,21 +90,37 @@ class DecodingSession:
     draft_block_size: int | None = None
     stop_check: Callable[[int, torch.Tensor, list[int] | None], bool] | None = None
     stream: TokenStream | None = None
+    admission: RowAdmission | None = None
     _followers: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
+    _growers: list[Callable[[int], None]] = field(default_factory=list, repr=False)
+    _joinable: bool = field(default=True, repr=False)
 
     @property
     def batch_size(self) -> int:
+        """The prompts of the call so far (the rows it started with, then every row that joined)."""
         return len(self.prompts)
 
-    def follow(self, select_rows: Callable[[torch.Tensor], None]) -> None:
-        """Have `select_rows(index)` called on every :meth:`select_rows` (a strategy's own per-row state: routing
-        policies, a drafter's seen lengths)."""
+    def follow(self, select_rows: Callable[[torch.Tensor], None],
+               add_rows: Callable[[int], None] | None = None) -> None:
+        """Have `select_rows(index)` called on every :meth:`select_rows` and `add_rows(count)` on every
+        :meth:`add_rows` (a strategy's own per-row state: routing policies, a drafter's seen lengths). Without
+        `add_rows` no row can join the batch (:attr:`joins` is False)."""
         self._followers.append(select_rows)
+        if add_rows is None:
+            self._joinable = False
+        else:
+            self._growers.append(add_rows)
+
+    @property
+    def joins(self) -> bool:
+        """Whether rows may join this batch: an admission was given and every follower can add rows."""
+        return self.admission is not None and self._joinable
 
     def select_rows(self, index: torch.Tensor) -> None:
         """The one owner of the batch's rows: keep the rows `index` `(M,)` int64, in that order, in the target's and
         the drafter's runners (their caches), the sampler's per-row generators, the counters and every follower
-        (finished rows stop costing compute)."""
+        (finished rows stop costing compute); the admission hears of every row that leaves."""
+        before = list(self.stats.active)
         self.target.select_rows(index)
         if self.drafter is not None:
             self.drafter.select_rows(index)
@@ -78,6 +128,39 @@ class DecodingSession:
         self.stats.select(index.tolist())
         for select_rows in self._followers:
             select_rows(index)
+        if self.admission is not None:
+            staying = set(self.stats.active)
+            for prompt_index in before:
+                if prompt_index not in staying:
+                    self.admission.left(prompt_index)
+
+    def joining_rows(self) -> list[JoiningRow]:
+        """The rows the admission lets join now (none without one, or when a follower cannot add rows)."""
+        return self.admission.take(len(self.stats.active)) if self.joins else []
+
+    def cancelled_rows(self) -> list[int]:
+        """Batch indices of the rows the admission cancels now."""
+        if self.admission is None:
+            return []
+        return [i for i, prompt_index in enumerate(self.stats.active) if self.admission.cancelled(prompt_index)]
+
+    def add_rows(self, rows: list[JoiningRow]) -> list[int]:
+        """Append `rows` to the batch, empty: the runners (no stored token yet), the sampler (their generators),
+        the counters and every follower; return their prompt indices (the strategy then stores their prompts and
+        starts their first blocks).
+
+        Raises:
+            ValueError: a sampling batch and a row without its own generator.
+        """
+        self.sampler.add_rows([row.generator for row in rows])
+        self.prompts.extend(row.prompt.to(self.target.device) for row in rows)
+        self.target.add_rows(len(rows))
+        if self.drafter is not None:
+            self.drafter.add_rows(len(rows))
+        indices = self.stats.add_rows(len(rows))
+        for add_rows in self._growers:
+            add_rows(len(rows))
+        return indices
 
     def draft_sampler(self) -> Sampler:
         """The separate drafter's sampler: the target's processors, mode and generator, the drafter's mask

@@ -169,10 +169,17 @@ class BlockState:
         for counter in (self.num_fixed, self.step, self.post_steps):
             counter.masked_fill_(rows, 0)
 
+    FIELDS = ("tokens", "undecided", "start", "num_fixed", "step", "post_steps")
+
     def select(self, index: torch.Tensor) -> None:
         """Keep the rows `index` `(M,)`."""
-        for name in ("tokens", "undecided", "start", "num_fixed", "step", "post_steps"):
+        for name in self.FIELDS:
             setattr(self, name, getattr(self, name)[index])
+
+    def extend(self, other: "BlockState") -> None:
+        """Append the rows of `other` (rows that joined the batch)."""
+        for name in self.FIELDS:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
 
 def continuing_rows(done: torch.Tensor, done_rows: list[bool], finished: list[int]) -> tuple[torch.Tensor, bool]:
@@ -231,7 +238,11 @@ class BlockDiffusionStrategy(DecodingStrategy):
         generated = [s.prompts[0].new_empty(0) for _ in range(s.batch_size)]
         host: list[list[int]] = [[] for _ in range(s.batch_size)]       # the same tokens, as read on the host
         pending: tuple | None = None      # finished blocks to store in the next forward (see draft_forward)
-        while block.tokens.shape[0]:
+        while True:
+            if s.admission is not None:   # continuous batching: any step is a join point (rows keep their pace)
+                block, pending = self.admit(block, pending, generated, host)
+            if not block.tokens.shape[0]:
+                break
             if self.first_from_carry and self.block_size == 1:
                 # the carry decided every block (a block of B > 1 always keeps a mask after the carry's commit:
                 # a prompt tail fills fewer than B positions, and an unfinished block is not restarted)
@@ -262,6 +273,47 @@ class BlockDiffusionStrategy(DecodingStrategy):
             if finished:
                 pending = self.drop_rows(block, done_rows, finished, pending)
         return generated
+
+    def admit(self, block: BlockState, pending: tuple | None,
+              *per_prompt: list) -> tuple[BlockState, tuple | None]:
+        """Continuous batching, between two steps: cancelled rows leave, joining rows enter.
+
+        A joining row gets its block-aligned prompt stored by one prefill forward in which the running rows store
+        nothing (padding that no query sees), then its first block (prompt tail and masks) beside the running rows'
+        blocks, which go on where they were: every row keeps its own block, step and schedule, so a row's tokens
+        are those of its own batch-1 call.
+
+        Args:
+            per_prompt (`list`): the loop's lists indexed by prompt (tokens `(n,)` or host lists), each extended
+                with an empty entry per joining row.
+
+        Returns:
+            `(block, pending)` for the batch after the change.
+        """
+        s = self.session
+        cancelled = s.cancelled_rows()
+        if cancelled:
+            pending = self.drop_rows(block, [False] * block.tokens.shape[0], cancelled, pending)
+        rows = s.joining_rows()
+        if not rows:
+            return block, pending
+        running = block.tokens.shape[0]
+        indices = s.add_rows(rows)
+        prompts = [s.prompts[i] for i in indices]
+        for values in per_prompt:
+            values.extend(prompts[0].new_empty(0) if isinstance(values[0], torch.Tensor) else [] for _ in rows)
+        lengths = torch.tensor([p.shape[0] for p in prompts], device=s.target.device)
+        aligned = (lengths // self.block_size) * self.block_size
+        self.prefill_joining(torch.cat([aligned.new_zeros(running), aligned]),
+                             [prompts[0].new_empty(0)] * running + prompts)
+        block.extend(self.first_blocks(aligned, prompts))
+        self.commit_from_carry(block)           # only joining rows can start a block without position 0
+        if pending is not None:                 # joining rows store nothing in the next forward
+            tokens, positions, flags = pending
+            pending = (torch.cat([tokens, tokens.new_zeros(len(rows), tokens.shape[1])]),
+                       torch.cat([positions, positions.new_zeros(len(rows), positions.shape[1])]),
+                       torch.cat([flags, flags.new_zeros(len(rows))]))
+        return block, pending
 
     def stream_step(self, block: BlockState, generated: torch.Tensor) -> None:
         """Batch 1, after a denoising step: the block's committed prefix left of its first mask as final tokens
@@ -356,15 +408,16 @@ class BlockDiffusionStrategy(DecodingStrategy):
         pending = tuple(t[index] for t in pending)
         return pending if bool(pending[2].any()) else None
 
-    def first_blocks(self, aligned: torch.Tensor) -> BlockState:
-        """Each row's first block: its prompt tail, then masks."""
+    def first_blocks(self, aligned: torch.Tensor, prompts: list[torch.Tensor] | None = None) -> BlockState:
+        """Each row's first block: its prompt tail, then masks (`prompts`: the session's when None)."""
         s, B = self.session, self.block_size
-        tokens = torch.full((s.batch_size, B), s.mask_token_id, dtype=torch.long, device=aligned.device)
-        for n, prompt in enumerate(s.prompts):
+        prompts = s.prompts if prompts is None else prompts
+        tokens = torch.full((len(prompts), B), s.mask_token_id, dtype=torch.long, device=aligned.device)
+        for n, prompt in enumerate(prompts):
             tail = prompt[int(aligned[n]):]
             tokens[n, : tail.shape[0]] = tail
         zeros = torch.zeros_like(aligned)
-        num_fixed = torch.tensor([p.shape[0] for p in s.prompts], device=aligned.device) - aligned
+        num_fixed = torch.tensor([p.shape[0] for p in prompts], device=aligned.device) - aligned
         undecided = torch.arange(B, device=aligned.device)[None] >= num_fixed[:, None]
         return BlockState(tokens, undecided, aligned.clone(), num_fixed, zeros.clone(), zeros.clone(),
                           s.mask_token_id)
@@ -383,18 +436,25 @@ class BlockDiffusionStrategy(DecodingStrategy):
         """Visibility among tokens being stored, `(N, q, q)`: token-causal with `cache_ver`, else block-causal."""
         return block_causal_mask(positions, 1 if self.config.cache_ver else self.block_size)
 
-    def prefill(self, aligned: torch.Tensor, runner=None) -> None:
+    def prefill(self, aligned: torch.Tensor, runner=None, prompts: list[torch.Tensor] | None = None) -> None:
         """Store each row's block-aligned prompt, left-padded to the longest (1 forward, counted as prefill), in
-        `runner`'s cache (default: the target's)."""
+        `runner`'s cache (default: the target's); `prompts`: one per batch row (the session's when None; an empty
+        one stores nothing for its row)."""
         s = self.session
         runner = runner if runner is not None else s.target
+        prompts = s.prompts if prompts is None else prompts
         longest = int(aligned.max())
         if longest == 0:
             return
-        ids, valid, positions = left_pad([p[: int(a)] for p, a in zip(s.prompts, aligned)], aligned.device)
+        ids, valid, positions = left_pad([p[: int(a)] for p, a in zip(prompts, aligned)], aligned.device)
         with runner.timer.span("prefill"):
             runner.forward(ids, positions, self.store_mask(positions), kind="prefill", store_len=longest,
                            store_valid=valid, logits_to_keep=1, rows=(aligned > 0).tolist())
+
+    def prefill_joining(self, aligned: torch.Tensor, prompts: list[torch.Tensor]) -> None:
+        """Store the prompts of rows that join the batch (:meth:`admit`): `prompts` has one per batch row, empty for
+        the running rows, `aligned` `(N,)` their block-aligned lengths (0 for the running rows)."""
+        self.prefill(aligned, prompts=prompts)
 
     def write_blocks(self, block: BlockState, rows: torch.Tensor, row_flags: list[bool]) -> None:
         """Separate cache-write forward of the finished blocks of `rows` `(N,)` (Algorithm 1 line 5; 1 forward)."""

@@ -229,8 +229,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
         super().__init__(config, session)
         # The UCB progress convention follows the target family's S2D2 reference (FamilyPatch attribute).
         tail = session.target.patch.ucb_progress_counts_prompt_tail
-        self.policies = [build_policy(config, ucb_counts_prompt_tail=tail) for _ in range(session.batch_size)]
-        session.follow(self._select_policies)
+        self._new_policy = lambda: build_policy(config, ucb_counts_prompt_tail=tail)
+        self.policies = [self._new_policy() for _ in range(session.batch_size)]
+        session.follow(self._select_policies, self._add_policies)
         self._verify_masks: dict[tuple[int, int], torch.Tensor] = {}     # Eq. 3 patterns by (span end, start)
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
         policy = self.policies[0]
@@ -240,6 +241,10 @@ class S2D2Strategy(BlockDiffusionStrategy):
     def _select_policies(self, index: torch.Tensor) -> None:
         """Each row's routing policy follows its row (a session follower)."""
         self.policies = [self.policies[i] for i in index.tolist()]
+
+    def _add_policies(self, count: int) -> None:
+        """Rows that join the batch start with a fresh routing policy each (a session follower)."""
+        self.policies.extend(self._new_policy() for _ in range(count))
 
     def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
         """Algorithm 3, one step for every row: draft, route, then verify the span or fall back to the rule."""

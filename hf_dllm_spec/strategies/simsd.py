@@ -297,7 +297,11 @@ class SimSDStrategy(BlockDiffusionStrategy):
         generated = [g.clone() for g in blocks_done]
         host_done: list[list[int]] = [[] for _ in range(s.batch_size)]          # blocks_done, read on the host
         pending: tuple | None = None
-        while block.tokens.shape[0]:
+        while True:
+            if s.admission is not None:   # continuous batching: rows join between two cycles
+                block, pending = self.admit(block, pending, blocks_done, generated, host_done)
+            if not block.tokens.shape[0]:
+                break
             drafts = self.draft(block, pending)
             if s.stream is not None:           # the drafter's proposal for the undecided positions, before verify
                 final = torch.cat([blocks_done[s.stats.active[0]], self.final_prefix(block, 0)])
@@ -325,6 +329,11 @@ class SimSDStrategy(BlockDiffusionStrategy):
             if finished:
                 pending = self.drop_rows(block, done_rows, finished, pending)
         return generated
+
+    def prefill_joining(self, aligned: torch.Tensor, prompts: list[torch.Tensor]) -> None:
+        """Store the joining rows' prompts in the target's and the drafter's caches."""
+        self.prefill(aligned, prompts=prompts)
+        self.prefill(aligned.to(self.session.drafter.device), self.session.drafter, prompts=prompts)
 
     # -- 1. draft ------------------------------------------------------------------------------------------------
     def draft(self, block: BlockState, pending: tuple | None) -> Drafts:

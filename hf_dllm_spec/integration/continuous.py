@@ -1,0 +1,206 @@
+"""Continuous batching: requests join a running `generate` call and leave it as soon as they end.
+
+A server (or any caller) passes ``row_feed=`` to `generate`: a :class:`RowFeed` that holds the call's rows as
+:class:`RowRequest` objects (one per row of `input_ids`, in order) and hands out waiting requests when asked. At
+every join point of the strategy (between two denoising steps for the block strategies, between two
+draft-and-verify cycles for SimSD) the running batch asks the feed for new rows; each joins with its own prompt,
+budget and generator, is checked before any of its forwards, and is then decoded as if alone (its tokens are those
+of its own batch-1 `generate` call: the library's batch == one-by-one property). Each row ends at its own budget,
+after its first stop id, or when it is cancelled, and leaves the batch at once: its final tokens are streamed as they
+become final (`on_tokens`) and its result given when it leaves (`on_done`). DEER (one verifier cache per row
+position) does not take joining rows: its requests wait for the next call.
+
+Source: continuous batching (Orca, OSDI 2022; vLLM, SOSP 2023), at the granularity block diffusion allows; issue 37.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..outputs import SpecDecodingStats
+from ..strategies.base import JoiningRow, RowAdmission
+from ..validation import invalid
+from .plan import check_row
+from .stopping import stop_cut
+
+
+@dataclass
+class RowRequest:
+    """One request of a continuous batch.
+
+    Attributes:
+        prompt_ids (`list[int]`): the prompt, without padding (at least one token).
+        max_new_tokens (`int`): its own budget (>= 1).
+        generator (`torch.Generator`, *optional*): its own generator (required when the call samples).
+        on_tokens (`callable`, *optional*): `(ids: list[int]) -> None`, called with each new run of final tokens.
+        on_done (`callable`, *optional*): `(tokens: list[int], finish_reason: str, stats: SpecDecodingStats) -> None`
+            when the row leaves the batch; `finish_reason` is "stop" (a stop id, kept), "length" (the budget) or
+            "cancelled".
+        on_error (`callable`, *optional*): `(error: ValueError) -> None` when a joining request is refused by the
+            checks (it never runs a forward); without it the error is raised.
+        cancelled (`threading.Event`): set it to have the row leave at the next join point.
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    generator: torch.Generator | None = None
+    on_tokens: Callable[[list[int]], None] | None = None
+    on_done: Callable[[list[int], str, SpecDecodingStats], None] | None = None
+    on_error: Callable[[ValueError], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class RowFeed(ABC):
+    """Where the requests of a continuous batch come from.
+
+    Args:
+        initial (`list[RowRequest]`): the requests of the call's `input_ids` rows, in order.
+    """
+
+    def __init__(self, initial: list[RowRequest]) -> None:
+        self.initial = list(initial)
+
+    @abstractmethod
+    def take(self, rows: int) -> list[RowRequest]:
+        """Requests that join now, given the `rows` now decoding (asked at every join point; must not block).
+        The feed decides how many (its capacity) and which (its fairness)."""
+
+
+class FeedAdmission(RowAdmission):
+    """The session's admission over a :class:`RowFeed`: joining rows (checked), cancellations, each row's end and
+    result.
+
+    Args:
+        feed (`RowFeed`): the requests.
+        stop_ids (`Iterable[int]`): a row ends after the first of them (empty: `ignore_eos`).
+        check (`callable`): `(prompt_ids: torch.Tensor (P,), max_new_tokens) -> None`, the call's checks of one row
+            (token ids, positions, block budget; raises `ValueError`).
+        stats (`callable`): `prompt_index -> SpecDecodingStats`, the row's counters.
+    """
+
+    def __init__(self, feed: RowFeed, stop_ids, check: Callable[[torch.Tensor, int], None],
+                 stats: Callable[[int], SpecDecodingStats]) -> None:
+        self.feed, self.stop_set, self.check, self.stats = feed, set(stop_ids), check, stats
+        self.requests: list[RowRequest] = list(feed.initial)          # by prompt index
+        self.sent = [0] * len(self.requests)                          # final tokens streamed per row
+        self.tokens: list[list[int]] = [[] for _ in self.requests]    # final tokens per row (host)
+        self.ended = [False] * len(self.requests)
+        self.reported = [False] * len(self.requests)
+
+    # -- the strategy's side ------------------------------------------------------------------------------------
+    def take(self, rows: int) -> list[JoiningRow]:
+        joining = []
+        for request in self.feed.take(rows):
+            try:
+                self.check_request(request)
+            except ValueError as err:
+                if request.on_error is None:
+                    raise
+                request.on_error(err)
+                continue
+            self.requests.append(request)
+            for values, empty in ((self.sent, 0), (self.tokens, []), (self.ended, False), (self.reported, False)):
+                values.append(empty)
+            joining.append(JoiningRow(torch.tensor(request.prompt_ids, dtype=torch.long), request.generator))
+        return joining
+
+    def cancelled(self, prompt_index: int) -> bool:
+        return not self.ended[prompt_index] and self.requests[prompt_index].cancelled.is_set()
+
+    def left(self, prompt_index: int) -> None:
+        self.report(prompt_index)
+
+    # -- each row's end -----------------------------------------------------------------------------------------
+    def check_request(self, request: RowRequest) -> None:
+        """Raise `ValueError` for a request that cannot join (before any of its forwards)."""
+        ids, budget = request.prompt_ids, request.max_new_tokens
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise invalid("max_new_tokens", budget, "be an integer >= 1", "pass a positive budget")
+        if not ids:
+            raise invalid("prompt_ids", "[]", "hold at least one token", "send a non-empty prompt")
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2 ** 62), None)
+        if bad is not None:
+            raise invalid("prompt_ids", bad, "be token ids (non-negative integers)", "send ids of the model's "
+                          "vocabulary")
+        self.check(torch.tensor(ids, dtype=torch.long), budget)
+
+    def stop_check(self, prompt_index: int, generated: torch.Tensor, host_ids: list[int] | None) -> bool:
+        """The session's `stop_check`: whether row `prompt_index` ends after its final tokens `generated` `(n,)`
+        (its budget, a stop id); streams the tokens that became final."""
+        ids = host_ids if host_ids is not None else generated.tolist()
+        budget = self.requests[prompt_index].max_new_tokens
+        cut = min(stop_cut(ids, self.stop_set), budget)
+        ended = cut < len(ids) or cut >= budget or (cut > 0 and ids[cut - 1] in self.stop_set)
+        self.tokens[prompt_index] = ids[:cut]
+        self.ended[prompt_index] = ended
+        self.stream(prompt_index)
+        return ended
+
+    def stream(self, prompt_index: int) -> None:
+        request, tokens = self.requests[prompt_index], self.tokens[prompt_index]
+        new = tokens[self.sent[prompt_index]:]
+        if new and request.on_tokens is not None and not request.cancelled.is_set():
+            request.on_tokens(new)
+        self.sent[prompt_index] = len(tokens)
+
+    def report(self, prompt_index: int) -> None:
+        """Give row `prompt_index`'s result once (when it leaves the batch, or when the call ends)."""
+        if self.reported[prompt_index]:
+            return
+        self.reported[prompt_index] = True
+        request, tokens = self.requests[prompt_index], self.tokens[prompt_index]
+        if not self.ended[prompt_index]:
+            reason = "cancelled"
+        else:
+            reason = "stop" if tokens and tokens[-1] in self.stop_set else "length"
+        stats = self.stats(prompt_index)
+        stats.num_generated_tokens = len(tokens)
+        if request.on_done is not None:
+            request.on_done(list(tokens), reason, stats)
+
+    def finish(self) -> None:
+        """The call ended: report every row not yet reported."""
+        for prompt_index in range(len(self.requests)):
+            self.report(prompt_index)
+
+
+def feed_admission(plan, feed: RowFeed, stats, streamer=None) -> FeedAdmission:
+    """The admission of a call with `row_feed=feed` (:class:`~hf_dllm_spec.integration.plan.DecodePlan` `plan`,
+    its `BatchStats` `stats`), every initial request checked.
+
+    Raises:
+        ValueError: a feed whose initial requests do not match the rows of `input_ids`; stopping criteria or stop
+            strings (each row ends at its own budget and stop ids); a streamer; sampling without one generator per
+            row; an initial request that fails the checks of a joining one.
+    """
+    if not isinstance(feed, RowFeed):
+        raise invalid("row_feed", type(feed).__name__, "be a hf_dllm_spec.integration.continuous.RowFeed",
+                      "subclass RowFeed (take) and pass its instance")
+    if len(feed.initial) != plan.batch_size or any(len(r.prompt_ids) != n for r, n in zip(feed.initial, plan.lengths)):
+        raise invalid("row_feed", f"<{len(feed.initial)} initial requests>", f"hold one request per row of input_ids "
+                      f"({plan.batch_size}), with the row's prompt", "build the feed from the same prompts")
+    if plan.criteria:
+        raise invalid("stopping_criteria", type(plan.criteria[0]).__name__, "not be combined with `row_feed` (each "
+                      "row ends at its own budget and stop ids)", "drop stopping_criteria / stop_strings")
+    if streamer is not None:
+        raise invalid("streamer", type(streamer).__name__, "not be combined with `row_feed` (each request streams "
+                      "through its on_tokens)", "drop `streamer`")
+    if plan.do_sample and not isinstance(plan.generator, (list, tuple)):
+        raise invalid("generator", type(plan.generator).__name__, "be one torch.Generator per row with `row_feed` "
+                      "and do_sample=True (joining rows bring their own)", "pass generator=[g_0, ...]")
+
+    def check(ids: torch.Tensor, budget: int) -> None:
+        check_row(plan, ids, budget)
+
+    admission = FeedAdmission(feed, plan.stop_ids, check, lambda prompt_index: stats.per_row[prompt_index])
+    for request in feed.initial:
+        admission.check_request(request)
+    return admission
+
+
+__all__ = ["FeedAdmission", "RowFeed", "RowRequest", "feed_admission"]

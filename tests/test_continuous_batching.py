@@ -1,0 +1,212 @@
+"""Continuous batching in the library (`generate(row_feed=...)`): rows that join a running batch, at any join point,
+get the tokens of their own batch-1 call; cancelled rows leave at once; bad joining requests are refused alone.
+
+Every strategy that takes joining rows (the block strategies on SDAR, Fast-dLLM v2 and LLaDA2, S2D2 on each, SimSD),
+greedy and seeded sampling, eager and static runtime; DEER keeps its batch (its requests wait for the next call).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import LLADA2_TINY, MASK_ID, TINY
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import hf_dllm_spec
+from hf_dllm_spec.integration.continuous import RowFeed, RowRequest
+from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
+from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
+from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+PAD = 0
+
+
+def _models() -> dict:
+    torch.manual_seed(0)
+    sdar = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+    torch.manual_seed(1)
+    drafter = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+    torch.manual_seed(2)
+    fast = Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(bd_size=8, mask_token_id=MASK_ID, **TINY)).eval()
+    torch.manual_seed(3)
+    llada2 = LLaDA2MoeModelLM(LLaDA2MoeConfig(block_size=4, mask_token_id=MASK_ID, **LLADA2_TINY)).eval()
+    torch.manual_seed(4)
+    qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
+    return {"sdar": sdar, "drafter": drafter, "fast": fast, "llada2": llada2, "qwen": qwen}
+
+
+MODELS = _models()
+
+#: case -> (target, drafter, strategy, parameters)
+CASES = {
+    "ar": ("sdar", None, "ar", {}),
+    "block_diffusion": ("sdar", None, "block_diffusion", {"block_size": 4, "confidence_threshold": 0.6}),
+    "block_diffusion_separate_writes": ("sdar", None, "block_diffusion", {"block_size": 2, "fuse_cache_write": False}),
+    "s2d2": ("sdar", None, "s2d2", {"block_size": 4}),
+    "fast_dllm_v2": ("fast", None, "fast_dllm_v2", {"block_size": 8, "sub_block_size": 4}),
+    "fast_dllm_v2_separate_writes": ("fast", None, "fast_dllm_v2", {"block_size": 4, "sub_block_size": 2,
+                                                                     "fuse_cache_write": False}),
+    "s2d2_fast_dllm_v2": ("fast", None, "s2d2", {"block_size": 8, "sub_block_size": 4}),
+    "llada2": ("llada2", None, "llada2", {"block_size": 4}),
+    "s2d2_llada2": ("llada2", None, "s2d2", {"block_size": 4, "preset": "llada2.1-mini-quality"}),
+    "simsd": ("sdar", "drafter", "simsd", {"block_size": 4, "draft_block_size": 4}),
+    "deer": ("qwen", "drafter", "deer", {"block_size": 4}),
+}
+PROMPTS = [[5, 17, 42, 8, 23, 61, 4], [9, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7], [33, 34, 35, 36, 37]]
+BUDGETS = [10, 6, 12, 9, 5]
+
+
+class ScriptedFeed(RowFeed):
+    """Hands out `joining[k]` at the k-th join point (1-based); counts the join points."""
+
+    def __init__(self, initial: list[RowRequest], joining: dict[int, list[RowRequest]]) -> None:
+        super().__init__(initial)
+        self.joining, self.calls = joining, 0
+
+    def take(self, rows: int) -> list[RowRequest]:
+        self.calls += 1
+        return self.joining.pop(self.calls, [])
+
+
+def _call(case: str, ids, mask, budget: int, **extra):
+    target, drafter, strategy, params = CASES[case]
+    model = MODELS[target]
+    kwargs = dict(params, **extra)
+    if drafter:
+        kwargs["draft_model"] = MODELS[drafter]
+    if target == "qwen":
+        kwargs["custom_generate"] = hf_dllm_spec.custom_generate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(ids, attention_mask=mask, decoding_strategy=strategy, max_new_tokens=budget,
+                              pad_token_id=PAD, **kwargs)
+
+
+def _alone(case: str, n: int, eos=None, **extra) -> list[int]:
+    out = _call(case, torch.tensor([PROMPTS[n]]), None, BUDGETS[n], eos_token_id=eos, **extra)
+    return out[0, len(PROMPTS[n]):].tolist()
+
+
+def _requests(indices, results: dict, seeds=None) -> list[RowRequest]:
+    def done(n):
+        return lambda tokens, reason, stats: results.__setitem__(n, (tokens, reason, stats))
+    return [RowRequest(PROMPTS[n], BUDGETS[n], generator=torch.Generator().manual_seed(seeds[n]) if seeds else None,
+                       on_done=done(n)) for n in indices]
+
+
+def _continuous(case: str, joins: dict[int, list[int]], eos=None, seeds=None, **extra):
+    """Rows 0 and 1 start; the rows of `joins[k]` join at join point k. Returns {row: (tokens, reason, stats)}."""
+    results: dict = {}
+    initial = _requests([0, 1], results, seeds)
+    feed = ScriptedFeed(initial, {k: _requests(rows, results, seeds) for k, rows in joins.items()})
+    width = max(len(PROMPTS[0]), len(PROMPTS[1]))
+    ids = torch.tensor([[PAD] * (width - len(PROMPTS[n])) + PROMPTS[n] for n in (0, 1)])
+    mask = (torch.arange(width)[None] >= torch.tensor([[width - len(PROMPTS[n])] for n in (0, 1)])).long()
+    if seeds:
+        extra["generator"] = [r.generator for r in initial]
+    _call(case, ids, mask, max(BUDGETS[:2]), row_feed=feed, eos_token_id=eos, **extra)
+    return results, feed
+
+
+def _stop_of(tokens: list[int], eos) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "deer"])
+def test_joining_rows_get_their_batch_1_tokens(case):
+    joins = {1: [2], 3: [3, 4]}                 # before the first step, and mid-flight (rows mid-block)
+    results, _ = _continuous(case, joins)
+    assert sorted(results) == [0, 1, 2, 3, 4]
+    for n in range(5):
+        tokens, reason, stats = results[n]
+        assert tokens == _alone(case, n)[: len(tokens)] and len(tokens) == BUDGETS[n], (case, n)
+        assert reason == "length" and stats.num_generated_tokens == len(tokens)
+        assert stats.nfe > 0
+
+
+@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "llada2", "simsd"])
+def test_joining_rows_with_a_stop_id(case):
+    eos = _alone(case, 2)[2]                    # a token row 2 really produces: rows end at different steps
+    results, _ = _continuous(case, {2: [2, 3]}, eos=eos)
+    for n in range(4):
+        tokens, reason, _ = results[n]
+        alone = _call(case, torch.tensor([PROMPTS[n]]), None, BUDGETS[n], eos_token_id=eos)[0, len(PROMPTS[n]):]
+        assert tokens == _stop_of(alone.tolist(), eos)[: BUDGETS[n]], (case, n)
+        assert reason == ("stop" if tokens[-1] == eos else "length")
+
+
+@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "simsd"])
+def test_joining_rows_sampled_with_their_own_generators(case):
+    seeds = [11, 12, 13, 14, 15]
+    results, _ = _continuous(case, {2: [2], 4: [3, 4]}, seeds=seeds, do_sample=True, temperature=0.8)
+    for n in range(5):
+        alone = _call(case, torch.tensor([PROMPTS[n]]), None, BUDGETS[n], do_sample=True, temperature=0.8,
+                      generator=[torch.Generator().manual_seed(seeds[n])])[0, len(PROMPTS[n]):]
+        assert results[n][0] == alone.tolist()[: BUDGETS[n]], (case, n)
+
+
+@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "fast_dllm_v2", "llada2"])
+def test_static_runtime_takes_joining_rows(case):
+    joins = {2: [2, 3, 4]}                      # more rows than the static buffers were made for: they double
+    results, _ = _continuous(case, joins, cache_implementation="static")
+    for n in range(5):
+        assert results[n][0] == _alone(case, n), (case, n)
+
+
+def test_cancelled_row_leaves_at_once_and_the_others_are_unchanged():
+    results: dict = {}
+    initial = _requests([0, 1], results)
+    feed = ScriptedFeed(initial, {3: _requests([2], results)})
+    original_take = feed.take
+
+    def take(rows):
+        if feed.calls == 1:
+            initial[0].cancelled.set()          # row 0's client goes away after the first step
+        return original_take(rows)
+
+    feed.take = take
+    width = len(PROMPTS[0])
+    ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
+    mask = (ids != PAD).long()
+    _call("block_diffusion", ids, mask, 10, row_feed=feed)
+    tokens, reason, stats = results[0]
+    # set at join point 2, seen at join point 3: prefill and two denoising steps, then it leaves
+    assert reason == "cancelled" and stats.nfe == 3
+    assert len(tokens) < BUDGETS[0] and tokens == _alone("block_diffusion", 0)[: len(tokens)]
+    for n in (1, 2):
+        assert results[n][0] == _alone("block_diffusion", n)
+
+
+def test_deer_keeps_its_batch():
+    results, feed = _continuous("deer", {1: [2]})
+    assert sorted(results) == [0, 1] and feed.calls == 0      # never asked: the request waits for the next call
+    for n in (0, 1):
+        assert results[n][0] == _alone("deer", n)
+
+
+def test_a_bad_joining_request_is_refused_alone():
+    results, errors = {}, []
+    bad = RowRequest([5, MASK_ID, 7], 4, on_error=errors.append)            # the mask token in its prompt
+    too_long = RowRequest([5] * 250, 40, on_error=errors.append)            # beyond the model's 256 positions
+    feed = ScriptedFeed(_requests([0, 1], results), {2: [bad, too_long, *_requests([2], results)]})
+    width = len(PROMPTS[0])
+    ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
+    _call("block_diffusion", ids, (ids != PAD).long(), 10, row_feed=feed)
+    assert [type(e) for e in errors] == [ValueError, ValueError]
+    assert "mask token" in str(errors[0])
+    assert "positions" in str(errors[1])
+    assert results[2][0] == _alone("block_diffusion", 2)
+
+
+def test_row_feed_misuse_is_refused_before_any_forward():
+    results: dict = {}
+    feed = ScriptedFeed(_requests([0], results), {})
+    ids = torch.tensor([PROMPTS[0], PROMPTS[0]])
+    with pytest.raises(ValueError, match="row_feed"):
+        _call("block_diffusion", ids, None, 10, row_feed=feed)
+    with pytest.raises(ValueError, match="generator"):
+        _call("block_diffusion", torch.tensor([PROMPTS[0]]), None, 10, row_feed=feed, do_sample=True,
+              generator=torch.Generator().manual_seed(0))
+    assert not results
