@@ -210,3 +210,28 @@ def test_row_feed_misuse_is_refused_before_any_forward():
         _call("block_diffusion", torch.tensor([PROMPTS[0]]), None, 10, row_feed=feed, do_sample=True,
               generator=torch.Generator().manual_seed(0))
     assert not results
+
+
+@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "deer"])
+def test_ignore_eos_per_row(case):
+    """A row with `ignore_eos` decodes to its budget beside rows that stop at the stop id (strategies with per-row
+    stop rules); SimSD, whose EOS gate reads the stop ids, refuses it per row."""
+    eos = _alone(case, 0)[1]
+    results: dict = {}
+    initial = _requests([0, 1], results)
+    initial[0].ignore_eos = True
+    feed = ScriptedFeed(initial, {})
+    width = len(PROMPTS[0])
+    ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
+    _call(case, ids, (ids != PAD).long(), 10, row_feed=feed, eos_token_id=eos)
+    assert results[0][0] == _alone(case, 0) and results[0][1] == "length"
+    alone = _call(case, torch.tensor([PROMPTS[1]]), None, BUDGETS[1], eos_token_id=eos)[0, 2:].tolist()
+    assert results[1][0] == _stop_of(alone, eos)[: BUDGETS[1]]
+
+
+def test_ignore_eos_per_row_is_refused_where_the_stop_ids_shape_tokens():
+    results: dict = {}
+    initial = _requests([0], results)
+    initial[0].ignore_eos = True
+    with pytest.raises(ValueError, match="ignore_eos"):
+        _call("simsd", torch.tensor([PROMPTS[0]]), None, 10, row_feed=ScriptedFeed(initial, {}))

@@ -279,6 +279,36 @@ def test_a_client_that_goes_away_frees_its_row(sdar):
     assert r.usage.completion_tokens >= 1
 
 
+def test_a_short_request_joins_running_long_streams_and_cancelled_rows_leave_at_once(sdar):
+    """Continuous batching: while 8 long `ignore_eos` streams decode, a short request joins their batch (it does not
+    wait for them) and gets its batch-1 tokens; when the 8 clients go away, their rows leave at once."""
+    served, client, base, app = sdar
+    history = app.state.batcher.history
+    before = len(history)
+    body = {"model": served.name, "prompt": "#\n#\n", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    connections = []
+    for _ in range(8):
+        conn = http.client.HTTPConnection(base.split("//")[1], timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        connections.append((conn, conn.getresponse()))
+    for conn, response in connections:
+        assert response.status == 200 and response.readline().startswith(b"data:")     # all 8 are decoding
+    prompt = "Question: 2 + 3?\nAnswer:"
+    r = client.completions.create(model=served.name, prompt=prompt, max_tokens=4)
+    assert len(history) == before + 1, "the short request finished after the long ones"
+    assert history[before]["batch_size"] > 1 and health(base)["running"] == 8          # it joined their batch
+    want = reference(served, served.tokenizer(prompt)["input_ids"], 4, served.default_strategy)
+    assert r.choices[0].text == served.tokenizer.decode(want, skip_special_tokens=True)
+    for conn, _ in connections:
+        conn.close()                                           # the 8 clients go away
+    deadline = time.monotonic() + 30
+    while health(base)["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health(base)["running"] == 0
+    rows = list(history)[before + 1:]
+    assert len(rows) == 8 and all(row["finish_reason"] == "cancelled" and row["tokens"] < 1000 for row in rows)
+
+
 BAD = [
     pytest.param({"model": "other"}, 404, "`model` (='other')", id="unknown-model"),
     pytest.param({"decoding_strategy": "nope"}, 400, "`decoding_strategy` (='nope')", id="unknown-strategy"),

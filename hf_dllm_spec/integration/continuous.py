@@ -37,6 +37,8 @@ class RowRequest:
         prompt_ids (`list[int]`): the prompt, without padding (at least one token).
         max_new_tokens (`int`): its own budget (>= 1).
         generator (`torch.Generator`, *optional*): its own generator (required when the call samples).
+        ignore_eos (`bool`, defaults to False): decode to the budget whatever stop id comes (a strategy with
+            `per_row_stops`; with the others pass `eos_token_id=None` to the call instead).
         on_tokens (`callable`, *optional*): `(ids: list[int]) -> None`, called with each new run of final tokens.
         on_done (`callable`, *optional*): `(tokens: list[int], finish_reason: str, stats: SpecDecodingStats) -> None`
             when the row leaves the batch; `finish_reason` is "stop" (a stop id, kept), "length" (the budget) or
@@ -49,6 +51,7 @@ class RowRequest:
     prompt_ids: list[int]
     max_new_tokens: int
     generator: torch.Generator | None = None
+    ignore_eos: bool = False
     on_tokens: Callable[[list[int]], None] | None = None
     on_done: Callable[[list[int], str, SpecDecodingStats], None] | None = None
     on_error: Callable[[ValueError], None] | None = None
@@ -81,11 +84,13 @@ class FeedAdmission(RowAdmission):
         check (`callable`): `(prompt_ids: torch.Tensor (P,), max_new_tokens) -> None`, the call's checks of one row
             (token ids, positions, block budget; raises `ValueError`).
         stats (`callable`): `prompt_index -> SpecDecodingStats`, the row's counters.
+        strategy (`str`): the call's strategy name; per_row_stops (`bool`): whether it allows `ignore_eos` per row.
     """
 
     def __init__(self, feed: RowFeed, stop_ids, check: Callable[[torch.Tensor, int], None],
-                 stats: Callable[[int], SpecDecodingStats]) -> None:
+                 stats: Callable[[int], SpecDecodingStats], strategy: str = "", per_row_stops: bool = True) -> None:
         self.feed, self.stop_set, self.check, self.stats = feed, set(stop_ids), check, stats
+        self.strategy, self.per_row_stops = strategy, per_row_stops
         self.requests: list[RowRequest] = list(feed.initial)          # by prompt index
         self.sent = [0] * len(self.requests)                          # final tokens streamed per row
         self.tokens: list[list[int]] = [[] for _ in self.requests]    # final tokens per row (host)
@@ -123,6 +128,10 @@ class FeedAdmission(RowAdmission):
             raise invalid("max_new_tokens", budget, "be an integer >= 1", "pass a positive budget")
         if not ids:
             raise invalid("prompt_ids", "[]", "hold at least one token", "send a non-empty prompt")
+        if request.ignore_eos and not self.per_row_stops:
+            raise invalid("ignore_eos", True, f"be set per request only for strategies with per-row stop rules "
+                          f"({self.strategy!r} reads the stop ids while it decodes)", "pass eos_token_id=None to "
+                          "the call instead, for every row")
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2 ** 62), None)
         if bad is not None:
             raise invalid("prompt_ids", bad, "be token ids (non-negative integers)", "send ids of the model's "
@@ -133,13 +142,18 @@ class FeedAdmission(RowAdmission):
         """The session's `stop_check`: whether row `prompt_index` ends after its final tokens `generated` `(n,)`
         (its budget, a stop id); streams the tokens that became final."""
         ids = host_ids if host_ids is not None else generated.tolist()
+        stops = self.stops_of(prompt_index)
         budget = self.requests[prompt_index].max_new_tokens
-        cut = min(stop_cut(ids, self.stop_set), budget)
-        ended = cut < len(ids) or cut >= budget or (cut > 0 and ids[cut - 1] in self.stop_set)
+        cut = min(stop_cut(ids, stops), budget)
+        ended = cut < len(ids) or cut >= budget or (cut > 0 and ids[cut - 1] in stops)
         self.tokens[prompt_index] = ids[:cut]
         self.ended[prompt_index] = ended
         self.stream(prompt_index)
         return ended
+
+    def stops_of(self, prompt_index: int) -> set[int]:
+        """The stop ids of row `prompt_index` (none with `ignore_eos`)."""
+        return set() if self.requests[prompt_index].ignore_eos else self.stop_set
 
     def stream(self, prompt_index: int) -> None:
         request, tokens = self.requests[prompt_index], self.tokens[prompt_index]
@@ -157,7 +171,7 @@ class FeedAdmission(RowAdmission):
         if not self.ended[prompt_index]:
             reason = "cancelled"
         else:
-            reason = "stop" if tokens and tokens[-1] in self.stop_set else "length"
+            reason = "stop" if tokens and tokens[-1] in self.stops_of(prompt_index) else "length"
         stats = self.stats(prompt_index)
         stats.num_generated_tokens = len(tokens)
         if request.on_done is not None:
@@ -197,7 +211,8 @@ def feed_admission(plan, feed: RowFeed, stats, streamer=None) -> FeedAdmission:
     def check(ids: torch.Tensor, budget: int) -> None:
         check_row(plan, ids, budget)
 
-    admission = FeedAdmission(feed, plan.stop_ids, check, lambda prompt_index: stats.per_row[prompt_index])
+    admission = FeedAdmission(feed, plan.stop_ids, check, lambda prompt_index: stats.per_row[prompt_index],
+                              plan.strategy.name, plan.strategy.per_row_stops)
     for request in feed.initial:
         admission.check_request(request)
     return admission

@@ -1,18 +1,20 @@
-"""The request queue of the server: concurrent requests decoded together in the library's padded batches.
+"""The request queue of the server: continuous batching over the library's `generate(row_feed=...)`.
 
-One worker thread owns the model. Requests wait in a queue while a batch decodes; when it ends, the worker takes
-the oldest waiting request and every other waiting request with the same decoding options
-(:attr:`~hf_dllm_spec.serving.protocol.DecodingOptions.batch_key`), up to `max_batch_size`, and decodes them with
-one `model.generate` call: prompts left-padded, `max_new_tokens` the largest budget of the batch. A row leaves the
-batch when it finishes (the library drops finished rows from its forwards), at its stop id, at its own budget or
-when its client goes away.
+One worker thread owns the model (more with `workers`, eager runtime only). When it is free it takes the oldest
+waiting request and every other waiting request with the same decoding options
+(:attr:`~hf_dllm_spec.serving.protocol.DecodingOptions.batch_key`: strategy, parameters, warpers), up to
+`max_batch_size` rows and `max_step_tokens`, and starts one `model.generate` call with them. While that call
+runs, requests of the same options join it at the strategy's next join point (between two denoising steps for the
+block strategies, between two draft-and-verify cycles for SimSD: :mod:`hf_dllm_spec.integration.continuous`), as
+long as the oldest waiting request is of the same options: a request of other options is not passed over, the
+running call stops taking rows, drains, and the other options run next (first come, first served between groups).
+A row leaves the batch as soon as it ends (its own budget, its stop id) or its client goes away, and its row is
+free for the next request. DEER calls take no joining rows (their requests wait for the next call).
 
-Per-row budgets, streaming and cancellation ride on `generate`'s stopping criteria, which the library calls on the
-whole batch once every row's token t is final (:class:`RowStreams`): each row's tokens are streamed as they
-become final (never a token a later step could revise), and a criterion that fires ends the row there. A row's
-tokens do not depend on the other rows of its batch (the library's batch == one by one property; a sampled row
-draws from its own seeded generator, `generate(generator=[g_0, g_1, ...])`), so a request gets the tokens of its
-own batch-1 `generate` call.
+Each row's final tokens are streamed as they become final (never a token a later step could revise). A row's
+tokens do not depend on the other rows of its batch, nor on when it joined (the library's batch == one by one
+property; a sampled row draws from its own seeded generator), so a request gets the tokens of its own batch-1
+`generate` call. A request with `stream_drafts` runs alone (transformers' streamer protocol is batch 1).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import model_patches
 from ..maths.masks import left_pad
 from ..runtime.placement import execution_device
 from ..strategies.registry import get_strategy
+from ..integration.continuous import RowFeed, RowRequest
 from .protocol import ParsedRequest, server_terms
 
 _ids = itertools.count()
@@ -273,6 +276,39 @@ class Batcher:
             width = wider
         return batch
 
+    def _take_joining(self, key: str, rows: int, width: int) -> list[Job]:
+        """Waiting jobs that join a running call of options `key` now, given its `rows` and its widest prompt:
+        none while the oldest waiting job has other options (it runs next: no group is passed over); else the oldest
+        jobs of `key`, up to `max_batch_size` rows and, counted on the joining prefill (every row x the widest
+        prompt), `max_step_tokens`."""
+        with self.cond:
+            if self.closed:
+                return []
+            waiting = [j for j in self.queue if not j.cancelled.is_set()]
+            if not waiting or waiting[0].request.options.batch_key != key or waiting[0].request.stream_drafts:
+                return []
+            taken = []
+            for job in waiting:
+                if rows + len(taken) >= self.max_batch_size:
+                    break
+                if job.request.options.batch_key != key or job.request.stream_drafts:
+                    continue
+                wider = max(width, len(job.request.prompt_ids))
+                if self.max_step_tokens is not None and (rows + len(taken) + 1) * wider > self.max_step_tokens:
+                    continue
+                taken.append(job)
+                width = wider
+            ids = {id(j) for j in taken}
+            self.queue = deque(j for j in self.queue if id(j) not in ids)
+            self.running += len(taken)
+            return taken
+
+    def _release(self, rows: int) -> None:
+        """`rows` requests are done (their rows are free)."""
+        with self.cond:
+            self.running -= rows
+            self.cond.notify_all()
+
     def _count(self, name: str) -> None:
         with self.cond:
             self.counts[name] += 1
@@ -287,7 +323,6 @@ class Batcher:
                 self._run(jobs)
             finally:
                 with self.cond:
-                    self.running -= len(jobs)
                     self.batch_seconds.append(time.perf_counter() - started)
 
     def _run(self, jobs: list[Job]) -> None:
@@ -303,41 +338,127 @@ class Batcher:
                 return
             self._count("errors")
             jobs[0].emit("error", (400, server_terms(str(err))))
+            self._release(1)
         except Exception as err:                                  # noqa: BLE001 - reported to the client
             traceback.print_exc()
             for job in jobs:
                 self._count("errors")
                 job.emit("error", (500, f"{type(err).__name__}: {err}"))
+            self._release(len(jobs))
 
-    def _decode(self, jobs: list[Job]) -> None:
+    def _generate_kwargs(self, jobs: list[Job]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """`(input_ids, attention_mask, keywords)` of the `generate` call that starts with `jobs`."""
         options = jobs[0].request.options
         ids, valid, _ = left_pad([torch.tensor(j.request.prompt_ids, dtype=torch.long) for j in jobs])
-        ids, mask, width = ids.masked_fill(~valid, self.pad_token_id), valid.long(), ids.shape[1]
-        kwargs = options.generate_kwargs()
+        kwargs = options.generate_kwargs(per_row=not jobs[0].request.stream_drafts)
         if get_strategy(options.decoding_strategy).uses_drafter and self.drafter is not None:
             kwargs["draft_model"] = self.drafter
         if options.do_sample:             # one generator per row: a request's draws do not depend on its batch
-            kwargs["generator"] = [torch.Generator(self.device).manual_seed(
-                j.request.options.seed if j.request.options.seed is not None else random.getrandbits(63))
-                for j in jobs]
-        streams = RowStreams(jobs, width, self.stop_ids)
-        if jobs[0].request.stream_drafts:            # batch 1: the library's streamer protocol, drafts included
-            kwargs["streamer"] = streams.streamer(0)
-        out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=max(j.request.max_tokens for j in jobs),
-                                  pad_token_id=self.pad_token_id, return_dict_in_generate=True,
-                                  stopping_criteria=StoppingCriteriaList([streams]), **self.entry, **kwargs)
+            kwargs["generator"] = [self._generator(j) for j in jobs]
+        return ids.masked_fill(~valid, self.pad_token_id), valid.long(), kwargs
+
+    def _generator(self, job: Job) -> torch.Generator | None:
+        options = job.request.options
+        if not options.do_sample:
+            return None
+        seed = options.seed if options.seed is not None else random.getrandbits(63)
+        return torch.Generator(self.device).manual_seed(seed)
+
+    def _decode(self, jobs: list[Job]) -> None:
+        if jobs[0].request.stream_drafts:
+            return self._decode_streaming_drafts(jobs[0])
+        ids, mask, kwargs = self._generate_kwargs(jobs)
+        feed = _QueueFeed(self, jobs, kwargs.get("generator"))
+        try:
+            self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
+                                max_new_tokens=max(j.request.max_tokens for j in jobs), pad_token_id=self.pad_token_id,
+                                row_feed=feed, **self.entry, **kwargs)
+        except Exception:
+            if not feed.started:          # refused before any row ran: `_run` answers (each job alone on a 400)
+                raise
+            traceback.print_exc()         # a failure once rows ran: every row not yet done gets a 500
+            feed.fail_open_rows()
         self._count("batches")
-        for n, job in enumerate(jobs):
-            stats = out.spec_stats_per_row[n]
-            tokens = out.sequences[n, width:][: stats.num_generated_tokens].tolist()
-            if streams.sent[n] < len(tokens):                  # not yet streamed (never expected): send the rest
-                job.emit("tokens", tokens[streams.sent[n]:])
-            stopped = tokens and tokens[-1] in self.stop_ids and not job.request.options.ignore_eos
-            reason = "stop" if stopped else "length"
-            if job.cancelled.is_set():
-                self._count("cancelled")
-                reason = "cancelled"
-            self.history.append({"id": job.id, "tokens": len(tokens), "finish_reason": reason,
-                                 "batch_size": len(jobs), "time": time.time()})
-            job.emit("done", Result(tokens, reason, row_stats(stats, options.decoding_strategy, len(jobs))))
+
+    def _decode_streaming_drafts(self, job: Job) -> None:
+        """A `stream_drafts` request, alone: the library's streamer protocol (drafts included), its budget and
+        cancellation through a stopping criterion."""
+        ids, mask, kwargs = self._generate_kwargs([job])
+        width = ids.shape[1]
+        streams = RowStreams([job], width, self.stop_ids)
+        kwargs["streamer"] = streams.streamer(0)
+        out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
+                                  max_new_tokens=job.request.max_tokens, pad_token_id=self.pad_token_id,
+                                  return_dict_in_generate=True, stopping_criteria=StoppingCriteriaList([streams]),
+                                  **self.entry, **kwargs)
+        self._count("batches")
+        stats = out.spec_stats_per_row[0]
+        tokens = out.sequences[0, width:][: stats.num_generated_tokens].tolist()
+        if streams.sent[0] < len(tokens):                  # not yet streamed (never expected): send the rest
+            job.emit("tokens", tokens[streams.sent[0]:])
+        stopped = tokens and tokens[-1] in self.stop_ids and not job.request.options.ignore_eos
+        self._finish(job, tokens, "stop" if stopped else "length", stats, 1)
+        self._release(1)
+
+    def _finish(self, job: Job, tokens: list[int], reason: str, stats, batch_size: int) -> None:
+        """A row's result: history, counters, the `done` event."""
+        if job.cancelled.is_set():
+            self._count("cancelled")
+            reason = "cancelled"
+        self.history.append({"id": job.id, "tokens": len(tokens), "finish_reason": reason,
+                             "batch_size": batch_size, "time": time.time()})
+        job.emit("done", Result(tokens, reason, row_stats(stats, job.request.options.decoding_strategy, batch_size)))
+
+
+class _QueueFeed(RowFeed):
+    """The rows of one `generate` call: the jobs it started with, then waiting jobs of the same options that join
+    while it runs (see the module docstring for which and when)."""
+
+    def __init__(self, batcher: Batcher, jobs: list[Job], generators: list | None) -> None:
+        super().__init__([self._request(job, len(jobs), g)
+                          for job, g in zip(jobs, generators or [None] * len(jobs))])
+        self.batcher, self.key = batcher, jobs[0].request.options.batch_key
+        self.width = max(len(j.request.prompt_ids) for j in jobs)
+        self.open: dict[int, Job] = {id(j): j for j in jobs}             # rows not yet done
+        self.started_with = len(jobs)
+        self.joined = 0
+
+    @property
+    def started(self) -> bool:
+        """Whether any row has joined or ended (the call is past its checks)."""
+        return self.joined > 0 or len(self.open) < self.started_with
+
+    def _request(self, job: Job, batch_size: int, generator) -> RowRequest:
+        def done(tokens, reason, stats) -> None:
+            self.open.pop(id(job), None)
+            self.batcher._finish(job, tokens, reason, stats, batch_size)
+            self.batcher._release(1)
+
+        def error(err: ValueError) -> None:
+            self.open.pop(id(job), None)
+            self.batcher._count("errors")
+            job.emit("error", (400, server_terms(str(err))))
+            self.batcher._release(1)
+
+        options = job.request.options
+        return RowRequest(list(job.request.prompt_ids), job.request.max_tokens, generator=generator,
+                          ignore_eos=options.ignore_eos and options.per_row_stops, on_tokens=lambda ids: job.emit("tokens", ids), on_done=done, on_error=error,
+                          cancelled=job.cancelled)
+
+    def take(self, rows: int) -> list[RowRequest]:
+        jobs = self.batcher._take_joining(self.key, rows, self.width)
+        self.joined += len(jobs)
+        self.width = max([self.width] + [len(j.request.prompt_ids) for j in jobs])
+        requests = []
+        for job in jobs:
+            self.open[id(job)] = job
+            requests.append(self._request(job, rows + len(jobs), self.batcher._generator(job)))
+        return requests
+
+    def fail_open_rows(self) -> None:
+        """The call failed after rows joined: each row not yet done gets the error (500) here, once."""
+        for job in list(self.open.values()):
+            self.open.pop(id(job), None)
+            self.batcher._count("errors")
+            job.emit("error", (500, "the batch this request joined failed; retry the request"))
+            self.batcher._release(1)

@@ -105,7 +105,8 @@ class DecodingOptions:
         temperature, top_p, top_k: the sampling warpers (None: the model's generation config).
         seed (`int`, *optional*): seed of the request's own `torch.Generator` (sampling only; a random seed when
             absent): its row draws only from it, so its tokens do not depend on the other rows of its batch.
-        ignore_eos (`bool`): decode to the budget (`generate(eos_token_id=None)`).
+        ignore_eos (`bool`): decode to the budget: the row's own stop rule in a continuous batch of a strategy
+            with `per_row_stops`, else `generate(eos_token_id=None)` for its whole batch.
     """
 
     decoding_strategy: str
@@ -120,16 +121,23 @@ class DecodingOptions:
     @property
     def batch_key(self) -> str:
         """Equal for requests that one `generate` call can decode together: same strategy, parameters and
-        warpers (the seed is not part of it: each row of a sampled batch draws from its own generator)."""
+        warpers (the seed is not part of it: each row of a sampled batch draws from its own generator; nor is
+        `ignore_eos` where each row ends by its own stop rule, :attr:`per_row_stops`)."""
         key = {"s": self.decoding_strategy, "p": self.params, "d": self.do_sample, "t": self.temperature,
-               "tp": self.top_p, "tk": self.top_k, "ie": self.ignore_eos}
+               "tp": self.top_p, "tk": self.top_k, "ie": None if self.per_row_stops else self.ignore_eos}
         return json.dumps(key, sort_keys=True, default=str)
 
-    def generate_kwargs(self) -> dict[str, Any]:
-        """Keywords for `model.generate` (without the generator and the drafter)."""
+    @property
+    def per_row_stops(self) -> bool:
+        """Whether the strategy lets rows of one call end by different stop rules (`ignore_eos` per row)."""
+        return get_strategy(self.decoding_strategy).per_row_stops
+
+    def generate_kwargs(self, per_row: bool = False) -> dict[str, Any]:
+        """Keywords for `model.generate` (without the generator and the drafter); `per_row`: `ignore_eos` is left
+        to the row's own stop rule (a continuous batch of a strategy with :attr:`per_row_stops`)."""
         out: dict[str, Any] = {"decoding_strategy": self.decoding_strategy, "do_sample": self.do_sample,
                                **self.params}
-        if self.ignore_eos:
+        if self.ignore_eos and not (per_row and self.per_row_stops):
             out["eos_token_id"] = None
         if self.do_sample:
             out.update({k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),

@@ -197,6 +197,9 @@ class DecodingStrategy(ABC):
         requires_draft_mask_token (`bool`): whether that drafter needs a mask token (a diffusion drafter).
         decodes_whole_blocks (`bool`): whether every block on the grid is denoised whole, also past the budget (then
             a block larger than the whole sequence is refused, :func:`~hf_dllm_spec.integration.checks.check_block_budget`).
+        per_row_stops (`bool`): whether the loop reads the stop ids only through :meth:`should_stop`, so that rows
+            of one call may end by different stop rules (continuous batching: `ignore_eos` per request). False by
+            default (a strategy whose tokens depend on the stop ids, such as SimSD's EOS gate).
     """
 
     name: ClassVar[str]
@@ -207,6 +210,7 @@ class DecodingStrategy(ABC):
     uses_drafter: ClassVar[bool] = False
     requires_draft_mask_token: ClassVar[bool] = False
     decodes_whole_blocks: ClassVar[bool] = True
+    per_row_stops: ClassVar[bool] = False
 
     def __init__(self, config: DecodingConfig, session: DecodingSession) -> None:
         self.config, self.session = config, session

@@ -206,6 +206,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
     config_class = BlockDiffusionConfig
     paper = "S2D2 Algorithms 1-2 (arXiv 2603.25702); SDAR block_diffusion_generate"
     lossless = False
+    per_row_stops = True
     edit_rule: EditRule | None = None
 
     def __init__(self, config, session) -> None:

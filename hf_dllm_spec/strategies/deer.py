@@ -98,6 +98,7 @@ class DeerStrategy(DecodingStrategy):
     uses_drafter = True
     requires_draft_mask_token = True
     decodes_whole_blocks = False        # k drafts per cycle, never beyond the budget (`num_drafts`)
+    per_row_stops = True
 
     @classmethod
     def check_block_sizes(cls, block_size: int, draft_block_size: int | None) -> None:

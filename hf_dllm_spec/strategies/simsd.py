@@ -252,6 +252,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
     lossless = False
     uses_drafter = True
     requires_draft_mask_token = True
+    per_row_stops = False           # the EOS gate (`eos_min_prob`) reads the stop ids
 
     @classmethod
     def check_models(cls, target, target_patch, drafter, drafter_patch) -> None:
