@@ -235,3 +235,30 @@ def test_ignore_eos_per_row_is_refused_where_the_stop_ids_shape_tokens():
     initial[0].ignore_eos = True
     with pytest.raises(ValueError, match="ignore_eos"):
         _call("simsd", torch.tensor([PROMPTS[0]]), None, 10, row_feed=ScriptedFeed(initial, {}))
+
+
+@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "simsd", "deer"])
+def test_rows_with_their_own_sampling_settings_share_a_batch(case):
+    """Each row samples with its own temperature / top-k / top-p (and generator), also rows that join: each gets
+    the tokens of its batch-1 `generate(do_sample=True, temperature=..., top_k=..., top_p=...)` call."""
+    settings = [dict(temperature=0.7), dict(temperature=1.3, top_p=0.9), dict(top_k=5),
+                dict(temperature=0.5, top_k=20, top_p=0.8), dict()]
+    seeds = [21, 22, 23, 24, 25]
+    results: dict = {}
+
+    def request(n):
+        return RowRequest(PROMPTS[n], BUDGETS[n], generator=torch.Generator().manual_seed(seeds[n]),
+                          on_done=lambda tokens, reason, stats: results.__setitem__(n, tokens), **settings[n])
+
+    initial = [request(0), request(1)]
+    feed = ScriptedFeed(initial, {2: [request(2)], 3: [request(3), request(4)]})
+    width = len(PROMPTS[0])
+    ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
+    _call(case, ids, (ids != PAD).long(), 12, row_feed=feed, do_sample=True, temperature=0.9,
+          generator=[r.generator for r in initial])
+    joined = [n for n in range(5) if n in results]
+    assert joined == [0, 1] if case == "deer" else list(range(5))
+    for n in joined:
+        alone = _call(case, torch.tensor([PROMPTS[n]]), None, BUDGETS[n], do_sample=True,
+                      generator=[torch.Generator().manual_seed(seeds[n])], **settings[n])[0, len(PROMPTS[n]):]
+        assert results[n] == alone.tolist()[: BUDGETS[n]], (case, n, settings[n])

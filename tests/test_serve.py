@@ -215,6 +215,31 @@ def test_seeded_sampled_requests_share_a_batch_each_with_its_own_tokens(sdar):
     assert max(r["batch_size"] for r in list(app.state.batcher.history)[before:]) > 1
 
 
+def test_requests_with_their_own_sampling_settings_share_a_batch(sdar):
+    """Sampled requests with different temperatures, top-p and top-k join one batch; each gets the tokens of its own
+    batch-1 `generate(do_sample=True, temperature=..., top_p=..., top_k=..., generator=[seeded])` call."""
+    served, client, base, app = sdar
+    tok = served.tokenizer
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS[:6]]
+    settings = [dict(temperature=0.6), dict(temperature=1.2, top_p=0.9), dict(temperature=0.9),
+                dict(temperature=0.8, top_p=0.7), dict(temperature=1.0, top_k=5), dict(temperature=0.5, top_p=0.95)]
+    before = len(app.state.batcher.history)
+
+    def ask(i):
+        extra = {"top_k": settings[i]["top_k"]} if "top_k" in settings[i] else {}
+        kwargs = {k: v for k, v in settings[i].items() if k != "top_k"}
+        return client.completions.create(model=served.name, prompt=prompts[i], max_tokens=8, seed=200 + i,
+                                         extra_body=extra, **kwargs).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(ask, range(6)))
+    for i, text in enumerate(texts):
+        want = reference(served, tok(prompts[i])["input_ids"], 8, served.default_strategy, do_sample=True,
+                         generator=[torch.Generator().manual_seed(200 + i)], **settings[i])
+        assert text == tok.decode(want, skip_special_tokens=True), (i, settings[i])
+    assert max(r["batch_size"] for r in list(app.state.batcher.history)[before:]) > 1
+
+
 def test_stream_drafts_sends_the_drafts_of_generate_marked_as_such(sdar):
     """`stream_drafts=true`: the chunks marked `dllm_draft` are the drafts a `TextDiffusionStreamer` gets from
     `generate` (same tokens, same order, between the same commits); the choices carry only the final text."""
@@ -295,8 +320,10 @@ def test_a_short_request_joins_running_long_streams_and_cancelled_rows_leave_at_
         assert response.status == 200 and response.readline().startswith(b"data:")     # all 8 are decoding
     prompt = "Question: 2 + 3?\nAnswer:"
     r = client.completions.create(model=served.name, prompt=prompt, max_tokens=4)
-    assert len(history) == before + 1, "the short request finished after the long ones"
-    assert history[before]["batch_size"] > 1 and health(base)["running"] == 8          # it joined their batch
+    running = health(base)["running"]
+    first = list(history)[before]
+    assert first["id"] == r.id, "the short request finished after a long one"
+    assert first["batch_size"] > 1 and running == 8                                   # it joined their batch
     want = reference(served, served.tokenizer(prompt)["input_ids"], 4, served.default_strategy)
     assert r.choices[0].text == served.tokenizer.decode(want, skip_special_tokens=True)
     for conn, _ in connections:

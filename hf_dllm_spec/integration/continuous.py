@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from transformers import LogitsProcessorList
 
+from ..maths.sampling import RowProcessors, row_processors
 from ..outputs import SpecDecodingStats
-from ..strategies.base import JoiningRow, RowAdmission
+from ..strategies.base import DecodingStrategy, JoiningRow, RowAdmission
 from ..validation import invalid
 from .plan import check_row
 from .stopping import stop_cut
@@ -39,6 +41,8 @@ class RowRequest:
         generator (`torch.Generator`, *optional*): its own generator (required when the call samples).
         ignore_eos (`bool`, defaults to False): decode to the budget whatever stop id comes (a strategy with
             `per_row_stops`; with the others pass `eos_token_id=None` to the call instead).
+        temperature, top_k, top_p (*optional*): its own sampling warpers in a sampling call (None: the call's);
+            the row gets the tokens of a batch-1 call with these settings (`maths.sampling.row_processors`).
         on_tokens (`callable`, *optional*): `(ids: list[int]) -> None`, called with each new run of final tokens.
         on_done (`callable`, *optional*): `(tokens: list[int], finish_reason: str, stats: SpecDecodingStats) -> None`
             when the row leaves the batch; `finish_reason` is "stop" (a stop id, kept), "length" (the budget) or
@@ -52,6 +56,9 @@ class RowRequest:
     max_new_tokens: int
     generator: torch.Generator | None = None
     ignore_eos: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
     on_tokens: Callable[[list[int]], None] | None = None
     on_done: Callable[[list[int], str, SpecDecodingStats], None] | None = None
     on_error: Callable[[ValueError], None] | None = None
@@ -84,13 +91,16 @@ class FeedAdmission(RowAdmission):
         check (`callable`): `(prompt_ids: torch.Tensor (P,), max_new_tokens) -> None`, the call's checks of one row
             (token ids, positions, block budget; raises `ValueError`).
         stats (`callable`): `prompt_index -> SpecDecodingStats`, the row's counters.
-        strategy (`str`): the call's strategy name; per_row_stops (`bool`): whether it allows `ignore_eos` per row.
+        strategy (`type[DecodingStrategy]`): the call's strategy (its `per_row_stops` and `per_row_sampling` say
+            whether a row may have its own `ignore_eos` and its own warpers).
     """
 
     def __init__(self, feed: RowFeed, stop_ids, check: Callable[[torch.Tensor, int], None],
-                 stats: Callable[[int], SpecDecodingStats], strategy: str = "", per_row_stops: bool = True) -> None:
-        self.feed, self.stop_set, self.check, self.stats = feed, set(stop_ids), check, stats
-        self.strategy, self.per_row_stops = strategy, per_row_stops
+                 stats: Callable[[int], SpecDecodingStats], strategy: type[DecodingStrategy],
+                 do_sample: bool = True) -> None:
+        self.feed, self.stop_set, self.check, self.stats, self.strategy = feed, set(stop_ids), check, stats, strategy
+        self.do_sample = do_sample
+        self.processors: RowProcessors | None = None             # per-row warpers, in a sampling call
         self.requests: list[RowRequest] = list(feed.initial)          # by prompt index
         self.sent = [0] * len(self.requests)                          # final tokens streamed per row
         self.tokens: list[list[int]] = [[] for _ in self.requests]    # final tokens per row (host)
@@ -103,6 +113,7 @@ class FeedAdmission(RowAdmission):
         for request in self.feed.take(rows):
             try:
                 self.check_request(request)
+                processors = self.processors_of(request) if self.processors is not None else None
             except ValueError as err:
                 if request.on_error is None:
                     raise
@@ -111,14 +122,35 @@ class FeedAdmission(RowAdmission):
             self.requests.append(request)
             for values, empty in ((self.sent, 0), (self.tokens, []), (self.ended, False), (self.reported, False)):
                 values.append(empty)
-            joining.append(JoiningRow(torch.tensor(request.prompt_ids, dtype=torch.long), request.generator))
+            joining.append(JoiningRow(torch.tensor(request.prompt_ids, dtype=torch.long), request.generator,
+                                      processors))
         return joining
+
+    def attach(self, session) -> None:
+        """Make `session` (a :class:`~hf_dllm_spec.strategies.base.DecodingSession`) continuous: this admission,
+        each row's own stop rule and, in a sampling call, each row's own warpers."""
+        session.admission, session.stop_check = self, self.stop_check
+        if session.sampler.do_sample and self.strategy.per_row_sampling:
+            self._call_processors, self._lists = session.sampler.logits_processor, {}
+            self.processors = RowProcessors([self.processors_of(r) for r in self.requests])
+            session.sampler.logits_processor = self.processors
+
+    def processors_of(self, request: RowRequest) -> LogitsProcessorList:
+        """The processors of `request`'s row (one object per distinct setting, shared by its rows)."""
+        key = (request.temperature, request.top_k, request.top_p)
+        if key not in self._lists:
+            self._lists[key] = row_processors(self._call_processors, temperature=request.temperature,
+                                              top_k=request.top_k, top_p=request.top_p)
+        return self._lists[key]
 
     def cancelled(self, prompt_index: int) -> bool:
         return not self.ended[prompt_index] and self.requests[prompt_index].cancelled.is_set()
 
     def left(self, prompt_index: int) -> None:
         self.report(prompt_index)
+
+    def budget(self, prompt_index: int) -> int:
+        return self.requests[prompt_index].max_new_tokens
 
     # -- each row's end -----------------------------------------------------------------------------------------
     def check_request(self, request: RowRequest) -> None:
@@ -128,10 +160,21 @@ class FeedAdmission(RowAdmission):
             raise invalid("max_new_tokens", budget, "be an integer >= 1", "pass a positive budget")
         if not ids:
             raise invalid("prompt_ids", "[]", "hold at least one token", "send a non-empty prompt")
-        if request.ignore_eos and not self.per_row_stops:
+        if request.ignore_eos and not self.strategy.per_row_stops:
             raise invalid("ignore_eos", True, f"be set per request only for strategies with per-row stop rules "
-                          f"({self.strategy!r} reads the stop ids while it decodes)", "pass eos_token_id=None to "
+                          f"({self.strategy.name!r} reads the stop ids while it decodes)", "pass eos_token_id=None to "
                           "the call instead, for every row")
+        own = {k: v for k, v in (("temperature", request.temperature), ("top_k", request.top_k),
+                                 ("top_p", request.top_p)) if v is not None}
+        if own and not self.do_sample:
+            name = next(iter(own))
+            raise invalid(name, own[name], "be set only in a sampling call (do_sample=True)", f"drop `{name}` from the "
+                          "request, or decode the call with do_sample=True")
+        if own and not self.strategy.per_row_sampling:
+            name = next(iter(own))
+            raise invalid(name, own[name], f"be set per request only for strategies with per-row sampling "
+                          f"({self.strategy.name!r} does not name the rows of its draws)", "give the call the setting "
+                          "instead, for every row")
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2 ** 62), None)
         if bad is not None:
             raise invalid("prompt_ids", bad, "be token ids (non-negative integers)", "send ids of the model's "
@@ -212,7 +255,7 @@ def feed_admission(plan, feed: RowFeed, stats, streamer=None) -> FeedAdmission:
         check_row(plan, ids, budget)
 
     admission = FeedAdmission(feed, plan.stop_ids, check, lambda prompt_index: stats.per_row[prompt_index],
-                              plan.strategy.name, plan.strategy.per_row_stops)
+                              plan.strategy, plan.do_sample)
     for request in feed.initial:
         admission.check_request(request)
     return admission

@@ -184,7 +184,7 @@ def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_k
     with hold_static_runtime(plan.generation_config, plan.model, plan.draft_model):
         session = _session(plan, input_ids, logits_processor, model_kwargs, streamer, timer, stats, ends)
         if admission is not None:
-            session.admission, session.stop_check = admission, admission.stop_check
+            admission.attach(session)
         t0 = now(plan.device)
         generated = plan.strategy(plan.config, session).decode()[:plan.batch_size]
         wall = now(plan.device) - t0

@@ -149,6 +149,101 @@ class RowGenerators:
         return RowGenerators([self.generators[i] for i in _as_list(index)])
 
 
+class RowProcessors:
+    """One `LogitsProcessorList` per batch row: per-row sampling settings (temperature, top-k, top-p of each request
+    of a continuous batch). Rows whose lists are the same object are processed together; each list is applied to
+    its rows' positions exactly as a batch-1 call applies it, so a row gets the scores of its own call.
+
+    Args:
+        lists (`Sequence[LogitsProcessorList]`): row i's processors at index i (each checked by
+            :func:`check_logits_processors`).
+    """
+
+    def __init__(self, lists: Sequence[LogitsProcessorList]) -> None:
+        self.lists = list(lists)
+        for processors in {id(p): p for p in self.lists}.values():
+            check_logits_processors(processors)
+
+    def __len__(self) -> int:
+        return len(self.lists)
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> None:
+        """Keep the rows `index` `(M,)`, in that order (in place: every sampler sharing this object follows)."""
+        self.lists = [self.lists[i] for i in _as_list(index)]
+
+    def extend(self, lists: Sequence[LogitsProcessorList]) -> None:
+        """Append the lists of rows that join the batch."""
+        for processors in lists:
+            check_logits_processors(processors)
+        self.lists.extend(lists)
+
+    def apply(self, scores: torch.Tensor, rows: torch.Tensor | Sequence[int] | None) -> torch.Tensor:
+        """Process `scores` `(M, L, V)` float32, whose M rows are the batch rows `rows` (all rows when None)."""
+        if rows is None and scores.shape[0] != len(self.lists):
+            raise ValueError(f"RowProcessors.apply: {scores.shape[0]} rows of scores for a batch of {len(self.lists)}"
+                             " rows; pass `rows`, the batch rows of the scores (Sampler.probs(logits, rows)).")
+        rows = list(range(scores.shape[0])) if rows is None else _as_list(rows)
+        groups: dict[int, tuple[LogitsProcessorList, list[int]]] = {}
+        for k, row in enumerate(rows):
+            processors = self.lists[row]
+            groups.setdefault(id(processors), (processors, []))[1].append(k)
+        if len(groups) == 1:
+            processors = next(iter(groups.values()))[0]
+            return _apply(processors, scores.reshape(-1, scores.shape[-1])).reshape(scores.shape)
+        out = torch.empty_like(scores)
+        for processors, members in groups.values():
+            index = torch.tensor(members, device=scores.device)
+            part = scores[index]
+            out[index] = _apply(processors, part.reshape(-1, scores.shape[-1])).reshape(part.shape)
+        return out
+
+
+#: The warpers transformers' `generate` adds for sampling, in its order (after every other processor).
+_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+            EpsilonLogitsWarper, EtaLogitsWarper)
+
+
+def row_processors(call: LogitsProcessorList, *, temperature: float | None = None, top_k: int | None = None,
+                   top_p: float | None = None) -> LogitsProcessorList:
+    """The processors a batch-1 `generate(do_sample=True, temperature=..., top_k=..., top_p=...)` call would use,
+    from the processors `call` of a call that differs only in these three settings (None: the call's own).
+
+    transformers' `generate` appends its sampling warpers after every other processor, in the order temperature,
+    top-k, top-p, min-p, typical, epsilon, eta, each only when not neutral (temperature 1, top-k 0, top-p 1); the
+    three are replaced in place, with `min_tokens_to_keep=1` (no beams). Returns `call` itself when nothing changes.
+
+    Raises:
+        ValueError: from transformers' warpers, for an invalid value.
+    """
+    if temperature is None and top_k is None and top_p is None:
+        return call
+    current = {type(proc): proc for proc in call}
+    if temperature is None and TemperatureLogitsWarper in current:
+        temperature = current[TemperatureLogitsWarper].temperature
+    if top_k is None and TopKLogitsWarper in current:
+        top_k = current[TopKLogitsWarper].top_k
+    if top_p is None and TopPLogitsWarper in current:
+        top_p = current[TopPLogitsWarper].top_p
+    own = []
+    if temperature is not None and temperature != 1.0:
+        own.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k != 0:
+        own.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+    if top_p is not None and top_p < 1.0:
+        own.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    first = next((k for k, proc in enumerate(call) if type(proc) in _WARPERS), len(call))
+    rest = [proc for proc in call[first:] if type(proc) not in _WARPERS[:3]]
+    return LogitsProcessorList([*call[:first], *own, *rest])
+
+
+def _apply(processors: LogitsProcessorList, scores: torch.Tensor) -> torch.Tensor:
+    """`processors` on `scores` `(R, V)`, each position a row of its own (what they see in a batch-1 call)."""
+    dummy_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
+    for proc in processors:
+        scores = proc(dummy_ids, scores)
+    return scores
+
+
 #: What the draws accept: one generator for the batch, one per row, or None (torch's global RNG).
 Generators = torch.Generator | RowGenerators | None
 
@@ -251,24 +346,27 @@ class Sampler:
     generator: Generators | Sequence[torch.Generator] = None
 
     def __post_init__(self) -> None:
-        check_logits_processors(self.logits_processor)
+        if not isinstance(self.logits_processor, RowProcessors):
+            check_logits_processors(self.logits_processor)
         if isinstance(self.generator, (list, tuple)):
             self.generator = RowGenerators(self.generator)
         # The suppression SuppressTokensLogitsProcessor would apply, as one `index_fill` (no vocabulary-wide isin).
         self._suppress = torch.tensor(sorted(set(self.suppress_token_ids)), dtype=torch.long)
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, rows: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """Processed distribution per position.
 
         Args:
-            logits (`torch.Tensor` of shape `(..., V)`, e.g. `(N, B, V)`): raw logits, any float dtype. Every
+            logits (`torch.Tensor` of shape `(M, ..., V)`, e.g. `(N, B, V)`): raw logits, any float dtype. Every
                 position is an independent row for the processors.
+            rows (`torch.Tensor` of shape `(M,)`, *optional*): the batch rows of `logits` when not all of them
+                (per-row processors).
 
         Returns:
             `torch.Tensor` of the same shape, float32: softmax of the processed logits. Called p (draft) or q
             (verifier) in S2D2 Algorithm 3.
         """
-        return torch.softmax(self.scores(logits), dim=-1)
+        return torch.softmax(self.scores(logits, rows), dim=-1)
 
     def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy choice without the full distribution: the argmax of the processed logits and its probability.
@@ -292,33 +390,44 @@ class Sampler:
         best, token_ids = scores.max(dim=-1)
         return token_ids, torch.exp(best - torch.logsumexp(scores, dim=-1))
 
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """The processed logits (suppression, then the processors in order), float32, same shape as `logits`."""
+    def scores(self, logits: torch.Tensor, rows: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+        """The processed logits (suppression, then the processors in order), float32, same shape as `logits`
+        `(M, ..., V)`; `rows` `(M,)`: the batch rows of its first dimension when they are not all the rows (read
+        only with per-row processors, :class:`RowProcessors`)."""
         shape = logits.shape
         scores = logits.float().reshape(-1, shape[-1])
-        dummy_ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
         if self._suppress.numel():
             if self._suppress.device != scores.device:
                 self._suppress = self._suppress.to(scores.device)
             scores = scores.index_fill(-1, self._suppress, -float("inf"))
-        for proc in self.logits_processor:
-            scores = proc(dummy_ids, scores)
-        return scores.reshape(shape)
+        if isinstance(self.logits_processor, RowProcessors):
+            return self.logits_processor.apply(scores.reshape(shape[0], -1, shape[-1]), rows).reshape(shape)
+        return _apply(self.logits_processor, scores).reshape(shape)
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the per-row generators of the rows `index` `(M,)` that stay in the batch (no-op for a shared
         generator). Samplers sharing the generators (target and drafter) follow; call it once per selection."""
         if isinstance(self.generator, RowGenerators):
             self.generator.select(index)
+        if isinstance(self.logits_processor, RowProcessors):
+            self.logits_processor.select(index)
 
-    def add_rows(self, generators: Sequence[torch.Generator | None]) -> None:
+    def add_rows(self, generators: Sequence[torch.Generator | None],
+                 processors: Sequence[LogitsProcessorList | None] | None = None) -> None:
         """Rows join the batch (continuous batching) with their own generators (`None` each for a greedy sampler,
-        which draws nothing).
+        which draws nothing) and, with per-row processors, their own processors (`None`: the call's).
 
         Raises:
             ValueError: a sampling batch without one generator per row (a joining row's draws would come from
-                another row's generator, or the global one).
+                another row's generator, or the global one); own processors for a sampler without per-row ones.
         """
+        processors = list(processors) if processors is not None else [None] * len(generators)
+        per_row = isinstance(self.logits_processor, RowProcessors)
+        if any((p is None) == per_row for p in processors):
+            raise invalid("processors", "<mixed>", "be given for every joining row exactly when the sampler has "
+                          "per-row processors (RowProcessors)", "give every request of the call its own settings")
+        if per_row:
+            self.logits_processor.extend(processors)
         if not self.do_sample:
             return
         if not isinstance(self.generator, RowGenerators) or any(g is None for g in generators):

@@ -357,6 +357,19 @@ class Batcher:
             kwargs["generator"] = [self._generator(j) for j in jobs]
         return ids.masked_fill(~valid, self.pad_token_id), valid.long(), kwargs
 
+    def _warpers(self, options) -> dict[str, Any]:
+        """A sampled request's own temperature, top-k and top-p (the model's generation config where the request
+        is silent, neutral where neither says), for a strategy with per-row sampling; none otherwise."""
+        if not options.do_sample or not get_strategy(options.decoding_strategy).per_row_sampling:
+            return {}
+        gc = self.model.generation_config
+
+        def pick(value, default, neutral):
+            return value if value is not None else default if default is not None else neutral
+
+        return {"temperature": pick(options.temperature, gc.temperature, 1.0),
+                "top_k": pick(options.top_k, gc.top_k, 0), "top_p": pick(options.top_p, gc.top_p, 1.0)}
+
     def _generator(self, job: Job) -> torch.Generator | None:
         options = job.request.options
         if not options.do_sample:
@@ -397,8 +410,8 @@ class Batcher:
         if streams.sent[0] < len(tokens):                  # not yet streamed (never expected): send the rest
             job.emit("tokens", tokens[streams.sent[0]:])
         stopped = tokens and tokens[-1] in self.stop_ids and not job.request.options.ignore_eos
-        self._finish(job, tokens, "stop" if stopped else "length", stats, 1)
         self._release(1)
+        self._finish(job, tokens, "stop" if stopped else "length", stats, 1)
 
     def _finish(self, job: Job, tokens: list[int], reason: str, stats, batch_size: int) -> None:
         """A row's result: history, counters, the `done` event."""
@@ -415,9 +428,9 @@ class _QueueFeed(RowFeed):
     while it runs (see the module docstring for which and when)."""
 
     def __init__(self, batcher: Batcher, jobs: list[Job], generators: list | None) -> None:
+        self.batcher, self.key = batcher, jobs[0].request.options.batch_key
         super().__init__([self._request(job, len(jobs), g)
                           for job, g in zip(jobs, generators or [None] * len(jobs))])
-        self.batcher, self.key = batcher, jobs[0].request.options.batch_key
         self.width = max(len(j.request.prompt_ids) for j in jobs)
         self.open: dict[int, Job] = {id(j): j for j in jobs}             # rows not yet done
         self.started_with = len(jobs)
@@ -431,18 +444,19 @@ class _QueueFeed(RowFeed):
     def _request(self, job: Job, batch_size: int, generator) -> RowRequest:
         def done(tokens, reason, stats) -> None:
             self.open.pop(id(job), None)
+            self.batcher._release(1)                  # before the client hears of it: its row is free
             self.batcher._finish(job, tokens, reason, stats, batch_size)
-            self.batcher._release(1)
 
         def error(err: ValueError) -> None:
             self.open.pop(id(job), None)
             self.batcher._count("errors")
-            job.emit("error", (400, server_terms(str(err))))
             self.batcher._release(1)
+            job.emit("error", (400, server_terms(str(err))))
 
         options = job.request.options
         return RowRequest(list(job.request.prompt_ids), job.request.max_tokens, generator=generator,
-                          ignore_eos=options.ignore_eos and options.per_row_stops, on_tokens=lambda ids: job.emit("tokens", ids), on_done=done, on_error=error,
+                          ignore_eos=options.ignore_eos and options.per_row_stops,
+                          **self.batcher._warpers(options), on_tokens=lambda ids: job.emit("tokens", ids), on_done=done, on_error=error,
                           cancelled=job.cancelled)
 
     def take(self, rows: int) -> list[RowRequest]:

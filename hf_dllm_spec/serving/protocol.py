@@ -121,10 +121,13 @@ class DecodingOptions:
     @property
     def batch_key(self) -> str:
         """Equal for requests that one `generate` call can decode together: same strategy, parameters and
-        warpers (the seed is not part of it: each row of a sampled batch draws from its own generator; nor is
-        `ignore_eos` where each row ends by its own stop rule, :attr:`per_row_stops`)."""
-        key = {"s": self.decoding_strategy, "p": self.params, "d": self.do_sample, "t": self.temperature,
-               "tp": self.top_p, "tk": self.top_k, "ie": None if self.per_row_stops else self.ignore_eos}
+        sampling mode (the seed is not part of it: each row of a sampled batch draws from its own generator; nor are
+        the warpers where each row samples with its own, the strategy's `per_row_sampling`, nor `ignore_eos` where
+        each row ends by its own stop rule, its `per_row_stops`)."""
+        strategy = get_strategy(self.decoding_strategy)
+        warpers = None if strategy.per_row_sampling else (self.temperature, self.top_p, self.top_k)
+        key = {"s": self.decoding_strategy, "p": self.params, "d": self.do_sample, "w": warpers,
+               "ie": None if strategy.per_row_stops else self.ignore_eos}
         return json.dumps(key, sort_keys=True, default=str)
 
     @property

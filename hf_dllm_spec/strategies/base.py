@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..configuration import DecodingConfig
 from ..outputs import BatchStats
@@ -23,10 +24,13 @@ class JoiningRow:
     Attributes:
         prompt (`torch.Tensor` of shape `(P,)`, int64): its prompt, without padding.
         generator (`torch.Generator`, *optional*): its own generator (required when the batch samples).
+        logits_processor (`LogitsProcessorList`, *optional*): its own processors (its sampling settings), when the
+            sampler has per-row processors (:class:`~hf_dllm_spec.maths.sampling.RowProcessors`).
     """
 
     prompt: torch.Tensor
     generator: torch.Generator | None = None
+    logits_processor: LogitsProcessorList | None = None
 
 
 class RowAdmission(ABC):
@@ -45,6 +49,10 @@ class RowAdmission(ABC):
 
     def left(self, prompt_index: int) -> None:
         """Row `prompt_index` has left the batch (finished or cancelled); its counters are final."""
+
+    def budget(self, prompt_index: int) -> int | None:
+        """Row `prompt_index`'s own budget in tokens (None: the call's `max_new_tokens`)."""
+        return None
 
 
 @dataclass
@@ -134,6 +142,11 @@ class DecodingSession:
                 if prompt_index not in staying:
                     self.admission.left(prompt_index)
 
+    def budget_of(self, prompt_index: int) -> int:
+        """Row `prompt_index`'s budget in tokens: its own in a continuous batch, else `max_new_tokens`."""
+        own = self.admission.budget(prompt_index) if self.admission is not None else None
+        return own if own is not None else self.max_new_tokens
+
     def joining_rows(self) -> list[JoiningRow]:
         """The rows the admission lets join now (none without one, or when a follower cannot add rows)."""
         return self.admission.take(len(self.stats.active)) if self.joins else []
@@ -152,7 +165,7 @@ class DecodingSession:
         Raises:
             ValueError: a sampling batch and a row without its own generator.
         """
-        self.sampler.add_rows([row.generator for row in rows])
+        self.sampler.add_rows([row.generator for row in rows], [row.logits_processor for row in rows])
         self.prompts.extend(row.prompt.to(self.target.device) for row in rows)
         self.target.add_rows(len(rows))
         if self.drafter is not None:
@@ -200,6 +213,9 @@ class DecodingStrategy(ABC):
         per_row_stops (`bool`): whether the loop reads the stop ids only through :meth:`should_stop`, so that rows
             of one call may end by different stop rules (continuous batching: `ignore_eos` per request). False by
             default (a strategy whose tokens depend on the stop ids, such as SimSD's EOS gate).
+        per_row_sampling (`bool`): whether every `Sampler.probs` / `scores` call of the loop names the batch rows
+            of its logits when they are not all of them, so that rows may sample with their own warpers
+            (continuous batching: temperature, top-k, top-p per request). False by default.
     """
 
     name: ClassVar[str]
@@ -211,6 +227,7 @@ class DecodingStrategy(ABC):
     requires_draft_mask_token: ClassVar[bool] = False
     decodes_whole_blocks: ClassVar[bool] = True
     per_row_stops: ClassVar[bool] = False
+    per_row_sampling: ClassVar[bool] = False
 
     def __init__(self, config: DecodingConfig, session: DecodingSession) -> None:
         self.config, self.session = config, session

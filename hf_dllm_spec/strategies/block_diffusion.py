@@ -207,6 +207,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
     paper = "S2D2 Algorithms 1-2 (arXiv 2603.25702); SDAR block_diffusion_generate"
     lossless = False
     per_row_stops = True
+    per_row_sampling = True
     edit_rule: EditRule | None = None
 
     def __init__(self, config, session) -> None:

@@ -99,6 +99,7 @@ class DeerStrategy(DecodingStrategy):
     requires_draft_mask_token = True
     decodes_whole_blocks = False        # k drafts per cycle, never beyond the budget (`num_drafts`)
     per_row_stops = True
+    per_row_sampling = True
 
     @classmethod
     def check_block_sizes(cls, block_size: int, draft_block_size: int | None) -> None:
@@ -156,7 +157,7 @@ class DeerStrategy(DecodingStrategy):
         """k for this cycle (never beyond the budget) and drafts per row `(N,)`: a row one token short of its
         budget drafts nothing and takes one AR step."""
         s = self.session
-        per_row = [min(max(s.max_new_tokens - self.generated[i].shape[0] - 1, 0), self.config.block_size)
+        per_row = [min(max(s.budget_of(i) - self.generated[i].shape[0] - 1, 0), self.config.block_size)
                    for i in s.stats.active]                                  # on the host: no device read
         return max(per_row, default=0), torch.tensor(per_row, dtype=torch.long, device=s.target.device)
 

@@ -356,9 +356,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
         span_tokens = draft_tokens[rows].gather(1, idx)
         target_logits = logits[rows[:, None], idx - first]                                 # (M, L, V)
         if self.acceptance == "greedy_match":       # the argmax only: no softmax over the vocabulary
-            result = greedy_match(span_tokens, s.sampler.scores(target_logits), num_drafts=lengths)
+            result = greedy_match(span_tokens, s.sampler.scores(target_logits, rows), num_drafts=lengths)
         else:
-            target_probs = s.sampler.probs(target_logits)
+            target_probs = s.sampler.probs(target_logits, rows)
             span_draft_probs = draft_probs[rows[:, None], idx]
             result = rejection_sample(span_tokens, span_draft_probs, target_probs, num_drafts=lengths,
                                       gamma=self.config.ssd_ratio_tempering_factor,
