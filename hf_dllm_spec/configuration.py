@@ -22,17 +22,7 @@ from transformers import GenerationConfig
 
 from model_patches.generation import GENERATION_CONFIG_KEY  # the families read it too
 
-from .validation import check_choice, invalid
-
-
-def check_int(name: str, value: Any, low: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise invalid(name, value, f"be an integer >= {low}", fix)
-
-
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise invalid(name, value, "be a bool", "pass True or False")
+from .validation import check_bool, check_choice, check_int, invalid
 
 
 @dataclass

@@ -62,3 +62,15 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...] | list[str], fi
     if value not in choices:
         listed = ", ".join(repr(c) for c in choices)
         raise invalid(name, value, f"be one of {listed}", fix or f"pick one of {listed}")
+
+
+def check_int(name: str, value: Any, low: int, fix: str) -> None:
+    """Raise `ValueError` unless ``value`` is an integer (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise invalid(name, value, f"be an integer >= {low}", fix)
+
+
+def check_bool(name: str, value: Any) -> None:
+    """Raise `ValueError` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise invalid(name, value, "be a bool", "pass True or False")
