@@ -420,7 +420,7 @@ def test_large_deer_block_is_not_refused(pair_models):
 
 def test_block_size_budget_rule():
     """Refused: a block larger than the whole sequence rounded up to a power of two; the trained size always runs."""
-    from hf_dllm_spec.integration.checks import check_block_budget
+    from hf_dllm_spec.integration.plan import check_block_budget
 
     check_block_budget(32, 4, [7], 16)                # 7 + 16 = 23 -> 32
     check_block_budget(16, 4, [7], 4)                 # 11 -> 16

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_dllm_spec
-from hf_dllm_spec.integration.checks import check_block_budget
+from hf_dllm_spec.integration.plan import check_block_budget
 from hf_dllm_spec.maths.sampling import Sampler
 from model_patches import get_patch
 from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM

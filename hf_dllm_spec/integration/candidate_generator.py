@@ -24,14 +24,13 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 import model_patches
 
-from .checks import check_drafter_tokens, check_loaded, check_token_id, check_vocabulary
-from ..configuration import check_int
+from .plan import check_drafter_tokens, check_loaded, check_token_id, check_vocabulary
 from ..strategies.drafting import OneStepDrafter
 from ..outputs import BatchStats
 from ..runtime.quantization import check_quantized_model
 from ..runtime.runner import ModelRunner
 from ..maths.sampling import Sampler
-from ..validation import invalid
+from ..validation import check_int, invalid
 
 
 class DeerCandidateGenerator(CandidateGenerator):

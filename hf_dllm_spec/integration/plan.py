@@ -7,33 +7,52 @@ generator, the stopping criteria left to scan. Every check of bad input runs whi
 argument, its value, the rule and the fix); nothing after it validates. Strategies read the plan's values through
 their config and the session :func:`~hf_dllm_spec.integration.generate.dllm_generate` builds from it.
 
+The checks are this module's own, in the order of the plan: the models (loaded, quantized weights, family, served
+by the strategy), the inputs as given (options, ids, mask, model kwargs, generator), the sizes and the tokens
+resolved, the drafter, then the prompts against the finished plan (:func:`_check_prompts`, which
+:func:`check_row` runs on a row that joins a running call). :mod:`~hf_dllm_spec.integration.checks` reuses them on
+the raw call, before transformers prepares it; `DeerCandidateGenerator` on its drafter.
+
 Source: issue 33 ("A plan per call").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 import model_patches
+from model_patches.compat import CACHE_KWARG, CACHE_NAMES, find_cache
 
-from ..configuration import DecodingConfig, check_int
+from ..bridge import caller_stacklevel
+from ..configuration import DecodingConfig
+from ..maths.masks import left_padded_valid
 from ..runtime.placement import execution_device
 from ..runtime.quantization import check_quantized_model
 from ..runtime.static import drop_prepared_static_cache, static_cache_length
 from ..strategies.base import DecodingStrategy
 from ..strategies.registry import get_strategy, resolve_config
-from ..validation import invalid
-from ..bridge import caller_stacklevel
-from .checks import (check_attention_mask, check_block_budget, check_drafter_tokens, check_generation_config,
-                     check_generator, check_inputs_embeds, check_loaded, check_mask_not_in_prompt,
-                     check_model_kwargs, check_model_pair, check_token_id, check_tokens, prompt_lengths)
+from ..validation import check_int, invalid
 from .stopping import criteria_to_scan
+
+#: Float options of `GenerationConfig` the sampler reads; NaN or infinity is refused.
+FLOAT_GENERATION_OPTIONS = ("temperature", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                            "repetition_penalty")
+
+#: Generation options that need one output per prompt and greedy or sampled decoding of one hypothesis.
+SINGLE_HYPOTHESIS = ("num_beams", "num_return_sequences", "num_beam_groups")
+
+#: Model kwargs transformers prepares that the decoding loop reads or may ignore (it builds its own masks); the
+#: cache under the name of every supported transformers version (`model_patches.compat.CACHE_NAMES`).
+KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position",
+                      *CACHE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -92,8 +111,9 @@ def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConf
                decoding_strategy: str, overrides: dict[str, Any], strategy_config: DecodingConfig | None,
                preset: str | None, draft_model, mask_token_id: int | None, draft_mask_token_id: int | None,
                generator, streamer, stopping_criteria, raw_attention_mask=None) -> DecodePlan:
-    """Resolve and check one call (see the module docstring); `model_kwargs` loses the static cache transformers
-    prepared for `cache_implementation="static"` (the static runtime keeps its own).
+    """Resolve and check one call (see the module docstring): the models, the inputs as given, the sizes, the
+    tokens, the drafter, in that order; `model_kwargs` loses the static cache transformers prepared for
+    `cache_implementation="static"` (the static runtime keeps its own).
 
     Raises:
         ValueError: the first bad argument, before any forward (unknown strategy, bad parameter, right padding,
@@ -105,36 +125,18 @@ def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConf
     strategy = get_strategy(decoding_strategy)
     config = resolve_config(strategy.name, generation_config=generation_config, strategy_config=strategy_config,
                             preset=preset, overrides=overrides)
-    _check_call(model, input_ids, generation_config, model_kwargs, draft_model=draft_model,
-                mask_token_id=mask_token_id, draft_mask_token_id=draft_mask_token_id, streamer=streamer,
-                raw_attention_mask=raw_attention_mask)
-    lengths = prompt_lengths(input_ids, model_kwargs.get("attention_mask"))
-    drop_prepared_static_cache(generation_config, model_kwargs)
-    check_model_kwargs(input_ids, model_kwargs, lengths)
-    device = execution_device(model)                   # not `model.device`: "meta" under accelerate offload
-    check_generator(generator, device, input_ids.shape[0])
+    device, patch, drafter_patch = _check_models(strategy, model, draft_model)
+    lengths = _check_inputs(input_ids, generation_config, model_kwargs, device=device, generator=generator,
+                            streamer=streamer, raw_attention_mask=raw_attention_mask)
     do_sample = bool(generation_config.do_sample)
     _check_acceptance(config, do_sample, generator)
-
-    patch = model_patches.get_patch(model)
-    drafter_patch = model_patches.get_patch(draft_model) if draft_model is not None else None
-    strategy.check_models(model, patch, draft_model, drafter_patch)
-    check_quantized_model(model, "model")
-    if draft_model is not None:
-        check_quantized_model(draft_model, "draft_model")
-    block_size = _resolve_block_size(patch, model, getattr(config, "block_size", None))
-    if "block_size" in {f.name for f in dataclasses.fields(config)} and config.block_size != block_size:
-        config = dataclasses.replace(config, block_size=block_size)      # validates against the block size
-    max_new_tokens = _resolve_budget(input_ids, generation_config)
-    _check_positions(patch, model, lengths, block_size, max_new_tokens)
-    if strategy.decodes_whole_blocks:
-        check_block_budget(block_size, patch.trained_block_size(model), lengths, max_new_tokens)
-    mask, stop_ids, pad_id = _resolve_tokens(strategy, config, patch, model, input_ids, lengths, generation_config,
-                                             mask_token_id)
+    config, block_size, max_new_tokens = _resolve_sizes(patch, model, config, input_ids, generation_config)
+    mask, stop_ids, pad_id = _resolve_tokens(strategy, patch, model, input_ids, lengths, generation_config,
+                                             mask_token_id, draft_mask_token_id)
     draft_mask, draft_block_size = _resolve_drafter(strategy, config, model, patch, draft_model, drafter_patch,
                                                     input_ids, lengths, generation_config, stop_ids, block_size,
                                                     draft_mask_token_id)
-    return DecodePlan(
+    plan = DecodePlan(
         strategy=strategy, config=config, model=model, patch=patch, draft_model=draft_model,
         drafter_patch=drafter_patch, generation_config=generation_config, device=device, lengths=tuple(lengths),
         block_size=block_size, draft_block_size=draft_block_size, mask_token_id=mask, draft_mask_token_id=draft_mask,
@@ -145,23 +147,52 @@ def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConf
         do_sample=do_sample, generator=generator,
         criteria=criteria_to_scan(stopping_criteria, stop_ids, input_ids.shape[1], max_new_tokens),
         suppress_ids=(mask,) if mask is not None else ())
+    _check_prompts(plan, input_ids, lengths, max_new_tokens)
+    return plan
 
 
-def _check_call(model, input_ids, generation_config, model_kwargs, *, draft_model, mask_token_id,
-                draft_mask_token_id, streamer, raw_attention_mask) -> None:
-    """The checks that need nothing resolved: options, loaded models, token ids, inputs, streamer."""
-    check_generation_config(generation_config)
-    check_loaded(model, "model")
+def _check_models(strategy, model, draft_model) -> tuple[torch.device, Any, Any]:
+    """The models, checked: real weights (the target's execution device, not `model.device`, which is "meta" under
+    accelerate offload), quantized weights that can decode, a family adapter each, served by the strategy
+    (:meth:`DecodingStrategy.check_models`). Returns `(device, patch, drafter_patch or None)`."""
+    device = check_loaded(model, "model")
+    check_quantized_model(model, "model")
     if draft_model is not None:
         check_loaded(draft_model, "draft_model")
-    check_token_id("mask_token_id", mask_token_id, "pass the mask token's integer id (e.g. `tokenizer.mask_token_id`)")
-    check_token_id("draft_mask_token_id", draft_mask_token_id, "pass the drafter's mask token's integer id")
+        check_quantized_model(draft_model, "draft_model")
+    patch = model_patches.get_patch(model)
+    drafter_patch = model_patches.get_patch(draft_model) if draft_model is not None else None
+    strategy.check_models(model, patch, draft_model, drafter_patch)
+    return device, patch, drafter_patch
+
+
+def _check_inputs(input_ids, generation_config, model_kwargs, *, device, generator, streamer,
+                  raw_attention_mask) -> list[int]:
+    """The call's inputs as given (options, inputs, streamer, model kwargs, generator); each row's prompt length.
+    `model_kwargs` loses the static cache transformers prepared for `cache_implementation="static"` (the static
+    runtime keeps its own)."""
+    check_generation_config(generation_config)
     check_inputs_embeds(model_kwargs.get("inputs_embeds"))
     check_attention_mask(input_ids, raw_attention_mask)
     if streamer is not None and input_ids.shape[0] > 1:
         raise invalid("streamer", type(streamer).__name__, "be used with batch size 1 (transformers' streamers "
                       f"follow one sequence; got {input_ids.shape[0]} rows)",
                       "decode one prompt at a time when streaming, or drop `streamer`")
+    lengths = prompt_lengths(input_ids, model_kwargs.get("attention_mask"))
+    drop_prepared_static_cache(generation_config, model_kwargs)
+    check_model_kwargs(input_ids, model_kwargs, lengths)
+    check_generator(generator, device, input_ids.shape[0])
+    return lengths
+
+
+def _resolve_sizes(patch, model, config, input_ids, generation_config):
+    """`(config, block size, budget)`: the block size (given, else the checkpoint's trained one) written into the
+    config, and the budget `max_new_tokens` (the prompts are checked against both with the finished plan,
+    :func:`_check_prompts`)."""
+    block_size = _resolve_block_size(patch, model, getattr(config, "block_size", None))
+    if "block_size" in {f.name for f in dataclasses.fields(config)} and config.block_size != block_size:
+        config = dataclasses.replace(config, block_size=block_size)      # validates against the block size
+    return config, block_size, _resolve_budget(input_ids, generation_config)
 
 
 def _check_acceptance(config: DecodingConfig, do_sample: bool, generator) -> None:
@@ -207,19 +238,12 @@ def _resolve_block_size(patch, model, block_size: int | None, name: str = "block
     return resolved
 
 
-def _check_positions(patch, model, lengths: list[int], block_size: int, max_new_tokens: int) -> None:
-    """Every row's prompt and budget, decoded in whole blocks, within the model's positions."""
-    max_positions = patch.max_positions(model)
-    needed = max(-(-(n + max_new_tokens) // block_size) * block_size for n in lengths)   # end of the last block
-    if max_positions is not None and needed > max_positions:
-        raise invalid("input_ids", f"<prompt of {max(lengths)} tokens>",
-                      f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} "
-                      f"(up to position {needed}), in the model's {max_positions} positions",
-                      "shorten the prompt or lower max_new_tokens")
-
-
-def _resolve_tokens(strategy, config, patch, model, input_ids, lengths, generation_config, mask_token_id):
-    """`(mask id or None, stop ids, pad id or None)` of the target, checked against the prompts."""
+def _resolve_tokens(strategy, patch, model, input_ids, lengths, generation_config, mask_token_id,
+                    draft_mask_token_id):
+    """`(mask id or None, stop ids, pad id or None)` of the target, checked against the prompts (the mask ids given:
+    integers)."""
+    check_token_id("mask_token_id", mask_token_id, "pass the mask token's integer id (e.g. `tokenizer.mask_token_id`)")
+    check_token_id("draft_mask_token_id", draft_mask_token_id, "pass the drafter's mask token's integer id")
     mask = patch.mask_token_id(model, mask_token_id)
     needs_mask = _needs_mask(strategy, patch, model)
     if needs_mask and mask is None:
@@ -232,8 +256,6 @@ def _resolve_tokens(strategy, config, patch, model, input_ids, lengths, generati
     if input_ids.shape[0] > 1 and pad_id is None:
         raise invalid("pad_token_id", None, "be set to right-pad rows that finish early in a batch",
                       "pass pad_token_id=<id> (transformers uses the eos id) or set generation_config.pad_token_id")
-    check_tokens(input_ids, lengths, model.get_input_embeddings().num_embeddings, mask_token_id=mask,
-                 stop_ids=stop_ids, pad_token_id=pad_id, mask_required=needs_mask)
     return mask, stop_ids, pad_id
 
 
@@ -264,14 +286,12 @@ def _resolve_drafter(strategy, config, model, patch, draft_model, drafter_patch,
                          sep_token_id=getattr(config, "sep_token_id", None), stop_ids=stop_ids)
     draft_block_size = getattr(config, "draft_block_size", None) or drafter_patch.trained_block_size(draft_model)
     strategy.check_block_sizes(block_size, draft_block_size)
-    if draft_mask is not None:
-        check_mask_not_in_prompt(input_ids, lengths, draft_mask, owner="drafter's")
     return draft_mask, draft_block_size
 
 
 def check_row(plan: DecodePlan, prompt_ids: torch.Tensor, max_new_tokens: int) -> None:
     """The checks of one more row of a planned call (a request that joins a running batch, continuous batching):
-    its token ids, its prompt and budget within the model's positions, the block size against it.
+    the checks of the call's own rows (:func:`_check_prompts`) on this one.
 
     Args:
         prompt_ids (`torch.Tensor` of shape `(P,)`, int64): the row's prompt. max_new_tokens (`int`): its budget.
@@ -279,15 +299,365 @@ def check_row(plan: DecodePlan, prompt_ids: torch.Tensor, max_new_tokens: int) -
     Raises:
         ValueError: as :func:`build_plan` for the same row.
     """
-    length = [prompt_ids.shape[0]]
-    check_tokens(prompt_ids[None], length, plan.model.get_input_embeddings().num_embeddings,
+    _check_prompts(plan, prompt_ids[None], [prompt_ids.shape[0]], max_new_tokens)
+
+
+def _check_prompts(plan: DecodePlan, input_ids: torch.Tensor, lengths: list[int], max_new_tokens: int) -> None:
+    """The prompts `(N, P)` (left-padded, `lengths` real tokens each) against a plan: their token ids (and the
+    plan's special ids) within the vocabulary, neither model's mask token in them, every row's prompt and budget,
+    decoded in whole blocks, within the model's positions, a block no larger than the whole sequence."""
+    check_tokens(input_ids, lengths, plan.model.get_input_embeddings().num_embeddings,
                  mask_token_id=plan.mask_token_id, stop_ids=list(plan.stop_ids), pad_token_id=plan.pad_id,
-                 mask_required=_needs_mask(plan.strategy, plan.patch, plan.model))
-    if plan.draft_mask_token_id is not None:
-        check_mask_not_in_prompt(prompt_ids[None], length, plan.draft_mask_token_id, owner="drafter's")
-    _check_positions(plan.patch, plan.model, length, plan.block_size, max_new_tokens)
+                 mask_required=_needs_mask(plan.strategy, plan.patch, plan.model),
+                 draft_mask_token_id=plan.draft_mask_token_id)
+    max_positions, block_size = plan.patch.max_positions(plan.model), plan.block_size
+    needed = max(-(-(n + max_new_tokens) // block_size) * block_size for n in lengths)   # end of the last block
+    if max_positions is not None and needed > max_positions:
+        raise invalid("input_ids", f"<prompt of {max(lengths)} tokens>",
+                      f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} "
+                      f"(up to position {needed}), in the model's {max_positions} positions",
+                      "shorten the prompt or lower max_new_tokens")
     if plan.strategy.decodes_whole_blocks:
-        check_block_budget(plan.block_size, plan.patch.trained_block_size(plan.model), length, max_new_tokens)
+        check_block_budget(plan.block_size, plan.patch.trained_block_size(plan.model), lengths, max_new_tokens)
 
 
-__all__ = ["DecodePlan", "build_plan", "check_row"]
+def check_loaded(model, name: str) -> torch.device:
+    """Raise unless `model` holds real weights: refused on the meta device (never loaded); a model that accelerate
+    dispatched with offload runs on its execution device and passes.
+
+    Returns:
+        `torch.device`: the model's execution device (:func:`hf_dllm_spec.runtime.placement.execution_device`).
+
+    Raises:
+        ValueError: naming `name` ("model", "draft_model", "assistant_model").
+    """
+    device = execution_device(model)
+    if device.type == "meta":
+        raise invalid(name, f"<{type(model).__name__} on the meta device>", "hold real weights to decode",
+                      "load it with `from_pretrained` (or `to_empty` and load a state dict) before calling generate")
+    return device
+
+
+def check_inputs_embeds(inputs_embeds: Any) -> None:
+    """Raise if `inputs_embeds` is given: the strategies decode from token ids (the block grid, the mask token, the
+    drafter's input and the output all are ids; transformers would hand over an empty `input_ids`).
+
+    Raises:
+        ValueError: naming `inputs_embeds`.
+    """
+    if inputs_embeds is not None:
+        shown = (f"tensor of shape {tuple(inputs_embeds.shape)}" if isinstance(inputs_embeds, torch.Tensor)
+                 else type(inputs_embeds).__name__)
+        raise invalid("inputs_embeds", f"<{shown}>", "not be given: hf_dllm_spec strategies decode from token ids "
+                      "and do not support `inputs_embeds`", "pass `input_ids` (the tokenizer's ids) instead")
+
+
+def check_attention_mask(input_ids: torch.Tensor, attention_mask: Any) -> None:
+    """The `attention_mask` of the call as given, before transformers prepares it (transformers derives
+    `position_ids` from it and drops an all-ones mask, so a bad mask would otherwise surface as bad positions).
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(N, P)`): the prompts.
+        attention_mask (`torch.Tensor`, *optional*): the mask as the caller passed it.
+
+    Raises:
+        ValueError: naming `attention_mask`: not a tensor, on the meta device, not of the shape of `input_ids`,
+            or holding values other than 0 and 1.
+    """
+    if attention_mask is None:
+        return
+    fix = "pass the mask the tokenizer returned with the ids (`return_tensors='pt'`)"
+    if not isinstance(attention_mask, torch.Tensor):
+        raise invalid("attention_mask", f"<{type(attention_mask).__name__}>", "be a torch.Tensor of shape "
+                      "(batch_size, prompt_len)", fix)
+    if attention_mask.device.type == "meta":
+        raise invalid("attention_mask", f"<tensor of shape {tuple(attention_mask.shape)} on the meta device>",
+                      "hold real values", fix)
+    if attention_mask.shape != input_ids.shape:
+        raise invalid("attention_mask", f"<tensor of shape {tuple(attention_mask.shape)}>",
+                      f"have the shape of `input_ids` {tuple(input_ids.shape)}", fix)
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        values = torch.unique(attention_mask).tolist()
+        raise invalid("attention_mask", f"<values {values[:6]}{' ...' if len(values) > 6 else ''}>",
+                      "hold only 0 (padding) and 1 (real tokens)", fix)
+
+
+def check_token_id(name: str, value: Any, fix: str) -> None:
+    """Raise unless `value` is `None` or an integer (a Python or NumPy int, or an integer 0-d tensor); a float or a
+    string is never truncated or parsed into an id.
+
+    Raises:
+        ValueError: naming `name`.
+    """
+    if value is None:
+        return
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        operator.index(value)
+    except TypeError:
+        raise invalid(name, value, "be an integer token id", fix) from None
+
+
+def check_vocabulary(target, target_patch, drafter, drafter_patch, name: str = "draft_model") -> None:
+    """Raise unless the drafter's distribution has the target's size (the first check of a pair, so a drafter of
+    another tokenizer is named as such, before transformers' advice on `assistant_tokenizer`, which does not apply).
+
+    Raises:
+        ValueError: naming `name` (the drafter's argument).
+    """
+    v_target, v_drafter = target_patch.vocab_size(target), drafter_patch.vocab_size(drafter)
+    if v_target != v_drafter:
+        raise invalid(name, f"<vocabulary of {v_drafter} tokens>", f"share the target's vocabulary of {v_target} "
+                      "tokens", "use a drafter trained with the target's tokenizer (same embedding size)")
+
+
+def check_drafter_tokens(vocab_size: int, *, mask_token_id: int | None, sep_token_id: int | None = None,
+                         stop_ids: list[int] = (), mask_name: str = "draft_mask_token_id") -> None:
+    """The drafter's own ids against the drafter's vocabulary and the stop ids of the call.
+
+    Args:
+        vocab_size (`int`): rows of the drafter's input embedding.
+        mask_token_id (`int`, *optional*): the resolved drafter mask token; `mask_name` is the argument that sets it.
+        sep_token_id (`int`, *optional*): DEER's SEP token.
+        stop_ids (`list[int]`): the stop ids of the call (both models stop on them).
+
+    Raises:
+        ValueError: an id outside `[0, vocab_size)`; the mask token among the stop ids; the SEP token equal to the
+            mask token.
+    """
+    for name, value in ((mask_name, mask_token_id), ("sep_token_id", sep_token_id)):
+        if value is not None and not 0 <= value < vocab_size:
+            raise invalid(name, value, f"lie in [0, {vocab_size}) (the drafter's vocabulary)",
+                          "pass the id the drafter's tokenizer uses")
+    if mask_token_id is not None and mask_token_id in stop_ids:
+        raise invalid(mask_name, mask_token_id, f"differ from the stop ids {list(stop_ids)}",
+                      f"pass the drafter's mask token as {mask_name}, not an end-of-sequence token")
+    if sep_token_id is not None and sep_token_id == mask_token_id:
+        raise invalid("sep_token_id", sep_token_id, f"differ from the drafter's mask token ({mask_token_id})",
+                      "pass the drafter's SEP token, or None for no SEP")
+
+
+def check_block_budget(block_size: int, trained_block_size: int | None, lengths: list[int],
+                       max_new_tokens: int) -> None:
+    """Refuse a block larger than the whole sequence: at most the shortest prompt plus `max_new_tokens`, rounded up
+    to a power of two (or the checkpoint's trained block size, always accepted). The shortest prompt: a batch is
+    accepted exactly when each of its prompts is accepted alone.
+
+    A block is denoised whole (one forward per step, `steps_per_block` = the block size by default) while only the
+    first `max_new_tokens` positions after the prompt are kept; a block larger than the sequence adds only positions
+    that are denoised and thrown away (`block_size=2048` with `max_new_tokens=16` ran 2021 forwards).
+
+    Raises:
+        ValueError: naming `block_size`.
+    """
+    sequence = min(lengths) + max_new_tokens
+    limit = max(1 << (sequence - 1).bit_length(), trained_block_size or 1)
+    if block_size > limit:
+        trained = (f" (the checkpoint's trained block size, {trained_block_size}, is always accepted)"
+                   if trained_block_size else "")
+        raise invalid("block_size", block_size, f"be at most {limit}, the whole sequence (prompt of {min(lengths)} "
+                      f"tokens + max_new_tokens={max_new_tokens}) rounded up to a power of two{trained}: a larger "
+                      "block's positions past the budget are denoised, up to one forward each, and discarded",
+                      f"pass block_size <= {limit}, or raise max_new_tokens")
+
+
+def prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Real tokens per row of a left-padded batch.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(N, P)`).
+        attention_mask (`torch.Tensor` of shape `(N, P)` or `None`): 1 for real tokens.
+
+    Returns:
+        `list[int]`: the number of real tokens of each row.
+
+    Raises:
+        ValueError: for an empty prompt, a shape mismatch, right padding or holes, or a row without tokens.
+    """
+    n, width = input_ids.shape
+    if width == 0:
+        raise invalid("input_ids", f"<tensor of shape {(n, width)}>", "hold at least one prompt token per row",
+                      "pass a non-empty prompt (e.g. the tokenizer's BOS token)")
+    if attention_mask is None:
+        return [width] * n
+    if attention_mask.shape != input_ids.shape:
+        raise invalid("attention_mask", tuple(attention_mask.shape), f"have the shape of `input_ids` {(n, width)}",
+                      "pass the mask the tokenizer returned with the ids")
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    if not bool((mask == left_padded_valid(lengths, width, mask.device)).all()):
+        raise invalid("attention_mask", "<right padding or holes>",
+                      "pad on the left, as transformers pads decoder-only models",
+                      "set `tokenizer.padding_side = 'left'` before tokenizing the batch")
+    if bool((lengths == 0).any()):
+        raise invalid("attention_mask", "<a row without tokens>", "leave at least one real token per row",
+                      "drop empty prompts from the batch")
+    return lengths.tolist()
+
+
+def check_single_hypothesis(name: str, value: Any) -> None:
+    """Raise unless `value` (of `num_beams`, `num_return_sequences`, `num_beam_groups`) is unset or 1."""
+    if value is not None and value != 1:
+        raise invalid(name, value, "be 1 for hf_dllm_spec strategies (one hypothesis per prompt)",
+                      f"drop `{name}`; to draw several samples, repeat the prompt in the batch with "
+                      "`do_sample=True`" if name == "num_return_sequences" else f"drop `{name}`")
+
+
+def check_generation_config(generation_config: GenerationConfig) -> None:
+    """Generation options the strategies do not support, and non-finite float options.
+
+    Raises:
+        ValueError: `num_beams`/`num_return_sequences` > 1, `output_scores`-like flags, NaN or infinite
+            `temperature`, `top_p`, `min_p`, ... ; a `cache_implementation` other than unset, "dynamic" or "static";
+            "static" with `use_cache=False`.
+    """
+    for name in SINGLE_HYPOTHESIS:
+        check_single_hypothesis(name, getattr(generation_config, name, None))
+    for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            raise invalid(flag, True, "be False for hf_dllm_spec strategies (per-token scores are not defined "
+                          "for out-of-order commits)", f"drop `{flag}`; `return_dict_in_generate=True` "
+                          "returns the statistics")
+    for name in FLOAT_GENERATION_OPTIONS:
+        value = getattr(generation_config, name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise invalid(name, value, "be a finite number", f"pass a finite `{name}` or drop it")
+    if generation_config.cache_implementation not in (None, "dynamic", "static"):
+        raise invalid("cache_implementation", generation_config.cache_implementation,
+                      "be unset, 'dynamic' (the eager runtime over a DynamicCache) or 'static' (the static runtime: "
+                      "a preallocated cache, CUDA graphs on GPU) for hf_dllm_spec strategies",
+                      "drop `cache_implementation`, or pass cache_implementation='static'")
+    if generation_config.cache_implementation == "static" and generation_config.use_cache is False:
+        raise invalid("use_cache", False, "be True with cache_implementation='static' (the static runtime decodes "
+                      "over its preallocated cache)", "drop `use_cache=False`, or drop `cache_implementation`")
+
+
+def check_model_kwargs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], lengths: list[int]) -> None:
+    """Model kwargs transformers prepared: only a mask, consistent positions and an empty dynamic cache.
+
+    Raises:
+        ValueError: unknown model kwargs, `position_ids` that do not follow the attention mask, a cache (under the
+            name of any supported transformers version, :data:`model_patches.compat.CACHE_NAMES`) that is not a
+            `DynamicCache`, or two caches under both names.
+    """
+    unknown = sorted(set(model_kwargs) - KNOWN_MODEL_KWARGS)
+    if unknown:
+        raise invalid("model_kwargs", unknown, "be empty for hf_dllm_spec strategies",
+                      "drop these arguments (the decoding loop builds its own inputs)")
+    cache = find_cache(model_kwargs)
+    if cache is not None and type(cache) is not DynamicCache:
+        raise invalid(CACHE_KWARG, type(cache).__name__, "be an empty DynamicCache (or unset): the decoding "
+                      "loop stores, reads and crops blocks", f"drop `cache_implementation` / `{CACHE_KWARG}`")
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is not None:
+        real = left_padded_valid(lengths, input_ids.shape[1], input_ids.device)
+        expected = (real.long().cumsum(dim=1) - 1).clamp(min=0)                    # (N, P): 0, 1, ... per row
+        if position_ids.shape != input_ids.shape or not bool(
+                (position_ids.to(input_ids.device)[real] == expected[real]).all()):
+            raise invalid("position_ids", "<custom positions>", "follow the attention mask (0, 1, ... from each row's "
+                          "first real token): the block grid is counted from position 0",
+                          "drop `position_ids`; positions are derived from `attention_mask`")
+
+
+def check_tokens(input_ids: torch.Tensor, lengths: list[int], vocab_size: int, *, mask_token_id: int | None,
+                 stop_ids: list[int], pad_token_id: int | None, mask_required: bool,
+                 draft_mask_token_id: int | None = None) -> None:
+    """Token ids against the vocabulary, and the mask tokens against the prompt and the stop ids.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(N, P)`), lengths (`list[int]`): the left-padded prompts.
+        vocab_size (`int`): rows of the model's input embedding.
+        mask_token_id, stop_ids, pad_token_id: the resolved special ids.
+        mask_required (`bool`): the strategy denoises with the mask token.
+        draft_mask_token_id (`int`, *optional*): the drafter's mask token, never in a prompt either.
+
+    Raises:
+        ValueError: an id outside `[0, vocab_size)` in the prompt or among the special ids; the mask token in a
+            prompt or among the stop ids; the drafter's mask token in a prompt.
+    """
+    tokens = input_ids[left_padded_valid(lengths, input_ids.shape[1], input_ids.device)]
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise invalid("input_ids", f"<ids from {low} to {high}>", f"lie in [0, {vocab_size}) (the model's vocabulary)",
+                      "tokenize with the model's own tokenizer")
+    for name, ids in (("mask_token_id", [mask_token_id] if mask_token_id is not None else []),
+                      ("eos_token_id", stop_ids), ("pad_token_id", [pad_token_id] if pad_token_id is not None else [])):
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise invalid(name, bad[0] if len(ids) == 1 else ids, f"lie in [0, {vocab_size}) (the model's vocabulary)",
+                          "pass the id the model's tokenizer uses")
+    if mask_required and mask_token_id is not None and mask_token_id in stop_ids:
+        raise invalid("mask_token_id", mask_token_id, f"differ from the stop ids {stop_ids}",
+                      "pass the model's mask token, not its end-of-sequence token")
+    for whose, mask in (("", mask_token_id if mask_required else None), ("drafter's ", draft_mask_token_id)):
+        if mask is not None and bool((tokens == mask).any()):     # infilling: the prompt is returned as given
+            raise invalid("input_ids", f"<prompt holding the {whose}mask token {mask}>",
+                          f"not contain the {whose}mask token (infilling a prompt is not supported: the prompt is "
+                          "returned as given)", "remove the mask tokens from the prompt")
+
+
+def check_generator(generator: Any, device: torch.device, batch_size: int = 1) -> None:
+    """Raise unless `generator` is `None`, a `torch.Generator` on the model's device type, or a list / tuple of
+    `batch_size` of them (one per row: per-row randomness, :mod:`hf_dllm_spec.maths.sampling`).
+
+    Raises:
+        ValueError: naming `generator` (the element's index for a list).
+    """
+    if generator is None:
+        return
+    per_row = isinstance(generator, (list, tuple))
+    if per_row and len(generator) != batch_size:
+        raise invalid("generator", f"<{type(generator).__name__} of {len(generator)} generators>",
+                      f"hold one torch.Generator per row of the batch (batch size {batch_size})",
+                      "pass generator=[torch.Generator(device=model.device).manual_seed(seed) for seed in "
+                      "seeds] with one seed per prompt, or one torch.Generator for the whole batch")
+    rule = "be a torch.Generator" if per_row else "be a torch.Generator, a list of one per row, or None"
+    fix = ("make every element torch.Generator(device=model.device).manual_seed(seed)" if per_row
+           else "pass generator=torch.Generator(device=model.device).manual_seed(seed)")
+    named = [(f"generator[{i}]", g) for i, g in enumerate(generator)] if per_row else [("generator", generator)]
+    for name, element in named:
+        if not isinstance(element, torch.Generator):
+            raise invalid(name, element, rule, fix)
+        if torch.device(element.device).type != torch.device(device).type:
+            raise invalid(name, f"<torch.Generator on {element.device}>", f"live on the model's device ({device})",
+                          fix)
+
+
+def _special_ids(patch, model, gc=None) -> dict[str, Any]:
+    gc = gc if gc is not None else getattr(model, "generation_config", None)
+    ids: dict[str, Any] = {"eos_token_id": sorted(patch.stop_token_ids(model, gc)) or None}
+    for key in ("pad_token_id", "bos_token_id"):
+        value = getattr(gc, key, None)
+        ids[key] = value if value is not None else getattr(model.config, key, None)
+    return ids
+
+
+def check_model_pair(target, target_patch, drafter, drafter_patch, generation_config=None) -> None:
+    """Before any forward: the drafter must share the target's vocabulary (size and special ids).
+
+    The target's special ids are those of this call (`generation_config`), the drafter's its own. A stop list the
+    call sets (an `eos_token_id` other than the target's own) is never compared: it is what both models stop on
+    (the session's stop ids), as stock `generate` and the other strategies accept it; without one, the target's
+    own stop ids must match the drafter's (a drafter of another tokenizer).
+
+    Raises:
+        ValueError: naming the first difference (vocabulary size, eos/pad/bos ids).
+    """
+    check_vocabulary(target, target_patch, drafter, drafter_patch)
+    ids_target = _special_ids(target_patch, target, generation_config)
+    ids_drafter = _special_ids(drafter_patch, drafter)
+    per_call_stops = ids_target["eos_token_id"] != _special_ids(target_patch, target)["eos_token_id"]
+    for key, value in ids_target.items():
+        other = ids_drafter[key]
+        if key == "eos_token_id" and per_call_stops:
+            continue
+        if value is not None and other is not None and value != other:
+            raise invalid("draft_model", f"<{key}={other}>", f"use the target's {key} ({value})",
+                          f"align the drafter's generation config (`draft_model.generation_config.{key} = {value}`)")
+
+
+__all__ = ["DecodePlan", "build_plan", "check_attention_mask", "check_block_budget", "check_drafter_tokens",
+           "check_generation_config", "check_generator", "check_inputs_embeds", "check_loaded", "check_model_kwargs",
+           "check_model_pair", "check_row", "check_single_hypothesis", "check_token_id", "check_tokens",
+           "check_vocabulary", "prompt_lengths"]
