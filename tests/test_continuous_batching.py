@@ -262,3 +262,18 @@ def test_rows_with_their_own_sampling_settings_share_a_batch(case):
         alone = _call(case, torch.tensor([PROMPTS[n]]), None, BUDGETS[n], do_sample=True,
                       generator=[torch.Generator().manual_seed(seeds[n])], **settings[n])[0, len(PROMPTS[n]):]
         assert results[n] == alone.tolist()[: BUDGETS[n]], (case, n, settings[n])
+
+
+@pytest.mark.parametrize("extra", [{}, {"use_cache": False}, {"cache_implementation": "static"}],
+                         ids=["eager", "no-cache", "static"])
+@pytest.mark.parametrize("case", ["block_diffusion", "fast_dllm_v2_separate_writes", "simsd"])
+def test_a_long_prompt_joins_rows_that_stored_nothing_yet(case, extra):
+    """The running rows' prompts are shorter than a block (nothing in the cache yet: its layers are still empty);
+    a longer prompt joins (its prefill is wider than everything stored): every row still gets its batch-1 tokens."""
+    results: dict = {}
+    initial = _requests([1, 3], results)                      # 2 and 1 tokens
+    feed = ScriptedFeed(initial, {2: _requests([2, 0], results)})
+    ids = torch.tensor([PROMPTS[1], [PAD] + PROMPTS[3]])
+    _call(case, ids, (ids != PAD).long(), 12, row_feed=feed, **extra)
+    for n in (0, 1, 2, 3):
+        assert results[n][0] == _alone(case, n, **extra), (case, n)

@@ -43,6 +43,19 @@ from .trace import ForwardRecord, active_trace
 DRAFT_MODEL_SPAN = "draft_model"
 
 
+class _JoiningStats:
+    """The counters of a runner that stores the prompts of joining rows alone: its forwards count for those rows
+    (the batch rows `first ..` of `stats`) and once for the batch."""
+
+    def __init__(self, stats: BatchStats, first: int) -> None:
+        self.stats, self.first = stats, first
+
+    def count_forward(self, kind: str, rows=None, draft_model: bool = False) -> None:
+        flags = [True] * (len(self.stats.active) - self.first) if rows is None else \
+            (rows.tolist() if hasattr(rows, "tolist") else list(rows))
+        self.stats.count_forward(kind, [False] * self.first + flags, draft_model)
+
+
 class ModelRunner:
     """One model, its family adapter and its stored context, for a batch of `N` rows.
 
@@ -309,6 +322,71 @@ class ModelRunner:
         self._ids = torch.cat([self._ids, self._ids.new_zeros(count, t)])
         self._pos = torch.cat([self._pos, self._pos.new_zeros(count, t)])
         self._visible = torch.cat([self._visible, self._visible.new_zeros(count, t, t)])
+
+    def store_joining_rows(self, first: int, store) -> None:
+        """Store the prompts of the rows `first ..` that joined the batch (:meth:`add_rows`), without computing the
+        other rows: `store(runner)` runs the storing forwards on a fresh eager runner of those rows alone (its
+        forwards counted for them), whose stored columns then move into their rows here (right-aligned; the
+        other rows get padding columns where they are shorter, which no query sees).
+
+        Args:
+            first (`int`): the first joining row; the rows from it to the end joined and hold nothing yet.
+            store (`callable`): `(ModelRunner) -> None`, the storing forwards (e.g. a prefill).
+        """
+        rows = self.batch_size - first
+        temp = ModelRunner(self.model, self.patch, _JoiningStats(self.stats, first), batch_size=rows,
+                           use_cache=self.use_cache, timer=self.timer, timer_span=self.timer_span)
+        store(temp)
+        self._absorb(first, temp)
+
+    def _absorb(self, first: int, temp: "ModelRunner") -> None:
+        """Move what `temp` (rows `first ..`, nothing stored here yet) stored into those rows."""
+        width = temp.stored_len
+        if temp.carry is not None:
+            if self.carry is None:
+                self.carry = temp.carry.new_zeros(self.batch_size, temp.carry.shape[1])
+            self.carry[first:] = temp.carry
+        if width == 0:
+            return
+        extra = width - self.stored_len
+        if extra > 0:                                  # every row gets padding columns in front
+            self._pad_front(extra)
+        if self.use_cache:
+            for layer, joined in zip(self.cache.layers, temp.cache.layers):
+                if getattr(joined, "keys", None) is None or joined.keys.numel() == 0:
+                    continue
+                if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                    layer.lazy_initialization(joined.keys, joined.values)
+                    layer.keys = joined.keys.new_zeros(self.batch_size, *joined.keys.shape[1:2], self.stored_len,
+                                                       joined.keys.shape[-1])
+                    layer.values = joined.values.new_zeros(layer.keys.shape[:3] + joined.values.shape[-1:])
+                layer.keys[first:, :, -width:] = joined.keys
+                layer.values[first:, :, -width:] = joined.values
+        else:
+            self._ids[first:, -width:], self._pos[first:, -width:] = temp._ids, temp._pos
+            self._visible[first:, -width:, -width:] = temp._visible
+        self.valid[first:, -width:] = temp.valid
+
+    def _pad_front(self, extra: int) -> None:
+        """Put `extra` padding columns in front of every row's stored columns (no query sees them)."""
+        if self.use_cache:
+            for layer in self.cache.layers:
+                keys = getattr(layer, "keys", None)
+                if keys is None or keys.numel() == 0:
+                    continue
+                layer.keys = torch.cat([keys.new_zeros(*keys.shape[:2], extra, keys.shape[-1]), keys], dim=2)
+                values = layer.values
+                layer.values = torch.cat([values.new_zeros(*values.shape[:2], extra, values.shape[-1]), values],
+                                         dim=2)
+        n, t = self.batch_size, self._ids.shape[1]
+        self.valid = torch.cat([self.valid.new_zeros(n, extra), self.valid], dim=1)
+        if self.use_cache:
+            return
+        self._ids = torch.cat([self._ids.new_zeros(n, extra), self._ids], dim=1)
+        self._pos = torch.cat([self._pos.new_zeros(n, extra), self._pos], dim=1)
+        visible = self._visible.new_zeros(n, t + extra, t + extra)
+        visible[:, extra:, extra:] = self._visible
+        self._visible = visible
 
     def _maybe_compact(self) -> None:
         """Drop padding columns once they outnumber the longest row's real tokens (one host sync, rarely)."""

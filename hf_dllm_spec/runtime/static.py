@@ -526,6 +526,36 @@ class StaticModelRunner(ModelRunner):
         if self.carry is not None:
             self.carry = torch.cat([self.carry, self.carry.new_zeros(count, self.carry.shape[1])])
 
+    def _absorb(self, first: int, temp: ModelRunner) -> None:
+        """Move what the eager runner `temp` stored for rows `first ..` (their prompts, left-padded) into their
+        slots: each row's real columns at its columns `[0, n)`, its write position n (one host read at a join)."""
+        width = temp.stored_len
+        if temp.carry is not None:
+            if self.carry is None:
+                self.carry = temp.carry.new_zeros(self.batch_size, temp.carry.shape[1])
+            self.carry[first:] = temp.carry
+        if width == 0:
+            return
+        if width > self.cache.max_cache_len:
+            self.cache.grow(_round_up(max(width, 2 * self.cache.max_cache_len), LENGTH_GRANULE))
+            self._state.graphs.clear()
+        stored = temp.valid.sum(dim=1)                                                    # (k,)
+        order = (torch.arange(width, device=stored.device)[None] + (width - stored)[:, None]) % width  # real first
+        for layer, joined in zip(self.cache.layers, temp.cache.layers):
+            if getattr(joined, "keys", None) is None or joined.keys.numel() == 0:
+                continue
+            if not layer.is_initialized:
+                rows = max(self.cache.rows, self.batch_size)
+                with torch.inference_mode(False):
+                    layer.lazy_initialization(joined.keys[:1].expand(rows, -1, -1, -1),
+                                              joined.values[:1].expand(rows, -1, -1, -1))
+            index = order.to(layer.keys.device)[:, None, :, None]
+            for name, source in (("keys", joined.keys), ("values", joined.values)):
+                moved = source.gather(2, index.expand(-1, source.shape[1], -1, source.shape[-1]))
+                getattr(layer, name)[first:self.batch_size, :, :width] = moved
+        self.lengths[first:] = stored.to(self.lengths.device)
+        self._bound = max(self._bound, width)
+
 
 def _pad_rows(inputs: tuple, rows: int) -> tuple:
     """`(ids, pos, wide, columns, lengths)` of n rows padded to `rows`: each extra row is one query of ids 0 at

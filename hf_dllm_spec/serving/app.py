@@ -67,7 +67,7 @@ class ServedModel:
     drafter: Any = None
     default_params: dict = field(default_factory=dict)
     default_max_tokens: int = 256
-    max_batch_size: int = 16
+    max_batch_size: int = 32
     max_concurrent_batches: int = 1
     max_step_tokens: int | None = None
 

@@ -171,7 +171,7 @@ class Batcher:
     Args:
         model (`PreTrainedModel`): the target.
         drafter (`PreTrainedModel`, *optional*): passed as `draft_model` to the strategies that use one.
-        max_batch_size (`int`, defaults to 16): most rows per `generate` call.
+        max_batch_size (`int`, defaults to 32): most rows decoding together in one `generate` call.
         observer (*optional*): given every job's events (the server's metrics).
         pad_token_id (`int`, *optional*): left padding of the prompts (default: the generation config's, else
             the first stop id).
@@ -185,7 +185,7 @@ class Batcher:
         ValueError: `workers` < 1, or > 1 with `cache_implementation="static"` on the model's generation config.
     """
 
-    def __init__(self, model, drafter=None, *, max_batch_size: int = 16, pad_token_id: int | None = None,
+    def __init__(self, model, drafter=None, *, max_batch_size: int = 32, pad_token_id: int | None = None,
                  observer: Any = None, workers: int = 1, max_step_tokens: int | None = None) -> None:
         from ..integration.generate import dllm_generate
         from ..integration.mixin import DllmGenerationMixin

@@ -7,10 +7,14 @@
 Clients pick another strategy or parameters per request in the body (the `openai` client's `extra_body`):
 `{"decoding_strategy": "s2d2", "confidence_threshold": 0.8}`; `--strategy` and `--param` are the defaults.
 
-Scheduling: waiting requests with the same decoding options are batched (up to --max-batch-size rows, the
-oldest request's group first); a batch admits no rows once started (no continuous batching yet). With
---max-concurrent-batches 2 or more (eager runtime), a request that arrives during a long batch starts in a free
-worker beside it. /metrics reports running and waiting requests, tokens/s, time to first token and per-strategy
+Scheduling (continuous batching): requests with the same strategy and parameters decode in one running batch
+(up to --max-batch-size rows and --max-step-tokens tokens per forward); a request that arrives while it runs joins
+it at its next step (the block strategies and S2D2: between two denoising steps; SimSD: between two cycles; DEER
+calls take no joining rows), each row with its own budget, seed, temperature / top-p / top-k and ignore_eos, and
+leaves as soon as it ends or its client goes away. The oldest waiting request is never passed over: while it is of
+other options, the running batch takes no more rows and drains, then its group runs. Every response is the
+request's own batch-1 `generate` tokens. With --max-concurrent-batches 2 or more (eager runtime), groups of
+different options decode side by side. /metrics reports running and waiting requests, tokens/s, time to first token and per-strategy
 acceptance rate and tokens per forward (Prometheus text).
 
 Loading (as `generate`): --dtype auto, --device or --device-map (accelerate), --quantization 4bit|8bit
@@ -61,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="default 8000")
     parser.add_argument("--served-model-name", default=None, help="the `model` id clients pass (default: the "
                                                                   "checkpoint folder's name)")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="most requests per batch (default 16)")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="most requests decoding together, the rows "
+                        "of the running batch (default 32)")
     parser.add_argument("--max-concurrent-batches", type=int, default=1, metavar="N",
                         help="batches decoded at the same time, sharing the model: with 2 or more, a request that "
                              "arrives while a long batch decodes starts at once in a free worker instead of waiting "

@@ -280,8 +280,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
               *per_prompt: list) -> tuple[BlockState, tuple | None]:
         """Continuous batching, between two steps: cancelled rows leave, joining rows enter.
 
-        A joining row gets its block-aligned prompt stored by one prefill forward in which the running rows store
-        nothing (padding that no query sees), then its first block (prompt tail and masks) beside the running rows'
+        A joining row gets its block-aligned prompt stored by one prefill forward of the joining rows alone, moved
+        into their rows of the cache (the running rows get padding columns that no query sees), then its first block (prompt tail and masks) beside the running rows'
         blocks, which go on where they were: every row keeps its own block, step and schedule, so a row's tokens
         are those of its own batch-1 call.
 
@@ -306,8 +306,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
             values.extend(prompts[0].new_empty(0) if isinstance(values[0], torch.Tensor) else [] for _ in rows)
         lengths = torch.tensor([p.shape[0] for p in prompts], device=s.target.device)
         aligned = (lengths // self.block_size) * self.block_size
-        self.prefill_joining(torch.cat([aligned.new_zeros(running), aligned]),
-                             [prompts[0].new_empty(0)] * running + prompts)
+        self.prefill_joining(running, aligned, prompts)
         block.extend(self.first_blocks(aligned, prompts))
         self.commit_from_carry(block)           # only joining rows can start a block without position 0
         if pending is not None:                 # joining rows store nothing in the next forward
@@ -453,10 +452,11 @@ class BlockDiffusionStrategy(DecodingStrategy):
             runner.forward(ids, positions, self.store_mask(positions), kind="prefill", store_len=longest,
                            store_valid=valid, logits_to_keep=1, rows=(aligned > 0).tolist())
 
-    def prefill_joining(self, aligned: torch.Tensor, prompts: list[torch.Tensor]) -> None:
-        """Store the prompts of rows that join the batch (:meth:`admit`): `prompts` has one per batch row, empty for
-        the running rows, `aligned` `(N,)` their block-aligned lengths (0 for the running rows)."""
-        self.prefill(aligned, prompts=prompts)
+    def prefill_joining(self, first: int, aligned: torch.Tensor, prompts: list[torch.Tensor]) -> None:
+        """Store the prompts of the rows `first ..` that join the batch (:meth:`admit`), `aligned` `(k,)` their
+        block-aligned lengths: one prefill forward of those rows alone, moved into their rows of the target's cache
+        (:meth:`~hf_dllm_spec.runtime.runner.ModelRunner.store_joining_rows`)."""
+        self.session.target.store_joining_rows(first, lambda runner: self.prefill(aligned, runner, prompts))
 
     def write_blocks(self, block: BlockState, rows: torch.Tensor, row_flags: list[bool]) -> None:
         """Separate cache-write forward of the finished blocks of `rows` `(N,)` (Algorithm 1 line 5; 1 forward)."""

@@ -331,10 +331,11 @@ class SimSDStrategy(BlockDiffusionStrategy):
                 pending = self.drop_rows(block, done_rows, finished, pending)
         return generated
 
-    def prefill_joining(self, aligned: torch.Tensor, prompts: list[torch.Tensor]) -> None:
+    def prefill_joining(self, first: int, aligned: torch.Tensor, prompts: list[torch.Tensor]) -> None:
         """Store the joining rows' prompts in the target's and the drafter's caches."""
-        self.prefill(aligned, prompts=prompts)
-        self.prefill(aligned.to(self.session.drafter.device), self.session.drafter, prompts=prompts)
+        super().prefill_joining(first, aligned, prompts)
+        drafter = self.session.drafter
+        drafter.store_joining_rows(first, lambda runner: self.prefill(aligned.to(drafter.device), runner, prompts))
 
     # -- 1. draft ------------------------------------------------------------------------------------------------
     def draft(self, block: BlockState, pending: tuple | None) -> Drafts:
