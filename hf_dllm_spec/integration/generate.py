@@ -43,7 +43,6 @@ from ..maths.sampling import Sampler
 from ..outputs import BatchStats, GenerateDllmOutput
 from ..runtime.runner import DRAFT_MODEL_SPAN
 from ..runtime.static import hold_static_runtime, make_runner
-from ..runtime.timing import ForwardTimer, now
 from ..strategies import DecodingSession
 from ..strategies.registry import on_register, strategy_parameter_names
 from ..strategies.streaming import TokenStream
@@ -177,54 +176,58 @@ def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
 
 def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_kwargs: dict[str, Any], streamer,
             row_feed: RowFeed | None = None):
-    """Runtimes, session, strategy and output for a checked `plan` (the one static call per model held meanwhile)."""
-    timer, stats = ForwardTimer(plan.device), BatchStats(plan.batch_size)
+    """Session, strategy and output for a checked `plan` (the one static call per model held meanwhile)."""
     ends = RowEnds(plan.max_new_tokens, plan.stop_ids, plan.criteria, input_ids, plan.pad_id)
-    admission = feed_admission(plan, row_feed, stats, streamer) if row_feed is not None else None
     with hold_static_runtime(plan.generation_config, plan.model, plan.draft_model):
-        session = _session(plan, input_ids, logits_processor, model_kwargs, streamer, timer, stats, ends)
-        if admission is not None:
-            admission.attach(session)
-        t0 = now(plan.device)
-        generated = plan.strategy(plan.config, session).decode()[:plan.batch_size]
-        wall = now(plan.device) - t0
-    if admission is not None:
-        admission.finish()
-    runtime = "; ".join(f"{role}: {runner.runtime_note}"
-                        for role, runner in (("target", session.target), ("drafter", session.drafter)) if runner)
-    return _output(plan, input_ids, ends.finish(generated), stats, timer, wall, runtime)
+        session = _session(plan, input_ids, logits_processor, model_kwargs, streamer, ends, row_feed)
+        with session.target.timer.span("wall"):
+            generated = plan.strategy(plan.config, session).decode()[:plan.batch_size]
+    if session.admission is not None:
+        session.admission.finish()
+    return _output(plan, input_ids, ends.finish(generated), session)
 
 
-def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, streamer, timer, stats,
-             ends: RowEnds) -> DecodingSession:
-    """The strategy's session: the prompts, a runtime per model, the sampler, the stop rule and the stream."""
-    runners = dict(stats=stats, batch_size=plan.batch_size, use_cache=plan.use_cache, timer=timer,
+def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, streamer, ends: RowEnds,
+             row_feed: RowFeed | None) -> DecodingSession:
+    """The strategy's session: the prompts, a runtime per model (the target's forward timer shared by the drafter),
+    the counters, the sampler, the stop rule, the stream and the rows that join (continuous batching)."""
+    stream = TokenStream(streamer, lambda final: ends.output_tokens(0, final)) if streamer is not None else None
+    stats = BatchStats(plan.batch_size)
+    admission = feed_admission(plan, row_feed, stats, streamer) if row_feed is not None else None
+    runners = dict(stats=stats, batch_size=plan.batch_size, use_cache=plan.use_cache,
                    generation_config=plan.generation_config, max_cache_len=plan.cache_len)
-    cache = find_cache(model_kwargs) if plan.use_cache else None
+    target = make_runner(plan.model, plan.patch, cache=find_cache(model_kwargs) if plan.use_cache else None, **runners)
     width = input_ids.shape[1]
-    return DecodingSession(
+    session = DecodingSession(
         prompts=[input_ids[n, width - plan.lengths[n]:].to(plan.device) for n in range(plan.batch_size)],
-        target=make_runner(plan.model, plan.patch, cache=cache, **runners),
+        target=target,
         sampler=Sampler(logits_processor if logits_processor is not None else LogitsProcessorList(),
                         do_sample=plan.do_sample, suppress_token_ids=list(plan.suppress_ids),
                         generator=plan.generator),
         stats=stats, mask_token_id=plan.mask_token_id if plan.mask_token_id is not None else 0,
         stop_token_ids=list(plan.stop_ids), max_new_tokens=plan.max_new_tokens, stop_check=ends.stop_check,
-        drafter=make_runner(plan.draft_model, plan.drafter_patch, timer_span=DRAFT_MODEL_SPAN, **runners)
-        if plan.draft_model is not None else None,
+        drafter=make_runner(plan.draft_model, plan.drafter_patch, timer=target.timer, timer_span=DRAFT_MODEL_SPAN,
+                            **runners) if plan.draft_model is not None else None,
         draft_mask_token_id=plan.draft_mask_token_id, draft_block_size=plan.draft_block_size,
-        stream=TokenStream(streamer, lambda final: ends.output_tokens(0, final)) if streamer is not None else None,
+        stream=stream,
     )
+    if admission is not None:
+        admission.attach(session)
+    return session
 
 
-def _output(plan: DecodePlan, input_ids, generated: list[torch.Tensor], stats: BatchStats, timer: ForwardTimer,
-            wall: float, runtime: str):
-    """The sequences `(N, P + n)` (right-padded with the pad id), with the statistics when asked."""
+def _output(plan: DecodePlan, input_ids, generated: list[torch.Tensor], session: DecodingSession):
+    """The sequences `(N, P + n)` (right-padded with the pad id), with the statistics when asked (the session's
+    counters, the times of its target's timer, which runtime ran)."""
+    stats, timer = session.stats, session.target.timer
+    runtime = "; ".join(f"{role}: {runner.runtime_note}"
+                        for role, runner in (("target", session.target), ("drafter", session.drafter)) if runner)
     stats.flush()
     for n, row in enumerate(stats.per_row[:plan.batch_size]):
         row.num_generated_tokens = generated[n].shape[0]
         row.num_discarded_tokens = row.num_committed_tokens - row.num_generated_tokens
-        row.wall_time_s, row.forward_time_s, row.prefill_time_s = wall, timer.total("forward"), timer.total("prefill")
+        row.wall_time_s, row.forward_time_s, row.prefill_time_s = (timer.total("wall"), timer.total("forward"),
+                                                                   timer.total("prefill"))
         row.draft_model_time_s, row.warmup_time_s = timer.total(DRAFT_MODEL_SPAN), timer.total("warmup")
         row.runtime = runtime
     width = max(g.shape[0] for g in generated)
