@@ -38,6 +38,8 @@ _EXPORTS = {
     "resolve_config": "strategies.registry",
     "DllmGenerationMixin": "integration.mixin",
     "dllm_generate": "integration.generate",
+    "RowFeed": "integration.continuous",
+    "RowRequest": "integration.continuous",
     "EditRule": "maths.editing",
     "EditingConfig": "maths.editing",
     "ThresholdEditRule": "maths.editing",
