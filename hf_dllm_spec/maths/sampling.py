@@ -124,7 +124,7 @@ class RowGenerators:
 
     Args:
         generators (`Sequence[torch.Generator]`): row i's generator at index i (checked by
-            :func:`~hf_dllm_spec.integration.checks.check_generator` before any forward).
+            :func:`~hf_dllm_spec.integration.plan.check_generator` before any forward).
     """
 
     def __init__(self, generators: Sequence[torch.Generator]) -> None:
