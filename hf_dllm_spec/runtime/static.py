@@ -67,6 +67,7 @@ from .graphs import DEFAULT_MAX_GRAPHS, CapturedForwards
 from .placement import execution_device
 from .runner import DRAFT_MODEL_SPAN, ModelRunner
 from .static_cache import RowStaticCache, RowStaticLayer
+from .step import CompiledSteps, compile_options
 from .timing import ForwardTimer
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,12 @@ class _StaticState:
                  max_graphs: int) -> None:
         self.cache = RowStaticCache(num_layers, max_cache_len, rows)
         self.graphs = CapturedForwards(device, max_graphs)
+        self.steps = CompiledSteps()
+
+    def reallocated(self) -> None:
+        """The cache buffers moved (grown): drop what was captured or compiled against them."""
+        self.graphs.clear()
+        self.steps.clear()
 
 
 class _CallLock:
@@ -227,7 +234,7 @@ def _state_of(model, role: str, batch_size: int, max_cache_len: int) -> _StaticS
     if state is not None and state.cache.batch_capacity >= batch_size:
         if state.cache.max_cache_len < length:
             state.cache.grow(_round_up(max(length, 2 * state.cache.max_cache_len), LENGTH_GRANULE))
-            state.graphs.clear()                                  # captured against the old buffers
+            state.reallocated()                                   # captured against the old buffers
         return state
     rows = 1 << max(0, batch_size - 1).bit_length()
     if state is not None:
@@ -341,6 +348,7 @@ class StaticModelRunner(ModelRunner):
         self._experts_configs = experts_configs(model) if self._experts else []
         self._call = (_CallProxy(model.get_compiled_call(compile_config)) if compile_mode == "compile" else model)
         self._compiled_keys: set = model.__dict__.setdefault("_hf_dllm_spec_compiled_keys", set())
+        self._step_options = compile_options(compile_config) if compile_mode == "compile" else None
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)     # write position per row
         self._bound = 0                          # host-side upper bound of max(lengths), no sync to keep it
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}
@@ -383,13 +391,43 @@ class StaticModelRunner(ModelRunner):
         """
         n, q = input_ids.shape
         s = store_len
-        device = self.device
         intra, query_valid, keep, keep_raw = self._prepare_query(n, q, intra_mask, s, store_valid, logits_to_keep)
-        width = width_bucket(q)
-        kept = min(width, width_bucket(keep_raw))
+        width, kept, prefix = self.reserve(q, keep_raw)
         self.stats.count_forward(kind, rows, draft_model=self.timer_span == DRAFT_MODEL_SPAN)
+        inputs, stored = self._layout(input_ids, position_ids, intra, s, store_valid, width, self.lengths)
+        if self.compile_mode != "eager":
+            inputs = _pad_rows(inputs, rows_bucket(n, self.cache.batch_capacity))
+        with self.timer.span("forward"), self._own_span(), self._traced(kind, n, width, s, kept):
+            raw = self._run(inputs, kept, prefix)[:n, kept - keep_raw:]
+        self.lengths = self.lengths + stored
+        self._bound += s
+        if self.alignment == "position":
+            return raw[:, -keep:]
+        return self._align_right_shift(raw, query_valid, q, keep, s)
 
-        # Write columns (N, W): real stored tokens, read-only tokens, stored padding, then the query's front padding.
+    def reserve(self, q: int, keep_raw: int) -> tuple[int, int, int]:
+        """The fixed shapes of a forward of `q` query tokens that computes `keep_raw` logits, decided on the host:
+        `(W, kept, P)`, the query's width bucket, the logits the padded forward computes and the attended prefix;
+        makes room for `W` more columns first (:meth:`_ensure_length`)."""
+        width = width_bucket(q)
+        self._ensure_length(width)
+        return width, min(width, width_bucket(keep_raw)), prefix_bucket(self._bound + width, self.cache.max_cache_len)
+
+    def _layout(self, input_ids: torch.Tensor, position_ids: torch.Tensor, intra: torch.Tensor, s: int,
+                store_valid: torch.Tensor | None, width: int, lengths: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+        """The query padded at the front to `width` and where its K/V go (pure tensor work, traceable).
+
+        Args:
+            intra (`torch.Tensor` of shape `(N, q, q)`, bool): from :meth:`_prepare_query`.
+            lengths (`torch.Tensor` of shape `(N,)`, int64): the rows' write positions.
+
+        Returns:
+            `((ids, pos, wide, columns, lengths), stored)`: the forward's inputs at width `W` (see :meth:`_run`) and
+            the real stored tokens per row `(N,)`. Write columns: real stored tokens, read-only tokens, stored
+            padding, then the query's front padding.
+        """
+        n, q = input_ids.shape
+        device = self.device
         front = width - q
         if store_valid is None:                    # no stored padding: the same offsets for every row (kept)
             stored = torch.full((n,), s, dtype=torch.long, device=device)
@@ -401,9 +439,7 @@ class StaticModelRunner(ModelRunner):
             offset = torch.where(j >= s, stored[:, None] + j - s,
                                  torch.where(j >= pad, j - pad, stored[:, None] + q - s + j))
             offset = torch.cat([torch.arange(q, width, device=device).expand(n, front), offset], dim=1)   # (N, W)
-        self._ensure_length(width)
-        prefix = prefix_bucket(self._bound + width, self.cache.max_cache_len)
-        columns = self.lengths[:, None] + offset
+        columns = lengths[:, None] + offset
         if front:                                  # the query padded at the front to its width bucket
             wide = torch.zeros(n, width, width, dtype=torch.bool, device=device)          # query visibility
             wide[:, front:, front:] = intra
@@ -414,34 +450,30 @@ class StaticModelRunner(ModelRunner):
             pos[:, front:] = position_ids
         else:                                      # already at its bucket: no copies
             wide, ids, pos = intra, input_ids, position_ids
-        inputs = (ids, pos, wide, columns, self.lengths)
-        if self.compile_mode != "eager":
-            inputs = _pad_rows(inputs, rows_bucket(n, self.cache.batch_capacity))
-        with self.timer.span("forward"), self._own_span(), self._traced(kind, n, width, s, kept):
-            raw = self._run(inputs, kept, prefix)[:n, kept - keep_raw:]
-        self.lengths = self.lengths + stored
-        self._bound += s
-        if self.alignment == "position":
-            return raw[:, -keep:]
-        return self._align_right_shift(raw, query_valid, q, keep, s)
+        return (ids, pos, wide, columns, lengths), stored
+
+    def _call_model(self, ids: torch.Tensor, pos: torch.Tensor, wide: torch.Tensor, columns: torch.Tensor,
+                    lengths: torch.Tensor, *, call, kept: int, prefix: int) -> torch.Tensor:
+        """The model call over the static cache (cache columns already bound), `(rows, kept, V)` float32.
+
+        The attention mask `(rows, 1, W, P)` is built here (so a CUDA graph replays it with the forward): row n's
+        stored columns `[0, lengths[n])` are visible to every query token, and the query's own columns follow
+        `wide` `(rows, W, W)`."""
+        n, width = ids.shape
+        visible = (torch.arange(prefix, device=ids.device)[None, None, :] < lengths[:, None, None]).expand(
+            n, width, prefix).clone()
+        visible.scatter_(2, columns[:, None, :].expand(n, width, width), wide)
+        with experts_implementation(self._experts_configs, self._experts):
+            return self.patch.forward(call, ids, position_ids=pos, attention_mask=to_additive(visible, self.dtype),
+                                      cache=self.cache, logits_to_keep=kept)
 
     def _run(self, inputs: tuple, kept: int, prefix: int) -> torch.Tensor:
         """One forward of the padded query (eager, replayed graph or compiled call); `(rows, kept, V)` float32.
 
-        `inputs` is `(ids, pos, wide, columns, lengths)`. The attention mask `(rows, 1, W, P)` is built inside
-        (so a CUDA graph replays it with the forward): row n's stored columns `[0, lengths[n])` are visible to every
-        query token, and the query's own columns follow `wide` `(rows, W, W)`."""
-        dtype = self.dtype
+        `inputs` is `(ids, pos, wide, columns, lengths)` (:meth:`_call_model`)."""
 
         def run_forward(ids, pos, wide, columns, lengths):
-            n, width = ids.shape
-            visible = (torch.arange(prefix, device=ids.device)[None, None, :] < lengths[:, None, None]).expand(
-                n, width, prefix).clone()
-            visible.scatter_(2, columns[:, None, :].expand(n, width, width), wide)
-            with experts_implementation(self._experts_configs, self._experts):
-                return self.patch.forward(self._call, ids, position_ids=pos,
-                                          attention_mask=to_additive(visible, dtype), cache=self.cache,
-                                          logits_to_keep=kept)
+            return self._call_model(ids, pos, wide, columns, lengths, call=self._call, kept=kept, prefix=prefix)
 
         def bind(buffers) -> None:
             self.cache.set_write_columns(buffers[3], prefix)
@@ -466,9 +498,83 @@ class StaticModelRunner(ModelRunner):
                 return run_forward(*inputs).clone()
         return run_forward(*inputs)
 
+    # -- compiled steps (runtime/step.py) --------------------------------------------------------------------------
+    @property
+    def runs_compiled_steps(self) -> bool:
+        """Whether :meth:`run_step` is available: forwards compiled (`compile_config`), a position-aligned model
+        (no carry to keep across steps), no MoE experts kernel switched around the call, layouts not checked (the
+        check reads the device on every storing forward)."""
+        return (self.compile_mode == "compile" and self.alignment == "position" and not self._experts
+                and not self.check_layouts)
+
+    def run_step(self, function, owner, key: tuple, tensors: tuple, *, q: int, store_len: int, logits_to_keep: int,
+                 kind: str, rows=None) -> list:
+        """One decoding step, forward and maths, as one compiled function (:class:`~hf_dllm_spec.runtime.step.
+        CompiledSteps`, kept on the model per role): `function(owner, self, shape, lengths, *tensors)`.
+
+        `function` runs exactly one forward, :meth:`step_forward` of `q` query tokens (the first `store_len`
+        stored, `logits_to_keep` logits kept), whose fixed `shape` is decided here; it returns `(lengths, *outputs)`,
+        the rows' new write positions first. The batch is padded to :func:`rows_bucket` rows (zero rows: each
+        tensor's extra rows are zeros, and their K/V go to unused rows of the buffers) and the outputs cut back.
+        Counted as one forward of `kind` for `rows` (:meth:`forward`'s counters).
+
+        Args:
+            function (`Callable`): a plain function of tensors (no host read, no Python state changed).
+            owner: its first argument (the strategy).
+            key (`tuple`): the owner's part of the compile key (its rule and parameters).
+            tensors (`tuple`): `(N, ...)` tensors or None, rows first.
+
+        Returns:
+            `list` of the function's outputs, `(N, ...)` each.
+        """
+        n = self.batch_size
+        width, kept, prefix = shape = self.reserve(q, logits_to_keep or q)
+        self.stats.count_forward(kind, rows, draft_model=self.timer_span == DRAFT_MODEL_SPAN)
+        bucket = rows_bucket(n, self.cache.batch_capacity)
+        lengths = self.lengths
+        if bucket > n:
+            lengths, *tensors = (None if t is None else torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])])
+                                 for t in (lengths, *tensors))
+        key = (*key, bucket, width, kept, prefix, self.cache.max_cache_len, self.cache.batch_capacity)
+        steps = self._state.steps
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        with self.timer.span("forward"), self._own_span(), self._traced(kind, n, width, store_len, kept), \
+                self.timer.span("warmup") if key not in steps else contextlib.nullcontext():
+            lengths, *outputs = steps.run(key, function, self._step_options, owner, self, shape, lengths, *tensors)
+        if bucket > n:
+            lengths, *outputs = (t[:n] for t in (lengths, *outputs))
+        if self.device.type == "cuda":         # CUDA graph trees reuse their output memory at the next replay
+            lengths, *outputs = (t.clone() for t in (lengths, *outputs))
+        self.lengths = lengths
+        self._bound += store_len
+        return outputs
+
+    def step_forward(self, shape: tuple[int, int, int], input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     intra_mask: torch.Tensor, lengths: torch.Tensor, *, store_len: int = 0,
+                     store_valid: torch.Tensor | None = None,
+                     logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` inside a compiled step (:meth:`run_step`): the same layout, mask and model call over the
+        static cache at the fixed `shape` `(W, kept, P)`, from the rows' write positions `lengths` `(R,)`.
+
+        Returns:
+            `(logits, lengths)`: `(R, n, V)` float32 logits as :meth:`forward` returns them, and the new write
+            positions `(R,)`.
+        """
+        width, kept, prefix = shape
+        n, q = input_ids.shape
+        intra, _, keep, keep_raw = self._prepare_query(n, q, intra_mask, store_len, store_valid, logits_to_keep)
+        inputs, stored = self._layout(input_ids, position_ids, intra, store_len, store_valid, width, lengths)
+        self.cache.set_write_columns(inputs[3], prefix)
+        raw = self._call_model(*inputs, call=self.model, kept=kept, prefix=prefix)
+        return raw[:, kept - keep_raw:][:, -keep:], lengths + stored
+
     def _plain_offsets(self, width: int, front: int) -> torch.Tensor:
         """`(1, W)` int64 write offsets of a query without stored padding: its `q = W - front` tokens at `[0, q)`
-        in order, then its front padding at `[q, W)` (cached per `(W, front)`)."""
+        in order, then its front padding at `[q, W)` (cached per `(W, front)`; not inside a compiled step, whose
+        guards would see the cache change)."""
+        if torch.compiler.is_compiling():
+            return ((torch.arange(width, device=self.device) - front) % width)[None]
         key = (width, front)
         if key not in self._offsets:
             self._offsets[key] = ((torch.arange(width, device=self.device) - front) % width)[None]
@@ -483,7 +589,7 @@ class StaticModelRunner(ModelRunner):
         need = self._bound + width
         if need > self.cache.max_cache_len:
             self.cache.grow(_round_up(max(need, 2 * self.cache.max_cache_len), LENGTH_GRANULE))
-            self._state.graphs.clear()
+            self._state.reallocated()
 
     def discard_tail(self, num_discard: torch.Tensor, carry: torch.Tensor | None = None) -> None:
         """Forget the last `num_discard[n]` stored tokens of each row: its write position moves back (the columns
@@ -521,7 +627,7 @@ class StaticModelRunner(ModelRunner):
         need = self.batch_size + count
         if need > self.cache.batch_capacity:
             self.cache.grow_rows(1 << (need - 1).bit_length())
-            self._state.graphs.clear()
+            self._state.reallocated()
         self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
         if self.carry is not None:
             self.carry = torch.cat([self.carry, self.carry.new_zeros(count, self.carry.shape[1])])
@@ -538,7 +644,7 @@ class StaticModelRunner(ModelRunner):
             return
         if width > self.cache.max_cache_len:
             self.cache.grow(_round_up(max(width, 2 * self.cache.max_cache_len), LENGTH_GRANULE))
-            self._state.graphs.clear()
+            self._state.reallocated()
         stored = temp.valid.sum(dim=1)                                                    # (k,)
         order = (torch.arange(width, device=stored.device)[None] + (width - stored)[:, None]) % width  # real first
         for layer, joined in zip(self.cache.layers, temp.cache.layers):

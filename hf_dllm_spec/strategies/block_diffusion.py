@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..configuration import DecodingConfig, check_bool, check_int
 from ..maths.editing import EditingConfig, EditRule
@@ -228,6 +229,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         # Greedy steps whose consumers read only each position's token and confidence skip the full distribution.
         self.full_probs = (session.sampler.do_sample or config.remasking_strategy == "entropy_bounded"
                            or self.edit_rule is not None)
+        self.compiled_step = self.runs_compiled_step()
 
     # -- Algorithm 1: the outer loop, every row at its own pace ------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -249,6 +251,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 # the carry decided every block (a block of B > 1 always keeps a mask after the carry's commit:
                 # a prompt tail fills fewer than B positions, and an unfinished block is not restarted)
                 done = torch.ones_like(block.start, dtype=torch.bool)
+            elif self.compiled_step:
+                # 1-2 as one compiled function (the static runtime with `compile_config`)
+                done, read = self.compiled_denoise(block, pending)
             else:
                 # 1. one denoising forward for every row, storing last step's finished blocks on the way
                 began_full = ~block.masked.any(dim=1) if self.edit_rule is not None else None
@@ -259,9 +264,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 self.denoise_step(block, logits)
                 done = self.finish_step(block, began_full)
                 block.step += 1
-            # the step's one host read: which rows finished, where their new tokens start, the block's tokens
-            read = torch.cat([done[:, None].long(), block.num_fixed[:, None].to(done.device),
-                              block.tokens.to(done.device)], dim=1).tolist()
+            if not self.compiled_step:
+                # the step's one host read: which rows finished, where their new tokens start, the block's tokens
+                read = step_read(done, block.num_fixed, block.tokens).tolist()
             done_rows = [bool(row[0]) for row in read]
             if s.stream is not None:
                 self.stream_step(block, generated[s.stats.active[0]])
@@ -493,16 +498,21 @@ class BlockDiffusionStrategy(DecodingStrategy):
                              pending: tuple | None, *, kind: str, rows=None) -> torch.Tensor:
         """`runner.forward` over `ids` `(N, q)` (read-only), storing the `pending` finished blocks first when given
         (rows whose flag is false store padding); returns the logits of the `ids` part, `(N, q, V)`."""
-        store_len, store_valid = 0, None
         q = ids.shape[1]
-        if pending is not None:
-            tokens, pending_positions, pending_rows = pending
-            ids = torch.cat([tokens, ids], dim=1)
-            positions = torch.cat([pending_positions, positions], dim=1)
-            intra = concat_segments(self.store_mask(pending_positions), intra)
-            store_len, store_valid = self.block_size, pending_rows[:, None].expand(-1, self.block_size)
+        ids, positions, intra, store_len, store_valid = self.with_pending(ids, positions, intra, pending)
         return runner.forward(ids, positions, intra, kind=kind, store_len=store_len, store_valid=store_valid,
                               logits_to_keep=q, rows=rows)
+
+    def with_pending(self, ids: torch.Tensor, positions: torch.Tensor, intra: torch.Tensor,
+                     pending: tuple | None) -> tuple:
+        """The query of :meth:`forward_with_pending`: `(ids, positions, intra, store_len, store_valid)`, the
+        `pending` blocks `(tokens, positions, rows)` first (stored; padding in rows whose flag is false)."""
+        if pending is None:
+            return ids, positions, intra, 0, None
+        tokens, pending_positions, pending_rows = pending
+        return (torch.cat([tokens, ids], dim=1), torch.cat([pending_positions, positions], dim=1),
+                concat_segments(self.store_mask(pending_positions), intra), self.block_size,
+                pending_rows[:, None].expand(-1, self.block_size))
 
     # -- Algorithm 2: one denoising step -----------------------------------------------------------------------
     def current_sub_block(self, block: BlockState) -> torch.Tensor:
@@ -548,19 +558,24 @@ class BlockDiffusionStrategy(DecodingStrategy):
     def commit_by_rule(self, block: BlockState, probs: torch.Tensor, tokens: torch.Tensor,
                        confidence: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Commit the positions `remasking_strategy` selects in `rows` (all if None); return `(N,)` counts."""
-        cfg = self.config
-        masked = self.decodable(block)
-        masked = masked if rows is None else masked & rows[:, None]
-        transfer = select_transfer(
-            cfg.remasking_strategy, masked=masked, confidence=confidence, num_tokens=self.tokens_per_step(block),
-            confidence_threshold=cfg.confidence_threshold, eb_threshold=cfg.eb_threshold,
-            entropies=entropy(probs) if cfg.remasking_strategy == "entropy_bounded" else None,
-        )
+        transfer = self.transfer(block, probs, confidence, rows)
         block.tokens = torch.where(transfer, tokens, block.tokens)
         block.undecided = block.undecided & ~transfer
         committed = transfer.sum(dim=1)
         self.session.stats.accumulate("num_fallback_tokens", committed)
         return committed
+
+    def transfer(self, block: BlockState, probs: torch.Tensor | None, confidence: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`(N, B)` bool, the positions `remasking_strategy` commits this step in `rows` (all if None)."""
+        cfg = self.config
+        masked = self.decodable(block)
+        masked = masked if rows is None else masked & rows[:, None]
+        return select_transfer(
+            cfg.remasking_strategy, masked=masked, confidence=confidence, num_tokens=self.tokens_per_step(block),
+            confidence_threshold=cfg.confidence_threshold, eb_threshold=cfg.eb_threshold,
+            entropies=entropy(probs) if cfg.remasking_strategy == "entropy_bounded" else None,
+        )
 
     def tokens_per_step(self, block: BlockState) -> torch.Tensor | int:
         """k, the least commits of this step (clamped to the masks left by the rule): `num_to_transfer` (LLaDA2.1),
@@ -583,6 +598,103 @@ class BlockDiffusionStrategy(DecodingStrategy):
         fired = self._edited if self._edited is not None else torch.zeros_like(full)
         self._edited = None
         return full & ((began_full & ~fired) | (block.post_steps >= self.edit_rule.max_post_steps))
+
+
+    # -- the step as one compiled function (runtime/step.py) --------------------------------------------------
+    #: The methods a compiled step runs; a subclass that overrides one of them runs the eager step.
+    COMPILED_STEP_METHODS = ("draft_forward", "forward_with_pending", "with_pending", "draft_mask", "store_mask",
+                             "denoise_step", "propose", "apply_edits", "commit_by_rule", "transfer", "decodable",
+                             "tokens_per_step", "scheduled_masks", "finish_step")
+
+    def runs_compiled_step(self) -> bool:
+        """Whether each denoising step runs as one compiled function (:func:`greedy_denoising_step` through
+        `StaticModelRunner.run_step`): the static runtime with `compile_config` on a position-aligned model, greedy
+        with `low_confidence_dynamic` / `low_confidence_static`, whole blocks, fused cache writes, no `cache_ver` /
+        `draft_ver`, no editing, no streamer, a subclass that keeps this class's step. Else the eager step."""
+        s, cfg = self.session, self.config
+        return (getattr(s.target, "runs_compiled_steps", False) and not s.sampler.do_sample
+                and type(s.sampler.logits_processor) in (LogitsProcessorList, list)
+                and cfg.remasking_strategy in ("low_confidence_dynamic", "low_confidence_static")
+                and self.sub_block_size == self.block_size and cfg.fuse_cache_write and not cfg.cache_ver
+                and not cfg.draft_ver and self.edit_rule is None and self.num_to_transfer is None
+                and not self.full_probs and not self.first_from_carry and s.stream is None
+                and all(getattr(type(self), name) is getattr(BlockDiffusionStrategy, name)
+                        for name in self.COMPILED_STEP_METHODS))
+
+    @property
+    def step_key(self) -> tuple:
+        """What a compiled step specialises on besides its shapes: the rule and its parameters."""
+        cfg = self.config
+        return ("block_diffusion", self.block_size, self.steps_per_block, cfg.remasking_strategy,
+                cfg.confidence_threshold, self.session.mask_token_id)
+
+    def compiled_denoise(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One denoising step of every row as one compiled call (:func:`greedy_denoising_step`): the draft forward
+        (storing `pending`), the greedy commits, the done flags and the step's read; updates `block` and the
+        counters as the eager step does.
+
+        Returns:
+            `(done, read)`: `(N,)` bool, and the step's one host read, per row `[done, num_fixed, *block tokens]`
+            (:func:`step_read`; the tokens each row committed are read with it, straight into its counters).
+        """
+        s, B = self.session, self.block_size
+        for i in range(block.tokens.shape[0]):
+            s.stats.row(i).num_denoising_steps += 1
+        self.draft_mask(block)                            # built once, outside the compiled code
+        tensors = (block.tokens, block.undecided, block.start, block.num_fixed, block.step,
+                   *(pending if pending is not None else (None, None, None)))
+        block.tokens, block.undecided, block.step, done, read = s.target.run_step(
+            greedy_denoising_step, self, self.step_key, tensors, q=B if pending is None else 2 * B,
+            store_len=0 if pending is None else B, logits_to_keep=B, kind="draft")
+        rows = read.tolist()
+        for i, row in enumerate(rows):
+            s.stats.row(i).num_fallback_tokens += row.pop()
+        return done, rows
+
+
+def step_read(done: torch.Tensor, num_fixed: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The one tensor a step reads on the host, `(N, 2 + B)` int64: per row whether its block finished, its prompt
+    tail length, its block's tokens."""
+    return torch.cat([done[:, None].long(), num_fixed[:, None].to(done.device), tokens.to(done.device)], dim=1)
+
+
+def greedy_denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengths: torch.Tensor,
+                          tokens: torch.Tensor, undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor,
+                          step: torch.Tensor, pending_tokens: torch.Tensor | None = None,
+                          pending_positions: torch.Tensor | None = None,
+                          pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """One greedy denoising step of every row as a function of tensors (Algorithm 2 with Algorithm 1's fused
+    cache write), what `StaticModelRunner.run_step` compiles: the draft forward of each row's block
+    (`runner.step_forward`, storing the pending finished blocks first), the argmax and its confidence, the
+    commits of the remasking rule, the done flags and the step's read. The strategy's own methods decide; nothing
+    here reads the host or changes Python state.
+
+    Args:
+        strategy (`BlockDiffusionStrategy`): its rule and parameters (:meth:`~BlockDiffusionStrategy.transfer`).
+        runner (`StaticModelRunner`), shape (`tuple`), lengths (`torch.Tensor` of shape `(N,)`): from `run_step`.
+        tokens, undecided, start, num_fixed, step: the :class:`BlockState` fields, `(N, B)` / `(N,)`.
+        pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
+            None.
+
+    Returns:
+        `(lengths, tokens, undecided, step, done, read)`: the new write positions `(N,)`, the block's new tokens
+        and masks `(N, B)`, the steps taken `(N,)`, the finished rows `(N,)` bool, and :func:`step_read` with the
+        tokens each row committed as a last column `(N, 3 + B)`.
+    """
+    block = BlockState(tokens, undecided, start, num_fixed, step, torch.zeros_like(step),
+                       strategy.session.mask_token_id)
+    pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
+    ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
+                                                                          strategy.draft_mask(block), pending)
+    logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
+                                          store_valid=store_valid, logits_to_keep=strategy.block_size)
+    proposal, confidence = strategy.session.sampler.greedy(logits)
+    transfer = strategy.transfer(block, None, confidence)
+    tokens = torch.where(transfer, proposal, tokens)
+    undecided = undecided & ~transfer
+    done = ~undecided.any(dim=1)
+    read = torch.cat([step_read(done, num_fixed, tokens), transfer.sum(dim=1, keepdim=True)], dim=1)
+    return lengths, tokens, undecided, step + 1, done, read
 
 
 class ARStrategy(BlockDiffusionStrategy):

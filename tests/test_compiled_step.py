@@ -1,0 +1,172 @@
+"""One decoding step, one compiled function (issue 34, phase 1): under `cache_implementation="static"` with a
+`compile_config`, greedy block diffusion (`low_confidence_dynamic` / `_static`, whole blocks, fused cache writes,
+and AR, which inherits the step) runs each denoising step (the static runner's forward, the argmax and confidence,
+the commit rule, the done flags, the step's read) as one `torch.compile(fullgraph=True)` function.
+
+Checked on the CPU: the step compiles without a graph break (fullgraph), one graph per key and no recompilation over
+a 64-token call and a second call, the eager runtime's tokens and counters (batches with left padding, rows that
+finish at different steps and leave the batch), one host read per step, and every other case on today's path.
+Most tests compile with dynamo's "eager" backend (the trace and its guards, fast); one slow test runs inductor.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import fields
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from hf_dllm_spec.runtime.runner import ModelRunner
+from hf_dllm_spec.runtime.static import StaticModelRunner, clear_static_state, static_states
+from hf_dllm_spec.runtime.step import compile_options
+from hf_dllm_spec.runtime.syncs import count_host_syncs
+from hf_dllm_spec.strategies import block_diffusion
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
+
+TIMES = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s", "warmup_time_s", "runtime"}
+PROMPTS = [[5, 17, 42, 8, 9], [7, 3], [11, 12, 13, 14, 15, 16, 2]]
+
+
+@pytest.fixture(autouse=True)
+def as_users_run_it(monkeypatch, one_thread):
+    """Layout checks off (the suite turns them on; they read the device every storing forward, so a compiled step
+    is not used with them)."""
+    monkeypatch.setattr(ModelRunner, "check_layouts", False)
+
+
+def compile_config(backend: str = "eager") -> CompileConfig:
+    config = CompileConfig(backend=backend, mode=None if backend == "eager" else "default")
+    config._compile_all_devices = True                 # transformers compiles on the CPU only when told
+    return config
+
+
+def counters(stats) -> dict:
+    return {f.name: getattr(stats, f.name) for f in fields(stats) if f.name not in TIMES}
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def generate(model, prompts, **kwargs):
+    ids, mask = left_padded(prompts)
+    return model.generate(ids, attention_mask=mask, return_dict_in_generate=True, pad_token_id=0,
+                          **{"decoding_strategy": "block_diffusion", "block_size": 4, "max_new_tokens": 12,
+                             "eos_token_id": None, **kwargs})
+
+
+def assert_same(eager, compiled) -> None:
+    assert compiled.sequences.tolist() == eager.sequences.tolist()
+    for a, b in zip(eager.spec_stats_per_row, compiled.spec_stats_per_row):
+        assert counters(b) == counters(a)
+    assert compiled.spec_stats.num_forward_calls == eager.spec_stats.num_forward_calls
+
+
+def step_keys(model) -> list[tuple]:
+    return [key for state in static_states(model) for key in state.steps.keys]
+
+
+def test_compile_options_force_fullgraph():
+    options = compile_options(CompileConfig(fullgraph=False, mode="default", dynamic=False))
+    assert options == {"backend": "inductor", "mode": "default", "dynamic": False, "fullgraph": True}
+
+
+def test_the_step_compiles_in_one_graph_without_recompiling(sdar_model):
+    """A 64-token call: every step goes through a compiled step (fullgraph=True: a graph break raises), each key
+    compiled once (one dynamo cache entry); a second call of new strategy and runner objects reuses them all."""
+    clear_static_state(sdar_model)
+    config = compile_config()
+    first = generate(sdar_model, PROMPTS[:1], max_new_tokens=64, cache_implementation="static",
+                     compile_config=config)
+    (state,) = static_states(sdar_model)
+    keys = state.steps.keys
+    assert len(keys) == 2 * len({key[-3] for key in keys})   # with and without a pending block, per prefix
+    assert all(state.steps.graphs(key) == 1 for key in keys)
+    second = generate(sdar_model, PROMPTS[:1], max_new_tokens=64, cache_implementation="static",
+                      compile_config=config)
+    assert state.steps.keys == keys and all(state.steps.graphs(key) == 1 for key in keys)
+    assert second.sequences.tolist() == first.sequences.tolist()
+    assert first.spec_stats.num_forward_calls == 1 + first.spec_stats.num_denoising_steps   # prefill + steps
+
+
+@pytest.mark.parametrize("params", [dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5),
+                                    dict(remasking_strategy="low_confidence_static", steps_per_block=2),
+                                    dict(decoding_strategy="ar", block_size=1, max_new_tokens=6)])
+def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, params):
+    """A left-padded batch of 3 whose rows finish their blocks at different steps and leave the batch at different
+    forwards (stop id), so the compiled step runs at 3, 2 and 1 rows (padded to 4, 2 and 1): tokens and every
+    counter equal the eager runtime's; batch 1 too."""
+    eager = generate(sdar_model, PROMPTS, **params)
+    stop = eager.sequences[1, -8].item()                      # a token row 1 generates: it stops early
+    eager = generate(sdar_model, PROMPTS, eos_token_id=stop, **params)
+    compiled = generate(sdar_model, PROMPTS, eos_token_id=stop, cache_implementation="static",
+                        compile_config=compile_config(), **params)
+    assert_same(eager, compiled)
+    assert {key[-6] for key in step_keys(sdar_model)} >= {1, 2, 4}      # rows buckets the steps ran at
+    alone = generate(sdar_model, PROMPTS[2:], cache_implementation="static", compile_config=compile_config(),
+                     **params)
+    assert_same(generate(sdar_model, PROMPTS[2:], **params), alone)
+
+
+def test_one_host_read_per_step(sdar_model, monkeypatch):
+    """Batch 1: between the first and the last denoising step the loop reads the device once per step (the step's
+    read). Inside the compiled step nothing reads it: `fullgraph=True` compiles no host read (each one would be a
+    graph break), and the counter (a `TorchFunctionMode`, which dynamo would trace into the step) is paused there."""
+    before = []
+    run = StaticModelRunner.run_step
+    syncs = None
+
+    def counted(self, *args, **kwargs):
+        if syncs is None:                                      # the first call compiles: not counted
+            return run(self, *args, **kwargs)
+        before.append(syncs.total)
+        syncs.__exit__(None, None, None)
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            syncs.__enter__()
+
+    monkeypatch.setattr(StaticModelRunner, "run_step", counted)
+    generate(sdar_model, PROMPTS[:1], max_new_tokens=16, cache_implementation="static",
+             compile_config=compile_config())
+    with count_host_syncs() as syncs:
+        generate(sdar_model, PROMPTS[:1], max_new_tokens=16, cache_implementation="static",
+                 compile_config=compile_config())
+    assert len(before) > 4
+    assert (before[-1] - before[0]) / (len(before) - 1) == 1.0, syncs.by_site.most_common(4)
+    assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
+
+
+@pytest.mark.parametrize("params", [dict(remasking_strategy="sequential"), dict(do_sample=True, top_k=5),
+                                    dict(fuse_cache_write=False), dict(sub_block_size=2), dict(draft_ver=True)])
+def test_other_cases_run_the_eager_step(sdar_model, params, monkeypatch):
+    """Sampling, other rules, separate cache writes, sub-blocks, drafting masks: today's step, unchanged."""
+    monkeypatch.setattr(block_diffusion, "greedy_denoising_step", None)         # would fail if called
+    clear_static_state(sdar_model)
+    torch.manual_seed(0)
+    generate(sdar_model, PROMPTS[:1], max_new_tokens=8, cache_implementation="static",
+             compile_config=compile_config(), **params)
+    assert step_keys(sdar_model) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
+                    reason="torch.compile (inductor) needs a C++ compiler on the CPU")
+def test_inductor_compiled_step_gives_the_eager_tokens():
+    """The bundled SDAR model, inductor (transformers' default backend), a left-padded batch of 2: the eager
+    runtime's tokens and counters."""
+    tokenizer, model = load(ROOT / "models" / "sdar-tiny-arith")
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["12+7=", "3*4+25="], return_tensors="pt", padding=True)
+    common = dict(decoding_strategy="block_diffusion", max_new_tokens=16, return_dict_in_generate=True,
+                  attention_mask=enc.attention_mask)
+    eager = model.generate(enc.input_ids, **common)
+    compiled = model.generate(enc.input_ids, cache_implementation="static", compile_config=compile_config("inductor"),
+                              **common)
+    assert_same(eager, compiled)
+    assert step_keys(model)
