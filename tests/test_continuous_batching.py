@@ -2,7 +2,7 @@
 get the tokens of their own batch-1 call; cancelled rows leave at once; bad joining requests are refused alone.
 
 Every strategy that takes joining rows (the block strategies on SDAR, Fast-dLLM v2 and LLaDA2, S2D2 on each, SimSD),
-greedy and seeded sampling, eager and static runtime; DEER keeps its batch (its requests wait for the next call).
+DEER (between two cycles), greedy and seeded sampling, eager and static runtime.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ CASES = {
     "s2d2_llada2": ("llada2", None, "s2d2", {"block_size": 4, "preset": "llada2.1-mini-quality"}),
     "simsd": ("sdar", "drafter", "simsd", {"block_size": 4, "draft_block_size": 4}),
     "deer": ("qwen", "drafter", "deer", {"block_size": 4}),
+    "deer_full_attention": ("qwen", "drafter", "deer", {"block_size": 4, "draft_attention": "full"}),
 }
 PROMPTS = [[5, 17, 42, 8, 23, 61, 4], [9, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7], [33, 34, 35, 36, 37]]
 BUDGETS = [10, 6, 12, 9, 5]
@@ -114,7 +115,7 @@ def _stop_of(tokens: list[int], eos) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "deer"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_joining_rows_get_their_batch_1_tokens(case):
     joins = {1: [2], 3: [3, 4]}                 # before the first step, and mid-flight (rows mid-block)
     results, _ = _continuous(case, joins)
@@ -126,7 +127,7 @@ def test_joining_rows_get_their_batch_1_tokens(case):
         assert stats.nfe > 0
 
 
-@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "llada2", "simsd"])
+@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "llada2", "simsd", "deer"])
 def test_joining_rows_with_a_stop_id(case):
     eos = _alone(case, 2)[2]                    # a token row 2 really produces: rows end at different steps
     results, _ = _continuous(case, {2: [2, 3]}, eos=eos)
@@ -137,7 +138,7 @@ def test_joining_rows_with_a_stop_id(case):
         assert reason == ("stop" if tokens[-1] == eos else "length")
 
 
-@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "simsd"])
+@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "simsd", "deer"])
 def test_joining_rows_sampled_with_their_own_generators(case):
     seeds = [11, 12, 13, 14, 15]
     results, _ = _continuous(case, {2: [2], 4: [3, 4]}, seeds=seeds, do_sample=True, temperature=0.8)
@@ -147,7 +148,7 @@ def test_joining_rows_sampled_with_their_own_generators(case):
         assert results[n][0] == alone.tolist()[: BUDGETS[n]], (case, n)
 
 
-@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "fast_dllm_v2", "llada2"])
+@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "fast_dllm_v2", "llada2", "deer"])
 def test_static_runtime_takes_joining_rows(case):
     joins = {2: [2, 3, 4]}                      # more rows than the static buffers were made for: they double
     results, _ = _continuous(case, joins, cache_implementation="static")
@@ -177,13 +178,6 @@ def test_cancelled_row_leaves_at_once_and_the_others_are_unchanged():
     assert len(tokens) < BUDGETS[0] and tokens == _alone("block_diffusion", 0)[: len(tokens)]
     for n in (1, 2):
         assert results[n][0] == _alone("block_diffusion", n)
-
-
-def test_deer_keeps_its_batch():
-    results, feed = _continuous("deer", {1: [2]})
-    assert sorted(results) == [0, 1] and feed.calls == 0      # never asked: the request waits for the next call
-    for n in (0, 1):
-        assert results[n][0] == _alone("deer", n)
 
 
 def test_a_bad_joining_request_is_refused_alone():
@@ -256,17 +250,17 @@ def test_rows_with_their_own_sampling_settings_share_a_batch(case):
     ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
     _call(case, ids, (ids != PAD).long(), 12, row_feed=feed, do_sample=True, temperature=0.9,
           generator=[r.generator for r in initial])
-    joined = [n for n in range(5) if n in results]
-    assert joined == [0, 1] if case == "deer" else list(range(5))
-    for n in joined:
+    assert sorted(results) == list(range(5))
+    for n in range(5):
+        own = {"temperature": 0.9, **settings[n]}             # a setting the row leaves unset is the call's
         alone = _call(case, torch.tensor([PROMPTS[n]]), None, BUDGETS[n], do_sample=True,
-                      generator=[torch.Generator().manual_seed(seeds[n])], **settings[n])[0, len(PROMPTS[n]):]
-        assert results[n] == alone.tolist()[: BUDGETS[n]], (case, n, settings[n])
+                      generator=[torch.Generator().manual_seed(seeds[n])], **own)[0, len(PROMPTS[n]):]
+        assert results[n] == alone.tolist()[: BUDGETS[n]], (case, n, own)
 
 
 @pytest.mark.parametrize("extra", [{}, {"use_cache": False}, {"cache_implementation": "static"}],
                          ids=["eager", "no-cache", "static"])
-@pytest.mark.parametrize("case", ["block_diffusion", "fast_dllm_v2_separate_writes", "simsd"])
+@pytest.mark.parametrize("case", ["block_diffusion", "fast_dllm_v2_separate_writes", "simsd", "deer"])
 def test_a_long_prompt_joins_rows_that_stored_nothing_yet(case, extra):
     """The running rows' prompts are shorter than a block (nothing in the cache yet: its layers are still empty);
     a longer prompt joins (its prefill is wider than everything stored): every row still gets its batch-1 tokens."""

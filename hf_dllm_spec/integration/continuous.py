@@ -2,13 +2,12 @@
 
 A server (or any caller) passes ``row_feed=`` to `generate`: a :class:`RowFeed` that holds the call's rows as
 :class:`RowRequest` objects (one per row of `input_ids`, in order) and hands out waiting requests when asked. At
-every join point of the strategy (between two denoising steps for the block strategies, between two
-draft-and-verify cycles for SimSD) the running batch asks the feed for new rows; each joins with its own prompt,
-budget and generator, is checked before any of its forwards, and is then decoded as if alone (its tokens are those
-of its own batch-1 `generate` call: the library's batch == one-by-one property). Each row ends at its own budget,
-after its first stop id, or when it is cancelled, and leaves the batch at once: its final tokens are streamed as they
-become final (`on_tokens`) and its result given when it leaves (`on_done`). DEER (one verifier cache per row
-position) does not take joining rows: its requests wait for the next call.
+every join point of the strategy (between two denoising steps for the block strategies, between two draft-and-verify
+cycles for SimSD and DEER) the running batch asks the feed for new rows; each joins with its own prompt, budget and
+generator, is checked before any of its forwards, and is then decoded as if alone (its tokens are those of its own
+batch-1 `generate` call: the library's batch == one-by-one property). Each row ends at its own budget, after its
+first stop id, or when it is cancelled, and leaves the batch at once: its final tokens are streamed as they become
+final (`on_tokens`) and its result given when it leaves (`on_done`).
 
 Source: continuous batching (Orca, OSDI 2022; vLLM, SOSP 2023), at the granularity block diffusion allows; issue 37.
 """

@@ -3,13 +3,13 @@
 One worker thread owns the model (more with `workers`, eager runtime only). When it is free it takes the oldest
 waiting request and every other waiting request with the same decoding options
 (:attr:`~hf_dllm_spec.serving.protocol.DecodingOptions.batch_key`: strategy, parameters, warpers), up to
-`max_batch_size` rows and `max_step_tokens`, and starts one `model.generate` call with them. While that call
-runs, requests of the same options join it at the strategy's next join point (between two denoising steps for the
-block strategies, between two draft-and-verify cycles for SimSD: :mod:`hf_dllm_spec.integration.continuous`), as
+`max_batch_size` rows and `max_step_tokens`, and starts one `model.generate` call with them. While that call runs,
+requests of the same options join it at the strategy's next join point (between two denoising steps for the block
+strategies, between two draft-and-verify cycles for SimSD and DEER: :mod:`hf_dllm_spec.integration.continuous`), as
 long as the oldest waiting request is of the same options: a request of other options is not passed over, the
-running call stops taking rows, drains, and the other options run next (first come, first served between groups).
-A row leaves the batch as soon as it ends (its own budget, its stop id) or its client goes away, and its row is
-free for the next request. DEER calls take no joining rows (their requests wait for the next call).
+running call stops taking rows, drains, and the other options run next (first come, first served between groups). A
+row leaves the batch as soon as it ends (its own budget, its stop id) or its client goes away, and its row is free
+for the next request.
 
 Each row's final tokens are streamed as they become final (never a token a later step could revise). A row's
 tokens do not depend on the other rows of its batch, nor on when it joined (the library's batch == one by one
@@ -456,8 +456,8 @@ class _QueueFeed(RowFeed):
         options = job.request.options
         return RowRequest(list(job.request.prompt_ids), job.request.max_tokens, generator=generator,
                           ignore_eos=options.ignore_eos and options.per_row_stops,
-                          **self.batcher._warpers(options), on_tokens=lambda ids: job.emit("tokens", ids), on_done=done, on_error=error,
-                          cancelled=job.cancelled)
+                          **self.batcher._warpers(options), on_tokens=lambda ids: job.emit("tokens", ids),
+                          on_done=done, on_error=error, cancelled=job.cancelled)
 
     def take(self, rows: int) -> list[RowRequest]:
         jobs = self.batcher._take_joining(self.key, rows, self.width)

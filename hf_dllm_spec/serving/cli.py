@@ -7,14 +7,14 @@
 Clients pick another strategy or parameters per request in the body (the `openai` client's `extra_body`):
 `{"decoding_strategy": "s2d2", "confidence_threshold": 0.8}`; `--strategy` and `--param` are the defaults.
 
-Scheduling (continuous batching): requests with the same strategy and parameters decode in one running batch
-(up to --max-batch-size rows and --max-step-tokens tokens per forward); a request that arrives while it runs joins
-it at its next step (the block strategies and S2D2: between two denoising steps; SimSD: between two cycles; DEER
-calls take no joining rows), each row with its own budget, seed, temperature / top-p / top-k and ignore_eos, and
-leaves as soon as it ends or its client goes away. The oldest waiting request is never passed over: while it is of
-other options, the running batch takes no more rows and drains, then its group runs. Every response is the
-request's own batch-1 `generate` tokens. With --max-concurrent-batches 2 or more (eager runtime), groups of
-different options decode side by side. /metrics reports running and waiting requests, tokens/s, time to first token and per-strategy
+Scheduling (continuous batching): requests with the same strategy and parameters decode in one running batch (up to
+--max-batch-size rows and --max-step-tokens tokens per forward); a request that arrives while it runs joins it at
+its next step (the block strategies and S2D2: between two denoising steps; SimSD and DEER: between two
+draft-and-verify cycles), each row with its own budget, seed, temperature / top-p / top-k and ignore_eos, and leaves
+as soon as it ends or its client goes away. The oldest waiting request is never passed over: while it is of other
+options, the running batch takes no more rows and drains, then its group runs. Every response is the request's own
+batch-1 `generate` tokens. With --max-concurrent-batches 2 or more (eager runtime), groups of different options
+decode side by side. /metrics reports running and waiting requests, tokens/s, time to first token and per-strategy
 acceptance rate and tokens per forward (Prometheus text).
 
 Loading (as `generate`): --dtype auto, --device or --device-map (accelerate), --quantization 4bit|8bit

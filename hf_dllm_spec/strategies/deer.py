@@ -124,34 +124,60 @@ class DeerStrategy(DecodingStrategy):
         self.draft_sampler = s.draft_sampler()
         self.drafter = OneStepDrafter(s.drafter, s.draft_mask_token_id, draft_attention=config.draft_attention,
                                       sep_token_id=config.sep_token_id, sep_position=config.sep_position)
-        s.follow(self.drafter.select_rows)
+        s.follow(self.drafter.select_rows, self.drafter.add_rows)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
         s = self.session
         device = s.target.device
-        self.prefill()
+        self.prefill(s.target, s.prompts)
         self.last = torch.stack([p[-1] for p in s.prompts]).to(device)                 # x_j, not in the cache
         self.next_pos = torch.tensor([p.shape[0] - 1 for p in s.prompts], device=device)
         self.new_tokens = [p.to(device) for p in s.prompts]                               # drafter's input
         self.generated = [s.prompts[0].new_empty(0, device=device) for _ in range(s.batch_size)]
         self.host_generated: list[list[int]] = [[] for _ in range(s.batch_size)]   # the same, read on the host
-        while s.stats.active:
+        while True:
+            if s.admission is not None:   # continuous batching: any cycle boundary is a join point
+                self.admit()
+            if not s.stats.active:
+                break
             self.finish_rows(*self.cycle())
         return self.generated
 
-    def prefill(self) -> None:
-        """Store every prompt token but the last in the target's cache (the last is fed with the drafts)."""
-        s = self.session
-        lengths = [p.shape[0] - 1 for p in s.prompts]
+    def prefill(self, runner, prompts: list[torch.Tensor]) -> None:
+        """Store every prompt token but the last of `prompts` (one per row of `runner`) in `runner`'s cache (the
+        last is fed with the drafts)."""
+        lengths = [p.shape[0] - 1 for p in prompts]
         width = max(lengths)
         if width == 0:
             return
+        device = runner.device
+        ids, valid, pos = left_pad([p[:-1] for p in prompts], device)
+        with runner.timer.span("prefill"):
+            runner.forward(ids, pos, causal_mask(width, device), kind="prefill", store_len=width, store_valid=valid,
+                           logits_to_keep=1, rows=[n > 0 for n in lengths])
+
+    def admit(self) -> None:
+        """Continuous batching, between two cycles: cancelled rows leave; joining rows enter with their prompts
+        stored in the target's cache by one prefill of their own (all but the last token, which the next cycle
+        feeds with the drafts); the drafter reads their whole prompts in its next forward."""
+        s = self.session
+        cancelled = s.cancelled_rows()
+        if cancelled:
+            self.keep_rows([i for i in range(len(s.stats.active)) if i not in set(cancelled)])
+        rows = s.joining_rows()
+        if not rows:
+            return
+        first = len(s.stats.active)
+        indices = s.add_rows(rows)
+        prompts = [s.prompts[i] for i in indices]
+        s.target.store_joining_rows(first, lambda runner: self.prefill(runner, prompts))
         device = s.target.device
-        ids, valid, pos = left_pad([p[:-1] for p in s.prompts], device)
-        with s.target.timer.span("prefill"):
-            s.target.forward(ids, pos, causal_mask(width, device), kind="prefill", store_len=width, store_valid=valid,
-                             logits_to_keep=1, rows=[n > 0 for n in lengths])
+        self.last = torch.cat([self.last, torch.stack([p[-1] for p in prompts]).to(device)])
+        self.next_pos = torch.cat([self.next_pos, torch.tensor([p.shape[0] - 1 for p in prompts], device=device)])
+        self.new_tokens = self.new_tokens + [p.to(device) for p in prompts]
+        self.generated += [p.new_empty(0, device=device) for p in prompts]
+        self.host_generated += [[] for _ in prompts]
 
     def num_drafts(self) -> tuple[int, torch.Tensor]:
         """k for this cycle (never beyond the budget) and drafts per row `(N,)`: a row one token short of its
@@ -221,9 +247,12 @@ class DeerStrategy(DecodingStrategy):
             done.append(self.should_stop(prompt_index, self.generated[prompt_index], self.host_generated[prompt_index]))
         if s.stream is not None:
             s.stream.push(self.generated[s.stats.active[0]])
-        if not any(done):
-            return
-        index = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long, device=self.last.device)
-        s.select_rows(index)                    # runners, generators, counters, the drafter's own state
+        if any(done):
+            self.keep_rows([i for i, d in enumerate(done) if not d])
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep the batch rows `keep`, in that order (finished or cancelled rows leave)."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.last.device)
+        self.session.select_rows(index)         # runners, generators, counters, the drafter's own state
         self.last, self.next_pos = self.last[index], self.next_pos[index]
-        self.new_tokens = [self.new_tokens[i] for i in index.tolist()]
+        self.new_tokens = [self.new_tokens[i] for i in keep]

@@ -99,6 +99,12 @@ class OneStepDrafter:
         self.lengths = self.lengths[index]
         self.context = [self.context[i] for i in index.tolist()]
 
+    def add_rows(self, count: int) -> None:
+        """Rows that join the batch have seen nothing yet (their first :meth:`draft` reads their whole prompts)."""
+        device = self.runner.device
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
+        self.context += [torch.empty(0, dtype=torch.long, device=device) for _ in range(count)]
+
     def draft(self, new_tokens: list[torch.Tensor], num_draft_tokens: int) -> torch.Tensor:
         """One drafter forward; returns the raw logits of the k draft positions.
 
