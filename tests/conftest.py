@@ -64,6 +64,25 @@ LLADA2_TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidd
                    attn_implementation="sdpa")
 
 
+def tiny_family_models() -> dict:
+    """Tiny random models of every family, seeded: "sdar" and "sdar_drafter" (block size 4), "fast" (Fast-dLLM v2,
+    bd_size 8), "llada2" (block size 4), "qwen" (Qwen3, an AR target); mask token 98, float32."""
+    from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
+    from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
+
+    torch.manual_seed(0)
+    sdar = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+    torch.manual_seed(1)
+    sdar_drafter = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+    torch.manual_seed(2)
+    fast = Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(bd_size=8, mask_token_id=MASK_ID, **TINY)).eval()
+    torch.manual_seed(3)
+    llada2 = LLaDA2MoeModelLM(LLaDA2MoeConfig(block_size=4, mask_token_id=MASK_ID, **LLADA2_TINY)).eval()
+    torch.manual_seed(4)
+    qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
+    return {"sdar": sdar, "sdar_drafter": sdar_drafter, "fast": fast, "llada2": llada2, "qwen": qwen}
+
+
 @pytest.fixture(scope="session")
 def llada2_model():
     """Tiny random LLaDA2 MoE (block size 4, mask 98; 8 experts in 2 groups, top-2 of 1 group, a shared expert)."""

@@ -19,37 +19,19 @@ import warnings
 
 import pytest
 import torch
-from conftest import LLADA2_TINY, MASK_ID, TINY
+from conftest import MASK_ID, tiny_family_models
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_dllm_spec
 from hf_dllm_spec.integration.plan import check_block_budget
 from hf_dllm_spec.maths.sampling import Sampler
 from model_patches import get_patch
-from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
-from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
-from model_patches.sdar import SDARConfig, SDARForCausalLM
 
 PAD = 0
 
 
-def _models() -> dict:
-    torch.manual_seed(0)
-    sdar = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
-    torch.manual_seed(1)
-    sdar_drafter = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
-    torch.manual_seed(2)
-    fast = Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(bd_size=8, mask_token_id=MASK_ID, **TINY)).eval()
-    torch.manual_seed(3)
-    llada2 = LLaDA2MoeModelLM(LLaDA2MoeConfig(block_size=4, mask_token_id=MASK_ID, **LLADA2_TINY)).eval()
-    torch.manual_seed(4)
-    qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
-    return {"sdar": sdar, "sdar_drafter": sdar_drafter, "fast": fast, "llada2": llada2, "qwen": qwen}
-
-
-MODELS = _models()
+MODELS = tiny_family_models()
 
 #: name -> (target, drafter, parameter draws: name -> hypothesis strategy). Block sizes from 1 token up to twice
 #: the trained size; the budget from 1 token.

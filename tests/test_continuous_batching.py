@@ -11,33 +11,15 @@ import warnings
 
 import pytest
 import torch
-from conftest import LLADA2_TINY, MASK_ID, TINY
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from conftest import MASK_ID, tiny_family_models
 
 import hf_dllm_spec
 from hf_dllm_spec.integration.continuous import RowFeed, RowRequest
-from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
-from model_patches.llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
-from model_patches.sdar import SDARConfig, SDARForCausalLM
 
 PAD = 0
 
 
-def _models() -> dict:
-    torch.manual_seed(0)
-    sdar = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
-    torch.manual_seed(1)
-    drafter = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
-    torch.manual_seed(2)
-    fast = Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(bd_size=8, mask_token_id=MASK_ID, **TINY)).eval()
-    torch.manual_seed(3)
-    llada2 = LLaDA2MoeModelLM(LLaDA2MoeConfig(block_size=4, mask_token_id=MASK_ID, **LLADA2_TINY)).eval()
-    torch.manual_seed(4)
-    qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
-    return {"sdar": sdar, "drafter": drafter, "fast": fast, "llada2": llada2, "qwen": qwen}
-
-
-MODELS = _models()
+MODELS = tiny_family_models()
 
 #: case -> (target, drafter, strategy, parameters)
 CASES = {
@@ -51,9 +33,9 @@ CASES = {
     "s2d2_fast_dllm_v2": ("fast", None, "s2d2", {"block_size": 8, "sub_block_size": 4}),
     "llada2": ("llada2", None, "llada2", {"block_size": 4}),
     "s2d2_llada2": ("llada2", None, "s2d2", {"block_size": 4, "preset": "llada2.1-mini-quality"}),
-    "simsd": ("sdar", "drafter", "simsd", {"block_size": 4, "draft_block_size": 4}),
-    "deer": ("qwen", "drafter", "deer", {"block_size": 4}),
-    "deer_full_attention": ("qwen", "drafter", "deer", {"block_size": 4, "draft_attention": "full"}),
+    "simsd": ("sdar", "sdar_drafter", "simsd", {"block_size": 4, "draft_block_size": 4}),
+    "deer": ("qwen", "sdar_drafter", "deer", {"block_size": 4}),
+    "deer_full_attention": ("qwen", "sdar_drafter", "deer", {"block_size": 4, "draft_attention": "full"}),
 }
 PROMPTS = [[5, 17, 42, 8, 23, 61, 4], [9, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7], [33, 34, 35, 36, 37]]
 BUDGETS = [10, 6, 12, 9, 5]

@@ -337,17 +337,16 @@ class ModelRunner:
         temp = ModelRunner(self.model, self.patch, _JoiningStats(self.stats, first), batch_size=rows,
                            use_cache=self.use_cache, timer=self.timer, timer_span=self.timer_span)
         store(temp)
-        self._absorb(first, temp)
-
-    def _absorb(self, first: int, temp: "ModelRunner") -> None:
-        """Move what `temp` (rows `first ..`, nothing stored here yet) stored into those rows."""
-        width = temp.stored_len
         if temp.carry is not None:
             if self.carry is None:
                 self.carry = temp.carry.new_zeros(self.batch_size, temp.carry.shape[1])
             self.carry[first:] = temp.carry
-        if width == 0:
-            return
+        if temp.stored_len:
+            self._absorb(first, temp)
+
+    def _absorb(self, first: int, temp: "ModelRunner") -> None:
+        """Move the columns `temp` (rows `first ..`, nothing stored here yet) stored into those rows."""
+        width = temp.stored_len
         extra = width - self.stored_len
         if extra > 0:                                  # every row gets padding columns in front
             self._pad_front(extra)

@@ -636,12 +636,6 @@ class StaticModelRunner(ModelRunner):
         """Move what the eager runner `temp` stored for rows `first ..` (their prompts, left-padded) into their
         slots: each row's real columns at its columns `[0, n)`, its write position n (one host read at a join)."""
         width = temp.stored_len
-        if temp.carry is not None:
-            if self.carry is None:
-                self.carry = temp.carry.new_zeros(self.batch_size, temp.carry.shape[1])
-            self.carry[first:] = temp.carry
-        if width == 0:
-            return
         if width > self.cache.max_cache_len:
             self.cache.grow(_round_up(max(width, 2 * self.cache.max_cache_len), LENGTH_GRANULE))
             self._state.reallocated()
