@@ -303,22 +303,41 @@ def check_row(plan: DecodePlan, prompt_ids: torch.Tensor, max_new_tokens: int) -
 
 
 def _check_prompts(plan: DecodePlan, input_ids: torch.Tensor, lengths: list[int], max_new_tokens: int) -> None:
-    """The prompts `(N, P)` (left-padded, `lengths` real tokens each) against a plan: their token ids (and the
-    plan's special ids) within the vocabulary, neither model's mask token in them, every row's prompt and budget,
-    decoded in whole blocks, within the model's positions, a block no larger than the whole sequence."""
-    check_tokens(input_ids, lengths, plan.model.get_input_embeddings().num_embeddings,
-                 mask_token_id=plan.mask_token_id, stop_ids=list(plan.stop_ids), pad_token_id=plan.pad_id,
-                 mask_required=_needs_mask(plan.strategy, plan.patch, plan.model),
-                 draft_mask_token_id=plan.draft_mask_token_id)
-    max_positions, block_size = plan.patch.max_positions(plan.model), plan.block_size
+    """The prompts `(N, P)` (left-padded, `lengths` real tokens each) against a plan: a block no larger than the
+    whole sequence (:func:`check_block_budget`), every row's prompt and budget, decoded in whole blocks, within the
+    model's positions, the token ids (and the plan's special ids) within the vocabulary, the mask token not a stop
+    id, neither model's mask token in a prompt (infilling is not supported: the prompt is returned as given)."""
+    block_size, mask, stop_ids = plan.block_size, plan.mask_token_id, list(plan.stop_ids)
+    if plan.strategy.decodes_whole_blocks:
+        check_block_budget(block_size, plan.patch.trained_block_size(plan.model), lengths, max_new_tokens)
+    max_positions = plan.patch.max_positions(plan.model)
     needed = max(-(-(n + max_new_tokens) // block_size) * block_size for n in lengths)   # end of the last block
     if max_positions is not None and needed > max_positions:
         raise invalid("input_ids", f"<prompt of {max(lengths)} tokens>",
                       f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} "
                       f"(up to position {needed}), in the model's {max_positions} positions",
                       "shorten the prompt or lower max_new_tokens")
-    if plan.strategy.decodes_whole_blocks:
-        check_block_budget(plan.block_size, plan.patch.trained_block_size(plan.model), lengths, max_new_tokens)
+    vocab_size = plan.model.get_input_embeddings().num_embeddings
+    tokens = input_ids[left_padded_valid(lengths, input_ids.shape[1], input_ids.device)]
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise invalid("input_ids", f"<ids from {low} to {high}>", f"lie in [0, {vocab_size}) (the model's vocabulary)",
+                      "tokenize with the model's own tokenizer")
+    for name, ids in (("mask_token_id", [mask] if mask is not None else []), ("eos_token_id", stop_ids),
+                      ("pad_token_id", [plan.pad_id] if plan.pad_id is not None else [])):
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise invalid(name, bad[0] if len(ids) == 1 else ids, f"lie in [0, {vocab_size}) (the model's vocabulary)",
+                          "pass the id the model's tokenizer uses")
+    mask = mask if _needs_mask(plan.strategy, plan.patch, plan.model) else None     # AR on a right-shifted model
+    if mask is not None and mask in stop_ids:
+        raise invalid("mask_token_id", mask, f"differ from the stop ids {stop_ids}",
+                      "pass the model's mask token, not its end-of-sequence token")
+    for whose, token in (("", mask), ("drafter's ", plan.draft_mask_token_id)):
+        if token is not None and bool((tokens == token).any()):
+            raise invalid("input_ids", f"<prompt holding the {whose}mask token {token}>",
+                          f"not contain the {whose}mask token (infilling a prompt is not supported: the prompt is "
+                          "returned as given)", "remove the mask tokens from the prompt")
 
 
 def check_loaded(model, name: str) -> torch.device:
@@ -560,43 +579,6 @@ def check_model_kwargs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], le
                           "drop `position_ids`; positions are derived from `attention_mask`")
 
 
-def check_tokens(input_ids: torch.Tensor, lengths: list[int], vocab_size: int, *, mask_token_id: int | None,
-                 stop_ids: list[int], pad_token_id: int | None, mask_required: bool,
-                 draft_mask_token_id: int | None = None) -> None:
-    """Token ids against the vocabulary, and the mask tokens against the prompt and the stop ids.
-
-    Args:
-        input_ids (`torch.LongTensor` of shape `(N, P)`), lengths (`list[int]`): the left-padded prompts.
-        vocab_size (`int`): rows of the model's input embedding.
-        mask_token_id, stop_ids, pad_token_id: the resolved special ids.
-        mask_required (`bool`): the strategy denoises with the mask token.
-        draft_mask_token_id (`int`, *optional*): the drafter's mask token, never in a prompt either.
-
-    Raises:
-        ValueError: an id outside `[0, vocab_size)` in the prompt or among the special ids; the mask token in a
-            prompt or among the stop ids; the drafter's mask token in a prompt.
-    """
-    tokens = input_ids[left_padded_valid(lengths, input_ids.shape[1], input_ids.device)]
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= vocab_size:
-        raise invalid("input_ids", f"<ids from {low} to {high}>", f"lie in [0, {vocab_size}) (the model's vocabulary)",
-                      "tokenize with the model's own tokenizer")
-    for name, ids in (("mask_token_id", [mask_token_id] if mask_token_id is not None else []),
-                      ("eos_token_id", stop_ids), ("pad_token_id", [pad_token_id] if pad_token_id is not None else [])):
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise invalid(name, bad[0] if len(ids) == 1 else ids, f"lie in [0, {vocab_size}) (the model's vocabulary)",
-                          "pass the id the model's tokenizer uses")
-    if mask_required and mask_token_id is not None and mask_token_id in stop_ids:
-        raise invalid("mask_token_id", mask_token_id, f"differ from the stop ids {stop_ids}",
-                      "pass the model's mask token, not its end-of-sequence token")
-    for whose, mask in (("", mask_token_id if mask_required else None), ("drafter's ", draft_mask_token_id)):
-        if mask is not None and bool((tokens == mask).any()):     # infilling: the prompt is returned as given
-            raise invalid("input_ids", f"<prompt holding the {whose}mask token {mask}>",
-                          f"not contain the {whose}mask token (infilling a prompt is not supported: the prompt is "
-                          "returned as given)", "remove the mask tokens from the prompt")
-
-
 def check_generator(generator: Any, device: torch.device, batch_size: int = 1) -> None:
     """Raise unless `generator` is `None`, a `torch.Generator` on the model's device type, or a list / tuple of
     `batch_size` of them (one per row: per-row randomness, :mod:`hf_dllm_spec.maths.sampling`).
@@ -659,5 +641,5 @@ def check_model_pair(target, target_patch, drafter, drafter_patch, generation_co
 
 __all__ = ["DecodePlan", "build_plan", "check_attention_mask", "check_block_budget", "check_drafter_tokens",
            "check_generation_config", "check_generator", "check_inputs_embeds", "check_loaded", "check_model_kwargs",
-           "check_model_pair", "check_row", "check_single_hypothesis", "check_token_id", "check_tokens",
-           "check_vocabulary", "prompt_lengths"]
+           "check_model_pair", "check_row", "check_single_hypothesis", "check_token_id", "check_vocabulary",
+           "prompt_lengths"]
