@@ -208,8 +208,9 @@ class DecodingStrategy(ABC):
         requires_mask_token (`bool`): whether the target needs a mask token.
         uses_drafter (`bool`): whether the strategy runs a separate `draft_model` (then required).
         requires_draft_mask_token (`bool`): whether that drafter needs a mask token (a diffusion drafter).
-        decodes_whole_blocks (`bool`): whether every block on the grid is denoised whole, also past the budget (then
-            a block larger than the whole sequence is refused, :func:`~hf_dllm_spec.integration.plan.check_block_budget`).
+        decodes_whole_blocks (`bool`): whether every block on the grid is denoised whole, also past the budget
+            (then a block larger than the whole sequence is refused,
+            :func:`~hf_dllm_spec.integration.plan.check_block_budget`).
         per_row_stops (`bool`): whether the loop reads the stop ids only through :meth:`should_stop`, so that rows
             of one call may end by different stop rules (continuous batching: `ignore_eos` per request). False by
             default (a strategy whose tokens depend on the stop ids, such as SimSD's EOS gate).
