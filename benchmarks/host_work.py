@@ -1,6 +1,7 @@
 """What the decoding loop does between forwards, per forward: host synchronisations and tensor operations.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/host_work.py [--max-new-tokens 24]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/host_work.py --compiled [--max-new-tokens 64]
 
 Every strategy of the main job on every bundled model, batch 1, one held-out prompt, greedy, under the static
 runtime (`cache_implementation="static"`), on the CPU. For each it prints the forwards, the host synchronisations
@@ -8,15 +9,27 @@ runtime (`cache_implementation="static"`), on the CPU. For each it prints the fo
 forward, and the tensor operations dispatched outside the model calls (each one kernel launch on a GPU), per
 forward. Counts, not times: they are the same on any machine; what they cost on a GPU is what
 `hf-dllm-spec bench-gpu` measures. Results: docs/performance.md ("Host synchronisations and launches").
+
+`--compiled`: the same under `compile_config` (transformers' `CompileConfig()` with `_compile_all_devices`, the way
+transformers compiles on a CPU), counted with `torch.profiler`: the top-level ATen operations that run outside
+compiled code (no "Torch-Compiled Region" range and no ATen operation above them), per forward, over a whole call
+(input checks, prefill and output included) after two calls that compiled (the second call's prefill recompiles
+transformers' compiled model call once: the static cache's layers were initialised by the first); beside stock transformers' own `generate(cache_implementation="static",
+compile_config=...)` on qwen2-tiny-ar, per token, measured in the same run, and the ratio; and the same call with the
+step left eager (only the model call compiled, as before issue 34). Results:
+docs/performance.md ("One decoding step, one compiled function").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import warnings
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import CompileConfig
 
 import hf_dllm_spec
 import model_patches
@@ -24,6 +37,7 @@ from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
 from hf_dllm_spec.tools.jobs.main import SUB_BLOCKS, specs
 from hf_dllm_spec.runtime.static import StaticModelRunner
 from hf_dllm_spec.runtime.syncs import count_host_syncs
+from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionStrategy
 
 MODELS = ROOT / "models"
 #: bundled model -> (main-job strategy rows, drafter)
@@ -75,12 +89,99 @@ def measure(model, ids: torch.Tensor, spec, max_new_tokens: int) -> dict:
             "operations_per_forward": ops.count / forwards}
 
 
+#: bundled model -> main-job strategy rows measured under `compile_config` (the ones a compiled step serves).
+COMPILED_CASES = {"sdar-tiny-arith": ["ar", "static", "dynamic", "s2d2"]}
+#: The stock transformers baseline under `compile_config`: an AR model's own `generate`.
+STOCK_MODEL = "qwen2-tiny-ar"
+COMPILED_REGION = "Torch-Compiled Region"
+
+
+def eager_operations(run) -> int:
+    """The top-level ATen operations `run()` dispatches outside compiled code: profiler events named `aten::*`
+    with no ATen operation and no "Torch-Compiled Region" range above them (each one kernel launch on a GPU)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    count = 0
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not (parent.name.startswith("aten::") or COMPILED_REGION in parent.name):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
+
+
+@contextlib.contextmanager
+def eager_steps():
+    """Strategies run their steps eagerly around the compiled model call (what every step did before issue 34)."""
+    decide = BlockDiffusionStrategy.runs_compiled_step
+    BlockDiffusionStrategy.runs_compiled_step = lambda self: False
+    try:
+        yield
+    finally:
+        BlockDiffusionStrategy.runs_compiled_step = decide
+
+
+def compiled_config() -> CompileConfig:
+    config = CompileConfig()
+    config._compile_all_devices = True            # transformers compiles on the CPU only when told
+    return config
+
+
+def measure_compiled(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> tuple[int, int]:
+    """`(eager operations, forwards)` of the third of three identical `generate` calls under static +
+    `compile_config` (the first two compile)."""
+    config = compiled_config()
+    calls = []
+
+    def run():
+        calls.append(model.generate(ids, max_new_tokens=max_new_tokens, cache_implementation="static",
+                                    compile_config=config, return_dict_in_generate=True, **kwargs))
+
+    run()
+    run()
+    operations = eager_operations(run)
+    out = calls[-1]
+    stats = getattr(out, "spec_stats", None)
+    forwards = stats.num_forward_calls if stats is not None else out.sequences.shape[1] - ids.shape[1]
+    return operations, forwards
+
+
+def main_compiled(max_new_tokens: int) -> None:
+    tokenizer, stock = load(MODELS / STOCK_MODEL)
+    ids = tokenizer(arithmetic_prompts(MODELS / STOCK_MODEL, 1)[0].text, return_tensors="pt").input_ids
+    ops, tokens = measure_compiled(stock, ids, max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+    baseline = ops / tokens
+    print(f"stock transformers generate(cache_implementation='static', compile_config), {STOCK_MODEL}: "
+          f"{ops} eager operations / {tokens} tokens = {baseline:.1f} per token\n")
+    print("| model | strategy | forwards | eager operations / forward outside compiled code | ratio to stock per "
+          "token | with the step eager (model call compiled only) |")
+    print("|---|---|---|---|---|---|")
+    for name, rows in COMPILED_CASES.items():
+        tokenizer, model = load(MODELS / name)
+        patch = model_patches.get_patch(model)
+        ids = tokenizer(arithmetic_prompts(MODELS / name, 1)[0].text, return_tensors="pt").input_ids
+        for spec in specs(patch.trained_block_size(model) or 4, 0.9, rows, {}):
+            kwargs = dict(decoding_strategy=spec.decoding_strategy, **spec.params)
+            ops, forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)
+            with eager_steps():
+                before, before_forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)
+            print(f"| {name} | {spec.label} | {forwards} | {ops / forwards:.1f} | {ops / forwards / baseline:.2f} | "
+                  f"{before / before_forwards:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="24 (64 with --compiled)")
+    ap.add_argument("--compiled", action="store_true", help="count around compiled code under compile_config")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    if args.compiled:
+        main_compiled(args.max_new_tokens or 64)
+        return
+    args.max_new_tokens = args.max_new_tokens or 24
     print("| model | strategy | forwards | host syncs / forward (call) | (between decoding forwards) | "
           "tensor operations / forward outside the model |")
     print("|---|---|---|---|---|---|")

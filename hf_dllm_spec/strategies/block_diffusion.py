@@ -252,8 +252,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 # a prompt tail fills fewer than B positions, and an unfinished block is not restarted)
                 done = torch.ones_like(block.start, dtype=torch.bool)
             elif self.compiled_step:
-                # 1-2 as one compiled function (the static runtime with `compile_config`)
-                done, read = self.compiled_denoise(block, pending)
+                # 1-2 as one compiled function (the static runtime with `compile_config`), which also prepares
+                # step 3's next blocks
+                done, read, advanced = self.compiled_denoise(block, pending)
             else:
                 # 1. one denoising forward for every row, storing last step's finished blocks on the way
                 began_full = ~block.masked.any(dim=1) if self.edit_rule is not None else None
@@ -275,7 +276,10 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 continue
             # 3. append finished blocks, decide stops, schedule the cache writes, start the next blocks
             finished = self.collect_finished_blocks(block, done_rows, generated, read, host)
-            pending = self.schedule_writes(block, done, done_rows, finished)
+            if self.compiled_step:
+                pending = self.take_next_blocks(block, advanced, done, done_rows, finished)
+            else:
+                pending = self.schedule_writes(block, done, done_rows, finished)
             # 4. finished rows leave the batch
             if finished:
                 pending = self.drop_rows(block, done_rows, finished, pending)
@@ -379,6 +383,16 @@ class BlockDiffusionStrategy(DecodingStrategy):
             pending = (block.tokens.clone(), block.positions, continuing)
         block.restart(continuing)
         self.commit_from_carry(block)
+        return pending
+
+    def take_next_blocks(self, block: BlockState, advanced: tuple, done: torch.Tensor, done_rows: list[bool],
+                         finished: list[int]) -> tuple | None:
+        """:meth:`schedule_writes` after a compiled step, which computed the next blocks already (`advanced`:
+        every finished block restarted, and the finished blocks' positions; the stopping rows among them leave the
+        batch next): the finished blocks of the continuing rows are stored by the next forward."""
+        continuing, any_continuing = continuing_rows(done, done_rows, finished)
+        pending = (block.tokens, advanced[-1], continuing) if any_continuing else None
+        block.tokens, block.undecided, block.start, block.num_fixed, block.step = advanced[:-1]
         return pending
 
     def commit_from_carry(self, block: BlockState) -> None:
@@ -634,8 +648,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
         counters as the eager step does.
 
         Returns:
-            `(done, read)`: `(N,)` bool, and the step's one host read, per row `[done, num_fixed, *block tokens]`
-            (:func:`step_read`; the tokens each row committed are read with it, straight into its counters).
+            `(done, read, advanced)`: `(N,)` bool; the step's one host read, per row `[done, num_fixed, *block
+            tokens]` (:func:`step_read`; the tokens each row committed are read with it, straight into its
+            counters); the next blocks for :meth:`take_next_blocks`.
         """
         s, B = self.session, self.block_size
         for i in range(block.tokens.shape[0]):
@@ -643,13 +658,13 @@ class BlockDiffusionStrategy(DecodingStrategy):
         self.draft_mask(block)                            # built once, outside the compiled code
         tensors = (block.tokens, block.undecided, block.start, block.num_fixed, block.step,
                    *(pending if pending is not None else (None, None, None)))
-        block.tokens, block.undecided, block.step, done, read = s.target.run_step(
+        block.tokens, block.undecided, block.step, done, read, *advanced = s.target.run_step(
             greedy_denoising_step, self, self.step_key, tensors, q=B if pending is None else 2 * B,
             store_len=0 if pending is None else B, logits_to_keep=B, kind="draft")
         rows = read.tolist()
         for i, row in enumerate(rows):
             s.stats.row(i).num_fallback_tokens += row.pop()
-        return done, rows
+        return done, rows, tuple(advanced)
 
 
 def step_read(done: torch.Tensor, num_fixed: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -666,8 +681,9 @@ def greedy_denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple
     """One greedy denoising step of every row as a function of tensors (Algorithm 2 with Algorithm 1's fused
     cache write), what `StaticModelRunner.run_step` compiles: the draft forward of each row's block
     (`runner.step_forward`, storing the pending finished blocks first), the argmax and its confidence, the
-    commits of the remasking rule, the done flags and the step's read. The strategy's own methods decide; nothing
-    here reads the host or changes Python state.
+    commits of the remasking rule, the done flags and the step's read; and the next blocks of the rows whose block
+    finished (:meth:`BlockState.restart`), so that Algorithm 1's block change costs no eager work. The strategy's
+    own methods decide; nothing here reads the host or changes Python state.
 
     Args:
         strategy (`BlockDiffusionStrategy`): its rule and parameters (:meth:`~BlockDiffusionStrategy.transfer`).
@@ -677,9 +693,10 @@ def greedy_denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple
             None.
 
     Returns:
-        `(lengths, tokens, undecided, step, done, read)`: the new write positions `(N,)`, the block's new tokens
-        and masks `(N, B)`, the steps taken `(N,)`, the finished rows `(N,)` bool, and :func:`step_read` with the
-        tokens each row committed as a last column `(N, 3 + B)`.
+        `(lengths, tokens, undecided, step, done, read, *next)`: the new write positions `(N,)`, the block's new
+        tokens and masks `(N, B)`, the steps taken `(N,)`, the finished rows `(N,)` bool, :func:`step_read` with
+        the tokens each row committed as a last column `(N, 3 + B)`; `next`: the next step's `tokens, undecided,
+        start, num_fixed, step` (finished blocks restarted) and the positions `(N, B)` of this step's blocks.
     """
     block = BlockState(tokens, undecided, start, num_fixed, step, torch.zeros_like(step),
                        strategy.session.mask_token_id)
@@ -694,7 +711,11 @@ def greedy_denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple
     undecided = undecided & ~transfer
     done = ~undecided.any(dim=1)
     read = torch.cat([step_read(done, num_fixed, tokens), transfer.sum(dim=1, keepdim=True)], dim=1)
-    return lengths, tokens, undecided, step + 1, done, read
+    after = BlockState(tokens.clone(), undecided.clone(), start.clone(), num_fixed.clone(), step + 1,
+                       torch.zeros_like(step), block.mask_token_id)
+    after.restart(done)
+    return (lengths, tokens, undecided, step + 1, done, read, after.tokens, after.undecided, after.start,
+            after.num_fixed, after.step, block.positions)
 
 
 class ARStrategy(BlockDiffusionStrategy):
