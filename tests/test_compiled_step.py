@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import CompileConfig
 
+from hf_dllm_spec.maths.sampling import Sampler
 from hf_dllm_spec.runtime.runner import ModelRunner
 from hf_dllm_spec.runtime.static import StaticModelRunner, clear_static_state, static_states
 from hf_dllm_spec.runtime.step import compile_options
@@ -94,6 +95,23 @@ def test_the_step_compiles_in_one_graph_without_recompiling(sdar_model):
     assert first.spec_stats.num_forward_calls == 1 + first.spec_stats.num_denoising_steps   # prefill + steps
 
 
+def test_a_graph_break_in_the_step_raises(sdar_model, monkeypatch):
+    """fullgraph=True: a step that would be split into eager pieces (here a graph break in the greedy choice, where
+    a host read or an untraceable call would put one) fails loudly instead of running slowly."""
+    greedy = Sampler.greedy
+
+    def breaking(self, logits):
+        torch._dynamo.graph_break()
+        return greedy(self, logits)
+
+    monkeypatch.setattr(Sampler, "greedy", breaking)
+    clear_static_state(sdar_model)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        generate(sdar_model, PROMPTS[:1], max_new_tokens=4, cache_implementation="static",
+                 compile_config=compile_config())
+    clear_static_state(sdar_model)
+
+
 @pytest.mark.parametrize("params", [dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5),
                                     dict(remasking_strategy="low_confidence_static", steps_per_block=2),
                                     dict(decoding_strategy="ar", block_size=1, max_new_tokens=6)])
@@ -111,6 +129,7 @@ def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, params):
     alone = generate(sdar_model, PROMPTS[2:], cache_implementation="static", compile_config=compile_config(),
                      **params)
     assert_same(generate(sdar_model, PROMPTS[2:], **params), alone)
+    assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
 
 
 def test_one_host_read_per_step(sdar_model, monkeypatch):
