@@ -25,7 +25,8 @@ as rows finish replays the graphs of a few bucket sizes instead of capturing one
 model's own device, at most `max_graphs` per model and role, least recently used first out, one memory pool, the
 first replay checked against eager, a failed capture cleaned up and retried once on a later call); with
 `compile_config` the forward goes through `model.get_compiled_call(compile_config)` (torch.compile, transformers'
-meaning). MoE experts that could not be captured in the model's dtype run transformers' "batched_mm" kernel
+meaning), and a strategy whose step is a function of tensors runs the whole step, forward and maths, as one
+compiled function (:meth:`StaticModelRunner.run_step`, :mod:`~hf_dllm_spec.runtime.step`). MoE experts that could not be captured in the model's dtype run transformers' "batched_mm" kernel
 meanwhile (:mod:`~hf_dllm_spec.runtime.experts`). Which mode, and why not another, follows transformers'
 `_valid_auto_compile_criteria` plus the bitsandbytes rules (:func:`compile_plan`).
 
