@@ -203,7 +203,7 @@ def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, stream
         target=target,
         sampler=Sampler(logits_processor if logits_processor is not None else LogitsProcessorList(),
                         do_sample=plan.do_sample, suppress_token_ids=list(plan.suppress_ids),
-                        generator=plan.generator),
+                        generator=plan.generator, device=plan.device),
         stats=stats, mask_token_id=plan.mask_token_id if plan.mask_token_id is not None else 0,
         stop_token_ids=list(plan.stop_ids), max_new_tokens=plan.max_new_tokens, stop_check=ends.stop_check,
         drafter=make_runner(plan.draft_model, plan.drafter_patch, timer=target.timer, timer_span=DRAFT_MODEL_SPAN,

@@ -338,12 +338,15 @@ class Sampler:
         generator (`torch.Generator`, a list of them, `RowGenerators` or `None`): the only source of randomness;
             `None` uses torch's global RNG; a list or tuple (one per row) becomes a :class:`RowGenerators` (module
             docstring: the order of the draws).
+        device (`torch.device`, *optional*): where the logits live (the suppressed ids are put there once, so a
+            compiled step never sees them move); CPU when omitted (moved on first use).
     """
 
     logits_processor: LogitsProcessorList
     do_sample: bool
     suppress_token_ids: list[int]
     generator: Generators | Sequence[torch.Generator] = None
+    device: torch.device | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.logits_processor, RowProcessors):
@@ -351,7 +354,7 @@ class Sampler:
         if isinstance(self.generator, (list, tuple)):
             self.generator = RowGenerators(self.generator)
         # The suppression SuppressTokensLogitsProcessor would apply, as one `index_fill` (no vocabulary-wide isin).
-        self._suppress = torch.tensor(sorted(set(self.suppress_token_ids)), dtype=torch.long)
+        self._suppress = torch.tensor(sorted(set(self.suppress_token_ids)), dtype=torch.long, device=self.device)
 
     def probs(self, logits: torch.Tensor, rows: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """Processed distribution per position.

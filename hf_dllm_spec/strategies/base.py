@@ -180,7 +180,7 @@ class DecodingSession:
         token suppressed."""
         s = self.sampler
         return Sampler(s.logits_processor, do_sample=s.do_sample, suppress_token_ids=[self.draft_mask_token_id],
-                       generator=s.generator)
+                       generator=s.generator, device=s.device)
 
     def resolve_acceptance(self, acceptance: str | None) -> str:
         """The acceptance rule of a strategy with a separate drafter: `acceptance`, or by default "greedy_match"
