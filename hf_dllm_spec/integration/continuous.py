@@ -27,7 +27,7 @@ from ..outputs import SpecDecodingStats
 from ..strategies.base import DecodingStrategy, JoiningRow, RowAdmission
 from ..validation import invalid
 from .plan import check_row
-from .stopping import stop_cut
+from .stopping import row_end
 
 
 @dataclass
@@ -184,10 +184,7 @@ class FeedAdmission(RowAdmission):
         """The session's `stop_check`: whether row `prompt_index` ends after its final tokens `generated` `(n,)`
         (its budget, a stop id); streams the tokens that became final."""
         ids = host_ids if host_ids is not None else generated.tolist()
-        stops = self.stops_of(prompt_index)
-        budget = self.requests[prompt_index].max_new_tokens
-        cut = min(stop_cut(ids, stops), budget)
-        ended = cut < len(ids) or cut >= budget or (cut > 0 and ids[cut - 1] in stops)
+        cut, ended = row_end(ids, self.requests[prompt_index].max_new_tokens, self.stops_of(prompt_index))
         self.tokens[prompt_index] = ids[:cut]
         self.ended[prompt_index] = ended
         self.stream(prompt_index)

@@ -46,6 +46,13 @@ def stop_cut(ids: list[int], stop_ids: set[int]) -> int:
     return next((k + 1 for k, token in enumerate(ids) if token in stop_ids), len(ids))
 
 
+def row_end(ids: list[int], budget: int, stops: set[int]) -> tuple[int, bool]:
+    """Where a row's final tokens `ids` end: `(cut, ended)`, the length it returns (at most `budget`, up to and
+    including the first of `stops`) and whether it decodes no more (a stop id, the budget, or tokens past the cut)."""
+    cut = stop_cut(ids[:budget], stops)
+    return cut, cut < len(ids) or cut >= budget or (cut > 0 and ids[cut - 1] in stops)
+
+
 def criteria_to_scan(criteria, stop_ids: list[int], prompt_width: int, max_new_tokens: int) -> StoppingCriteriaList:
     """The stopping criteria the decoding loop must call: those of `criteria` that the budget and the stop ids do
     not already decide.
@@ -155,12 +162,10 @@ class RowEnds:
                      host_ids: list[int] | None = None) -> tuple[torch.Tensor, bool]:
         """What row `prompt_index` returns of its tokens `generated` `(n,)` (`ended`: it decodes no more), and whether
         it ends there. One host read of the tokens, none when the caller passes them as `host_ids`."""
-        kept = generated[:self.max_new_tokens]
-        ids = host_ids[:self.max_new_tokens] if host_ids is not None else kept.tolist()
-        cut = stop_cut(ids, self.stop_set)
-        tokens = kept[:cut]
-        ended = (ended or cut < generated.shape[0] or cut >= self.max_new_tokens
-                 or (cut > 0 and ids[cut - 1] in self.stop_set))
+        ids = host_ids if host_ids is not None else generated[:self.max_new_tokens + 1].tolist()
+        cut, ends_here = row_end(ids, self.max_new_tokens, self.stop_set)
+        tokens = generated[:cut]
+        ended = ended or ends_here
         if self.scan is not None:
             criteria_cut = self.scan.observe(prompt_index, tokens, ended=ended)
             if criteria_cut is not None:
@@ -182,4 +187,4 @@ class RowEnds:
         return [self.output_tokens(n, g, ended=True) for n, g in enumerate(generated)]
 
 
-__all__ = ["CriteriaScan", "RowEnds", "criteria_to_scan", "stop_cut", "stop_strings_as_criteria"]
+__all__ = ["CriteriaScan", "RowEnds", "criteria_to_scan", "row_end", "stop_cut", "stop_strings_as_criteria"]
