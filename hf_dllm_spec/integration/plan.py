@@ -178,6 +178,9 @@ def _check_inputs(input_ids, generation_config, model_kwargs, *, device, generat
         raise invalid("streamer", type(streamer).__name__, "be used with batch size 1 (transformers' streamers "
                       f"follow one sequence; got {input_ids.shape[0]} rows)",
                       "decode one prompt at a time when streaming, or drop `streamer`")
+    if streamer is not None and getattr(streamer, "_takes_logits", False):
+        raise invalid("streamer", type(streamer).__name__, "not ask for draft logits (`_takes_logits=True`): "
+                      "drafts are sent as token ids", "set `streamer._takes_logits = False`")
     lengths = prompt_lengths(input_ids, model_kwargs.get("attention_mask"))
     drop_prepared_static_cache(generation_config, model_kwargs)
     check_model_kwargs(input_ids, model_kwargs, lengths)

@@ -18,8 +18,6 @@ from typing import Callable
 
 import torch
 
-from ..validation import invalid
-
 
 class TokenStream:
     """Forwards new final tokens of one row to a `BaseStreamer` (`put(ids)`, `end()`).
@@ -28,6 +26,8 @@ class TokenStream:
         streamer (`BaseStreamer`): e.g. `TextStreamer` or `TextIteratorStreamer`.
         output (`callable`): `(final tokens (n,)) -> (m,)`, the part of them the returned sequence holds; a
             prefix that never shrinks as more final tokens arrive.
+
+    The plan has checked the streamer (batch size 1, no `_takes_logits`) before any forward.
 
     >>> class Printer:
     ...     def put(self, ids): print(ids.tolist())
@@ -40,9 +40,6 @@ class TokenStream:
     """
 
     def __init__(self, streamer, output: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if getattr(streamer, "_takes_logits", False):
-            raise invalid("streamer", type(streamer).__name__, "not ask for draft logits (`_takes_logits=True`): "
-                          "drafts are sent as token ids", "set `streamer._takes_logits = False`")
         self.streamer, self.output = streamer, output
         self.sent = 0
         self.takes_drafts = callable(getattr(streamer, "put_draft", None))
