@@ -165,12 +165,11 @@ class FeedAdmission(RowAdmission):
                           "the call instead, for every row")
         own = {k: v for k, v in (("temperature", request.temperature), ("top_k", request.top_k),
                                  ("top_p", request.top_p)) if v is not None}
-        if own and not self.do_sample:
-            name = next(iter(own))
+        name = next(iter(own), None)
+        if name is not None and not self.do_sample:
             raise invalid(name, own[name], "be set only in a sampling call (do_sample=True)", f"drop `{name}` from the "
                           "request, or decode the call with do_sample=True")
-        if own and not self.strategy.per_row_sampling:
-            name = next(iter(own))
+        if name is not None and not self.strategy.per_row_sampling:
             raise invalid(name, own[name], f"be set per request only for strategies with per-row sampling "
                           f"({self.strategy.name!r} does not name the rows of its draws)", "give the call the setting "
                           "instead, for every row")

@@ -43,6 +43,19 @@ from .trace import ForwardRecord, active_trace
 DRAFT_MODEL_SPAN = "draft_model"
 
 
+def _grown(tensor: torch.Tensor, rows: int, front: int, columns: tuple[int, ...]) -> torch.Tensor:
+    """`tensor` with `rows` zero rows appended (dimension 0) and `front` zero columns put in front along each of the
+    dimensions `columns`."""
+    shape, index = list(tensor.shape), [slice(0, tensor.shape[0])] + [slice(None)] * (tensor.dim() - 1)
+    shape[0] += rows
+    for dim in columns:
+        shape[dim] += front
+        index[dim] = slice(front, None)
+    out = tensor.new_zeros(shape)
+    out[tuple(index)] = tensor
+    return out
+
+
 class _JoiningStats:
     """The counters of a runner that stores the prompts of joining rows alone: its forwards count for those rows
     (the batch rows `first ..` of `stats`) and once for the batch."""
@@ -304,24 +317,10 @@ class ModelRunner:
 
     def add_rows(self, count: int) -> None:
         """Append `count` empty rows (continuous batching: requests that join the running batch). They have no
-        stored token (every column is padding to them) and no carry; their prompts are stored by a later forward
-        in which only they store (`store_valid` False for the other rows)."""
-        if count <= 0:
-            return
-        if self.use_cache:
-            for layer in self.cache.layers:
-                keys = getattr(layer, "keys", None)
-                if keys is None:                     # never written: the next storing forward sizes it
-                    continue
-                layer.keys = torch.cat([keys, keys.new_zeros(count, *keys.shape[1:])])
-                layer.values = torch.cat([layer.values, layer.values.new_zeros(count, *layer.values.shape[1:])])
-        self.valid = torch.cat([self.valid, self.valid.new_zeros(count, self.stored_len)])
-        if self.carry is not None:
-            self.carry = torch.cat([self.carry, self.carry.new_zeros(count, self.carry.shape[1])])
-        t = self._ids.shape[1]
-        self._ids = torch.cat([self._ids, self._ids.new_zeros(count, t)])
-        self._pos = torch.cat([self._pos, self._pos.new_zeros(count, t)])
-        self._visible = torch.cat([self._visible, self._visible.new_zeros(count, t, t)])
+        stored token (every column is padding to them) and no carry; :meth:`store_joining_rows` stores their
+        prompts."""
+        if count > 0:
+            self._grow(rows=count)
 
     def store_joining_rows(self, first: int, store) -> None:
         """Store the prompts of the rows `first ..` that joined the batch (:meth:`add_rows`), without computing the
@@ -349,7 +348,7 @@ class ModelRunner:
         width = temp.stored_len
         extra = width - self.stored_len
         if extra > 0:                                  # every row gets padding columns in front
-            self._pad_front(extra)
+            self._grow(front=extra)
         if self.use_cache:
             for layer, joined in zip(self.cache.layers, temp.cache.layers):
                 if getattr(joined, "keys", None) is None or joined.keys.numel() == 0:
@@ -366,26 +365,21 @@ class ModelRunner:
             self._visible[first:, -width:, -width:] = temp._visible
         self.valid[first:, -width:] = temp.valid
 
-    def _pad_front(self, extra: int) -> None:
-        """Put `extra` padding columns in front of every row's stored columns (no query sees them)."""
+    def _grow(self, rows: int = 0, front: int = 0) -> None:
+        """Append `rows` empty rows and put `front` padding columns in front of every row's stored columns (no query
+        sees them): the cache, the validity mask, the carry and the no-cache path's stored tokens."""
         if self.use_cache:
             for layer in self.cache.layers:
-                keys = getattr(layer, "keys", None)
-                if keys is None or keys.numel() == 0:
+                if getattr(layer, "keys", None) is None:     # never written: the next storing forward sizes it
                     continue
-                layer.keys = torch.cat([keys.new_zeros(*keys.shape[:2], extra, keys.shape[-1]), keys], dim=2)
-                values = layer.values
-                layer.values = torch.cat([values.new_zeros(*values.shape[:2], extra, values.shape[-1]), values],
-                                         dim=2)
-        n, t = self.batch_size, self._ids.shape[1]
-        self.valid = torch.cat([self.valid.new_zeros(n, extra), self.valid], dim=1)
-        if self.use_cache:
-            return
-        self._ids = torch.cat([self._ids.new_zeros(n, extra), self._ids], dim=1)
-        self._pos = torch.cat([self._pos.new_zeros(n, extra), self._pos], dim=1)
-        visible = self._visible.new_zeros(n, t + extra, t + extra)
-        visible[:, extra:, extra:] = self._visible
-        self._visible = visible
+                layer.keys = _grown(layer.keys, rows, front, (2,))
+                layer.values = _grown(layer.values, rows, front, (2,))
+        self.valid = _grown(self.valid, rows, front, (1,))
+        if self.carry is not None:
+            self.carry = _grown(self.carry, rows, 0, ())
+        stored = 0 if self.use_cache else front        # the no-cache path's stored tokens (none with a cache)
+        self._ids, self._pos = _grown(self._ids, rows, stored, (1,)), _grown(self._pos, rows, stored, (1,))
+        self._visible = _grown(self._visible, rows, stored, (1, 2))
 
     def _maybe_compact(self) -> None:
         """Drop padding columns once they outnumber the longest row's real tokens (one host sync, rarely)."""

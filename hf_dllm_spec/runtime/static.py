@@ -587,7 +587,11 @@ class StaticModelRunner(ModelRunner):
         if self._bound + width <= self.cache.max_cache_len:
             return
         self._bound = int(self.lengths.max()) if self.batch_size else 0
-        need = self._bound + width
+        self._grow_to(self._bound + width)
+
+    def _grow_to(self, need: int) -> None:
+        """Reallocate the cache with at least `need` columns when it has fewer (doubling; the graphs and compiled
+        steps made against the old buffers go)."""
         if need > self.cache.max_cache_len:
             self.cache.grow(_round_up(max(need, 2 * self.cache.max_cache_len), LENGTH_GRANULE))
             self._state.reallocated()
@@ -619,7 +623,6 @@ class StaticModelRunner(ModelRunner):
         if self.carry is not None:
             self.carry = self.carry[index]
 
-
     def add_rows(self, count: int) -> None:
         """Append `count` empty rows (continuous batching) at the next slots of the static buffers, which double
         their rows when full (new addresses: the graphs captured against the old buffers go)."""
@@ -635,21 +638,15 @@ class StaticModelRunner(ModelRunner):
 
     def _absorb(self, first: int, temp: ModelRunner) -> None:
         """Move what the eager runner `temp` stored for rows `first ..` (their prompts, left-padded) into their
-        slots: each row's real columns at its columns `[0, n)`, its write position n (one host read at a join)."""
+        slots: each row's real columns at its columns `[0, n)`, its write position n (no host read)."""
         width = temp.stored_len
-        if width > self.cache.max_cache_len:
-            self.cache.grow(_round_up(max(width, 2 * self.cache.max_cache_len), LENGTH_GRANULE))
-            self._state.reallocated()
+        self._grow_to(width)
         stored = temp.valid.sum(dim=1)                                                    # (k,)
         order = (torch.arange(width, device=stored.device)[None] + (width - stored)[:, None]) % width  # real first
         for layer, joined in zip(self.cache.layers, temp.cache.layers):
             if getattr(joined, "keys", None) is None or joined.keys.numel() == 0:
                 continue
-            if not layer.is_initialized:
-                rows = max(self.cache.rows, self.batch_size)
-                with torch.inference_mode(False):
-                    layer.lazy_initialization(joined.keys[:1].expand(rows, -1, -1, -1),
-                                              joined.values[:1].expand(rows, -1, -1, -1))
+            layer.allocate(joined.keys, joined.values, rows=self.batch_size)
             index = order.to(layer.keys.device)[:, None, :, None]
             for name, source in (("keys", joined.keys), ("values", joined.values)):
                 moved = source.gather(2, index.expand(-1, source.shape[1], -1, source.shape[-1]))

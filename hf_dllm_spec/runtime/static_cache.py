@@ -32,11 +32,7 @@ class RowStaticLayer(StaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Scatter `key_states` / `value_states` `(m, kv_heads, W, head_dim)` at the owner's write columns of the
         first m rows; return the first m rows and the owner's prefix of columns, `(m, kv_heads, P, head_dim)`."""
-        if not self.is_initialized:
-            rows = max(self.owner.rows, key_states.shape[0])
-            with torch.inference_mode(False):
-                self.lazy_initialization(key_states[:1].expand(rows, -1, -1, -1),
-                                         value_states[:1].expand(rows, -1, -1, -1))
+        self.allocate(key_states, value_states)
         m = key_states.shape[0]
         columns = self.owner.write_columns(self.device)[:, None, :, None]           # (m, 1, W, 1)
         keys, values = self.keys[:m], self.values[:m]
@@ -44,6 +40,15 @@ class RowStaticLayer(StaticLayer):
         values.scatter_(2, columns.expand(-1, values.shape[1], -1, values.shape[-1]), value_states)
         prefix = self.owner.prefix
         return keys[:, :, :prefix], values[:, :, :prefix]
+
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, rows: int = 0) -> None:
+        """Allocate the buffers on the first write, `(R, kv_heads, L, head_dim)` with R the owner's rows, at least
+        `key_states`' and `rows` (dtype and device of `key_states`), outside `inference_mode`; no-op afterwards."""
+        if self.is_initialized:
+            return
+        rows = max(self.owner.rows, key_states.shape[0], rows)
+        with torch.inference_mode(False):
+            self.lazy_initialization(key_states[:1].expand(rows, -1, -1, -1), value_states[:1].expand(rows, -1, -1, -1))
 
     def get_seq_length(self) -> int:
         """0: the stored length is per row and lives in the runner (`StaticModelRunner.lengths`); transformers only
@@ -105,31 +110,30 @@ class RowStaticCache(Cache):
 
     def grow_rows(self, rows: int) -> None:
         """Reallocate every layer with `rows` rows, keeping the stored ones (new addresses; continuous batching)."""
-        with torch.inference_mode(False):
-            for layer in self.layers:
-                if layer.is_initialized:
-                    for name in ("keys", "values"):
-                        old = getattr(layer, name)
-                        new = old.new_zeros(rows, *old.shape[1:])
-                        new[:old.shape[0]] = old
-                        torch._dynamo.mark_static_address(new)
-                        setattr(layer, name, new)
+        self._reallocate(rows=rows)
         self.rows = max(self.rows, rows)
 
     def grow(self, max_cache_len: int) -> None:
         """Reallocate every layer with `max_cache_len` columns, keeping the stored ones (new addresses)."""
-        with torch.inference_mode(False):
-            for layer in self.layers:
-                layer.max_cache_len = max_cache_len
-                if layer.is_initialized:
-                    for name in ("keys", "values"):
-                        old = getattr(layer, name)
-                        new = old.new_zeros(*old.shape[:2], max_cache_len, old.shape[-1])
-                        new[:, :, :old.shape[2]] = old
-                        torch._dynamo.mark_static_address(new)
-                        setattr(layer, name, new)
+        self._reallocate(columns=max_cache_len)
         self._max_len = max_cache_len
         self.prefix = min(self.prefix, max_cache_len)
+
+    def _reallocate(self, rows: int | None = None, columns: int | None = None) -> None:
+        """New buffers of `rows` rows and `columns` columns (each as before when None) for every layer, holding what
+        the old ones held, marked as static addresses; allocated outside `inference_mode`."""
+        with torch.inference_mode(False):
+            for layer in self.layers:
+                if columns is not None:
+                    layer.max_cache_len = columns
+                if not layer.is_initialized:
+                    continue
+                for name in ("keys", "values"):
+                    old = getattr(layer, name)
+                    new = old.new_zeros(rows or old.shape[0], old.shape[1], columns or old.shape[2], old.shape[-1])
+                    new[:old.shape[0], :, :old.shape[2]] = old
+                    torch._dynamo.mark_static_address(new)
+                    setattr(layer, name, new)
 
 
 __all__ = ["RowStaticCache", "RowStaticLayer"]

@@ -258,19 +258,23 @@ class Batcher:
                 return []
             key = waiting[0].request.options.batch_key
             batch = [j for j in waiting if j.request.options.batch_key == key and not j.request.stream_drafts]
-            batch = [waiting[0]] if waiting[0].request.stream_drafts else self._fit(batch)
+            batch = [waiting[0]] if waiting[0].request.stream_drafts else self._fit(batch[: self.max_batch_size])
             taken = {id(j) for j in batch}
             self.queue = deque(j for j in waiting if id(j) not in taken)
             self.running += len(batch)
             return batch
 
-    def _fit(self, group: list[Job]) -> list[Job]:
-        """The oldest requests of a group that fit one batch: at most `max_batch_size` rows, and rows x longest
-        prompt within `max_step_tokens` (the first request always: it was checked alone)."""
-        batch, width = [], 0
-        for job in group[: self.max_batch_size]:
+    def _fit(self, group: list[Job], rows: int = 0, width: int = 0) -> list[Job]:
+        """The oldest requests of `group` that fit beside `rows` running rows whose widest prompt has `width` tokens:
+        at most `max_batch_size` rows in all, and rows x widest prompt (a new batch's prefill, a joining prefill)
+        within `max_step_tokens` (a request that starts a batch always fits: it was checked alone)."""
+        batch = []
+        for job in group:
+            if rows + len(batch) >= self.max_batch_size:
+                break
             wider = max(width, len(job.request.prompt_ids))
-            if batch and self.max_step_tokens is not None and (len(batch) + 1) * wider > self.max_step_tokens:
+            if ((rows or batch) and self.max_step_tokens is not None
+                    and (rows + len(batch) + 1) * wider > self.max_step_tokens):
                 continue
             batch.append(job)
             width = wider
@@ -279,25 +283,15 @@ class Batcher:
     def _take_joining(self, key: str, rows: int, width: int) -> list[Job]:
         """Waiting jobs that join a running call of options `key` now, given its `rows` and its widest prompt:
         none while the oldest waiting job has other options (it runs next: no group is passed over); else the oldest
-        jobs of `key`, up to `max_batch_size` rows and, counted on the joining prefill (every row x the widest
-        prompt), `max_step_tokens`."""
+        jobs of `key` that :meth:`_fit` beside the running rows."""
         with self.cond:
             if self.closed:
                 return []
             waiting = [j for j in self.queue if not j.cancelled.is_set()]
             if not waiting or waiting[0].request.options.batch_key != key or waiting[0].request.stream_drafts:
                 return []
-            taken = []
-            for job in waiting:
-                if rows + len(taken) >= self.max_batch_size:
-                    break
-                if job.request.options.batch_key != key or job.request.stream_drafts:
-                    continue
-                wider = max(width, len(job.request.prompt_ids))
-                if self.max_step_tokens is not None and (rows + len(taken) + 1) * wider > self.max_step_tokens:
-                    continue
-                taken.append(job)
-                width = wider
+            taken = self._fit([j for j in waiting if j.request.options.batch_key == key
+                               and not j.request.stream_drafts], rows, width)
             ids = {id(j) for j in taken}
             self.queue = deque(j for j in self.queue if id(j) not in ids)
             self.running += len(taken)

@@ -290,9 +290,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
         """Continuous batching, between two steps: cancelled rows leave, joining rows enter.
 
         A joining row gets its block-aligned prompt stored by one prefill forward of the joining rows alone, moved
-        into their rows of the cache (the running rows get padding columns that no query sees), then its first block (prompt tail and masks) beside the running rows'
-        blocks, which go on where they were: every row keeps its own block, step and schedule, so a row's tokens
-        are those of its own batch-1 call.
+        into their rows of the cache (the running rows get padding columns that no query sees), then its first
+        block (prompt tail and masks) beside the running rows' blocks, which go on where they were: every row keeps
+        its own block, step and schedule, so a row's tokens are those of its own batch-1 call.
 
         Args:
             per_prompt (`list`): the loop's lists indexed by prompt (tokens `(n,)` or host lists), each extended
@@ -612,7 +612,6 @@ class BlockDiffusionStrategy(DecodingStrategy):
         fired = self._edited if self._edited is not None else torch.zeros_like(full)
         self._edited = None
         return full & ((began_full & ~fired) | (block.post_steps >= self.edit_rule.max_post_steps))
-
 
     # -- the step as one compiled function (runtime/step.py) --------------------------------------------------
     #: The methods a compiled step runs; a subclass that overrides one of them runs the eager step.
