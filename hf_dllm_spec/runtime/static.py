@@ -523,7 +523,8 @@ class StaticModelRunner(ModelRunner):
             function (`Callable`): a plain function of tensors (no host read, no Python state changed).
             owner: its first argument (the strategy).
             key (`tuple`): the owner's part of the compile key (its rule and parameters).
-            tensors (`tuple`): `(N, ...)` tensors or None, rows first.
+            tensors (`tuple`): `(N, ...)` tensors or None, rows first; a tensor of :attr:`step_rows` rows (a
+                fixed-shape step buffer whose extra rows are padding) is passed as it is.
 
         Returns:
             `list` of the function's outputs, `(N, ...)` each.
@@ -534,8 +535,8 @@ class StaticModelRunner(ModelRunner):
         bucket = rows_bucket(n, self.cache.batch_capacity)
         lengths = self.lengths
         if bucket > n:
-            lengths, *tensors = (None if t is None else torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])])
-                                 for t in (lengths, *tensors))
+            lengths, *tensors = (t if t is None or t.shape[0] == bucket else
+                                 torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])]) for t in (lengths, *tensors))
         key = (*key, bucket, width, kept, prefix, self.cache.max_cache_len, self.cache.batch_capacity)
         steps = self._state.steps
         if torch.cuda.is_available() and self.device.type == "cuda":
@@ -550,6 +551,11 @@ class StaticModelRunner(ModelRunner):
         self.lengths = lengths
         self._bound += store_len
         return outputs
+
+    @property
+    def step_rows(self) -> int:
+        """The rows the next compiled step runs at: :func:`rows_bucket` of the batch (:meth:`run_step`)."""
+        return rows_bucket(self.batch_size, self.cache.batch_capacity)
 
     def step_forward(self, shape: tuple[int, int, int], input_ids: torch.Tensor, position_ids: torch.Tensor,
                      intra_mask: torch.Tensor, lengths: torch.Tensor, *, store_len: int = 0,
