@@ -21,7 +21,7 @@ import torch
 from hf_dllm_spec.tools.jobs.evaluation import ROOT
 from model_patches.llada2 import (LLaDA2MoeConfig, LLaDA2MoeModelLM, check_parallel_sizes,
                                   resolved_parallel_layout)
-from conftest import run_torchrun
+from conftest import crash_report, run_torchrun
 
 LLADA2_DIR = ROOT / "models" / "llada2-tiny"
 
@@ -119,7 +119,7 @@ def test_tensor_parallel_llada2_and_sdar_give_the_single_process_tokens(tmp_path
     script = tmp_path / "tp_llada2.py"
     script.write_text(_SCRIPT)
     done = run_torchrun(script, str(tmp_path), timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, crash_report(done)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1]
     for report in reports:

@@ -21,7 +21,7 @@ from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
 from hf_dllm_spec.runtime.placement import execution_device
 from hf_dllm_spec.runtime.runner import ModelRunner
 from recipes.arithmetic import format_prompt
-from conftest import run_torchrun
+from conftest import crash_report, run_torchrun
 
 SDAR_DIR = ROOT / "models" / "sdar-tiny-arith"
 FAST_DIR = ROOT / "models" / "fast-dllm-v2-tiny"
@@ -249,5 +249,5 @@ def test_tensor_parallel_sdar_equals_the_plain_model(tmp_path):
     script.write_text(_TP_SCRIPT)
     done = run_torchrun(script, timeout=300)
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank="))
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, crash_report(done)
     assert lines == [f"rank={r} sharded=True {s}=True" for r in (0, 1) for s in ("ar", "s2d2")], lines
