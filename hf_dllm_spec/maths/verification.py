@@ -259,3 +259,24 @@ def greedy_match(
         bonus = ~any_mismatch
     token_ids, num_tokens = _commit(draft_token_ids, first, last, last >= 0)
     return VerificationResult(first, token_ids, num_tokens, any_mismatch, bonus)
+
+
+def span_writes(result: VerificationResult, span_start: torch.Tensor,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a verification's committed tokens go in a block: each row's tokens at block positions
+    `span_start .. span_start + num_tokens - 1` (S2D2 Algorithm 3: the accepted prefix of C_t, then the recovered
+    token).
+
+    Args:
+        result (`VerificationResult`): of `M` rows (`token_ids` `(M, L + 1)`, `num_tokens` `(M,)`).
+        span_start (`torch.Tensor` of shape `(M,)`, int64): the first block position of each row's span.
+        block_size (`int`): B, in tokens.
+
+    Returns:
+        `(write, token_ids)`, each `(M, B)`: the positions written (bool) and the token each written position gets
+        (int64; meaningless where `write` is False).
+    """
+    relative = torch.arange(block_size, device=span_start.device)[None] - span_start[:, None]      # (M, B)
+    write = (relative >= 0) & (relative < result.num_tokens[:, None])
+    return write, result.token_ids.gather(1, relative.clamp(0, result.token_ids.shape[1] - 1))
+

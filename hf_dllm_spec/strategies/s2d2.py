@@ -14,6 +14,13 @@ block-diffusion unless `cache_ver`/`draft_ver`.
 Verifier layout by alignment: a position-aligned model reads the AR-mode prediction for block position r at
 the MASK copy of r in `[x~ | MASK x B]` with the Eq. 3 mask and duplicated positions; a right-shifted model
 reads it at row r - 1 of `[x~]` under a causal mask (the runner's shift gives row r the prediction for r).
+
+Compiled step (issue 34; the static runtime with `compile_config`, greedy_match acceptance, whole blocks): a step is
+one or two compiled functions, each one forward and one host read. :func:`s2d2_draft_step` drafts, computes the
+routing numbers and commits every row by the block-diffusion rule as if no row verified; the host reads that with
+the routing numbers and the policies decide; if some row verifies, :func:`s2d2_verify_step` runs the verifier
+forward (the full `[x~ | MASK x B]` layout of Eq. 3: one width per key), greedy_match over each verifying row's
+span and its commits, keeping the first call's commits for the other rows.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..configuration import check_bool, check_int
 from ..maths.editing import EditingConfig
@@ -46,8 +54,8 @@ from ..maths.routing import (
 from ..maths.sampling import entropy, rows_of
 from ..maths.unmasking import first_masked_span
 from ..validation import check_choice, check_range, invalid
-from ..maths.verification import greedy_match, rejection_sample
-from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
+from ..maths.verification import greedy_match, rejection_sample, span_writes
+from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, step_read
 
 _SDAR_AR_CACHING = {"cache_ver": True, "draft_ver": True, "token_acceptance_estimator": "soft_entropy_negexp"}
 _FAST_DLLM_V2 = {"block_size": 32, "confidence_threshold": 0.9, "fuse_cache_write": False,
@@ -229,12 +237,23 @@ class S2D2Strategy(BlockDiffusionStrategy):
         super().__init__(config, session)
         # The UCB progress convention follows the target family's S2D2 reference (FamilyPatch attribute).
         tail = session.target.patch.ucb_progress_counts_prompt_tail
+        self.ucb_counts_prompt_tail = tail
         self._new_policy = lambda: build_policy(config, ucb_counts_prompt_tail=tail)
         self.policies = [self._new_policy() for _ in range(session.batch_size)]
         session.follow(self._select_policies, self._add_policies)
         self._verify_masks: dict[tuple[int, int], torch.Tensor] = {}     # Eq. 3 patterns by (span end, start)
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
-        policy = self.policies[0]
+        # What every row's policy needs from a step (the same for all rows; it never decides): which routing
+        # numbers to compute, and their layout in the step's read (`routing_columns`, `read_contexts`).
+        policy = self.routing_needs = self._new_policy()
+        self.routing_fields = [("span_start", 1, int), ("span_length", 1, int), ("num_masked", 1, int),
+                               ("num_decodable", 1, int)]
+        if policy.needs_score:
+            self.routing_fields.append(("score", 1, float))
+        if policy.needs_entropy:
+            self.routing_fields.append(("mean_normalized_entropy", 1, float))
+        if isinstance(policy, UCBPolicy):
+            self.routing_fields.append(("ucb_bucket", 3, int))
         self.full_probs = (self.full_probs or self.acceptance == "stochastic" or policy.needs_score
                            or policy.needs_entropy)
 
@@ -273,12 +292,34 @@ class S2D2Strategy(BlockDiffusionStrategy):
 
     def routing_contexts(self, block: BlockState, draft_probs: torch.Tensor, confidence: torch.Tensor,
                          start: torch.Tensor, end: torch.Tensor) -> list[RoutingContext]:
-        """Numbers Algorithm 4 needs, per row; the score (Eq. 5-6) and entropies only when the policy uses them.
+        """Numbers Algorithm 4 needs, per row (:meth:`routing_columns`), read on the host in one copy."""
+        return self.read_contexts(pack_columns(self.routing_columns(block, draft_probs, confidence, start,
+                                                                    end)).tolist())
+
+    def read_contexts(self, rows: list[list[float]]) -> list[RoutingContext]:
+        """The routing contexts of the rows of :func:`pack_columns` as read on the host (:attr:`routing_fields`:
+        names, widths and types of its columns)."""
+        contexts = []
+        for row in rows:
+            values, at = {}, 0
+            for name, width, cast in self.routing_fields:
+                values[name] = cast(row[at]) if width == 1 else tuple(map(cast, row[at:at + width]))
+                at += width
+            contexts.append(RoutingContext(block_size=self.sub_block_size, **values))
+        return contexts
+
+    def routing_columns(self, block: BlockState, draft_probs: torch.Tensor | None, confidence: torch.Tensor,
+                        start: torch.Tensor, end: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Numbers Algorithm 4 needs, per row, as device tensors (no host read): the span C_t, |M_t|, the
+        decodable positions; the score (Eq. 5-6) and entropies only when the policy uses them; the UCB buckets.
 
         With sub-blocks, everything is counted in the current sub-block (S2D2 §5 on Fast-dLLM v2: N_hi, |M_t|,
         the UCB span and progress bins relative to the sub-block size).
+
+        Returns:
+            `dict` of :attr:`routing_fields`' names, in their order, to `(N,)` (the UCB bucket `(N, 3)`) tensors.
         """
-        cfg, masked, policy, unit = self.config, self.decodable(block), self.policies[0], self.sub_block_size
+        cfg, masked, policy, unit = self.config, self.decodable(block), self.routing_needs, self.sub_block_size
         span = (block.offsets >= start[:, None]) & (block.offsets < end[:, None])      # (N, B)
         decodable = block.num_masks if unit == self.block_size else \
             (self.current_sub_block(block) & ~block.fixed).sum(dim=1)
@@ -307,18 +348,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
                                                         columns["mean_normalized_entropy"], unit, policy.bins,
                                                         counts_prompt_tail=policy.counts_prompt_tail,
                                                         num_decodable=columns["num_decodable"])  # (N, 3)
-        # One device-to-host copy per step: the columns packed as float64 (exact for counts and for float32 values).
-        layout, width = [], 0
-        for name, value in columns.items():
-            n = 1 if value.dim() == 1 else value.shape[1]
-            layout.append((name, slice(width, width + n), value.dim() == 1,
-                           float if value.is_floating_point() else int))
-            width += n
-        packed = torch.cat([v.reshape(v.shape[0], -1).double() for v in columns.values()], dim=1).tolist()
-        return [RoutingContext(block_size=unit, **{
-                    name: cast(row[cols][0]) if scalar else tuple(map(cast, row[cols]))
-                    for name, cols, scalar, cast in layout})
-                for row in packed]
+        return columns
 
     def verify_spans(self, block: BlockState, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
                      start: torch.Tensor, end: torch.Tensor, decisions: list[bool], first_start: int,
@@ -338,21 +368,11 @@ class S2D2Strategy(BlockDiffusionStrategy):
         """
         s, B = self.session, self.block_size
         first, last = (first_start, last_end) if self.narrow_verifier else (0, B)
-        filled = torch.where(block.masked, draft_tokens, block.tokens)[:, :last]
-        positions = block.positions[:, :last]
-        keep = last - first
-        if s.target.alignment == "position":       # Eq. 3: read the MASK copies
-            ids = torch.cat([filled, torch.full_like(filled[:, first:], s.mask_token_id)], dim=1)
-            positions = torch.cat([positions, positions[:, first:]], dim=1)
-            intra = self._verify_masks.get((last, first))
-            if intra is None:
-                intra = self._verify_masks[last, first] = verifier_2l_mask(last, ids.device, span_start=first)
-        else:                                      # right shift: row r - 1 of a causal pass predicts r
-            ids, intra = filled, causal_mask(last, filled.device)
-        logits = s.target.forward(ids, positions, intra, kind="verify", logits_to_keep=keep, rows=decisions)
-        rows = torch.tensor([i for i, d in enumerate(decisions) if d], device=filled.device)     # (M,)
+        ids, positions, intra = self.verifier_query(block, draft_tokens, first, last)
+        logits = s.target.forward(ids, positions, intra, kind="verify", logits_to_keep=last - first, rows=decisions)
+        rows = torch.tensor([i for i, d in enumerate(decisions) if d], device=ids.device)        # (M,)
         lengths = (end - start)[rows]
-        idx = (start[rows, None] + torch.arange(width, device=rows.device)[None]).clamp(max=last - 1)  # (M, L)
+        idx = span_index(start[rows], width, last)                                         # (M, L)
         span_tokens = draft_tokens[rows].gather(1, idx)
         target_logits = logits[rows[:, None], idx - first]                                 # (M, L, V)
         if self.acceptance == "greedy_match":       # the argmax only: no softmax over the vocabulary
@@ -364,16 +384,41 @@ class S2D2Strategy(BlockDiffusionStrategy):
                                       gamma=self.config.ssd_ratio_tempering_factor,
                                       allow_resample=self.config.allow_resample,
                                       generator=rows_of(s.sampler.generator, rows))
-        # Commit each row's tokens at block positions start .. start + num_tokens - 1.
-        relative = block.offsets - start[rows, None]                                      # (M, B)
-        write = (relative >= 0) & (relative < result.num_tokens[:, None])
-        committed_ids = result.token_ids.gather(1, relative.clamp(0, result.token_ids.shape[1] - 1))
+        write, committed_ids = span_writes(result, start[rows], B)                         # (M, B)
         block.tokens[rows] = torch.where(write, committed_ids, block.tokens[rows])
         block.undecided[rows] = block.undecided[rows] & ~write
         self.observe_verification(rows, lengths, result, width)
         committed = torch.zeros_like(block.start)
         committed[rows] = result.num_tokens
         return committed
+
+    def verifier_query(self, block: BlockState, draft_tokens: torch.Tensor, first: int,
+                       last: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The verifier forward's query over `x~` (every mask of `block` filled by its draft `(N, B)`) up to block
+        position `last`: position-aligned, `[x~[:last] | MASK copies of first..last-1]` with their positions and
+        the Eq. 3 mask; right-shifted, `x~[:last]` under a causal mask (row r - 1 predicts r).
+
+        Returns:
+            `(ids, positions, intra)`: `(N, q)`, `(N, q)` and `(q, q)` bool, q = `2 * last - first` or `last`.
+        """
+        s = self.session
+        filled = torch.where(block.masked, draft_tokens, block.tokens)[:, :last]
+        positions = block.positions[:, :last]
+        if s.target.alignment == "position":       # Eq. 3: read the MASK copies
+            ids = torch.cat([filled, torch.full_like(filled[:, first:], s.mask_token_id)], dim=1)
+            return ids, torch.cat([positions, positions[:, first:]], dim=1), self.verifier_mask(last, first,
+                                                                                                 ids.device)
+        return filled, positions, causal_mask(last, filled.device)
+
+    def verifier_mask(self, last: int, first: int, device: torch.device) -> torch.Tensor:
+        """:func:`~hf_dllm_spec.maths.masks.verifier_2l_mask` `(last, span_start=first)`, kept per `(last, first)`
+        (built in the graph inside a compiled step, where the cache would be Python state)."""
+        if torch.compiler.is_compiling():
+            return verifier_2l_mask(last, device, span_start=first)
+        mask = self._verify_masks.get((last, first))
+        if mask is None:
+            mask = self._verify_masks[last, first] = verifier_2l_mask(last, device, span_start=first)
+        return mask
 
     def observe_verification(self, rows: torch.Tensor, lengths: torch.Tensor, result, width: int) -> None:
         """Add the verification counters of the verifying `rows` to the per-row statistics (on the device;
@@ -383,3 +428,203 @@ class S2D2Strategy(BlockDiffusionStrategy):
         # allow_resample=False commits the rejected draft itself: a fallback token, not a recovered one.
         stats.accumulate("num_fallback_tokens",
                          (result.num_tokens - result.num_accepted) * ~(result.recovered | result.bonus), rows)
+
+    # -- the step as compiled functions (runtime/step.py) -------------------------------------------------------
+    #: S2D2's own methods its compiled step runs (with the block-diffusion ones it runs, see
+    #: :meth:`runs_compiled_step`); a subclass that overrides one of them runs the eager step.
+    COMPILED_S2D2_METHODS = ("denoise_step", "routing_columns", "read_contexts", "verifier_query", "verifier_mask",
+                             "compiled_denoise")
+
+    def runs_compiled_step(self) -> bool:
+        """Whether each denoising step runs as compiled functions (:func:`s2d2_draft_step`, then
+        :func:`s2d2_verify_step` when a row verifies, through `StaticModelRunner.run_step`): the static runtime
+        with `compile_config` on a position-aligned model, greedy with greedy_match acceptance, any routing policy,
+        `low_confidence_dynamic` / `low_confidence_static` fallback, whole blocks, fused cache writes (`cache_ver`
+        and `draft_ver` allowed), no editing, no streamer, a subclass that keeps the step's methods. Else the eager
+        step. Called by the block-diffusion constructor (config and session only)."""
+        s, cfg = self.session, self.config
+        return (getattr(s.target, "runs_compiled_steps", False) and not s.sampler.do_sample
+                and cfg.s2d2_acceptance in (None, "greedy_match")
+                and type(s.sampler.logits_processor) in (LogitsProcessorList, list)
+                and cfg.remasking_strategy in ("low_confidence_dynamic", "low_confidence_static")
+                and self.sub_block_size == self.block_size and cfg.fuse_cache_write and self.edit_rule is None
+                and self.num_to_transfer is None and not self.first_from_carry and s.stream is None
+                and all(getattr(type(self), name) is getattr(BlockDiffusionStrategy, name)
+                        for name in BlockDiffusionStrategy.COMPILED_STEP_METHODS if name != "denoise_step")
+                and all(getattr(type(self), name) is getattr(S2D2Strategy, name)
+                        for name in self.COMPILED_S2D2_METHODS))
+
+    @property
+    def step_key(self) -> tuple:
+        """What S2D2's compiled steps specialise on besides their shapes: the fallback rule, the caching masks and
+        the routing parameters."""
+        cfg = self.config
+        return (*super().step_key, "s2d2", cfg.cache_ver, cfg.draft_ver, self.ucb_counts_prompt_tail,
+                *(getattr(cfg, name) for name in ROUTING_PARAMETERS))
+
+    def compiled_denoise(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, list, tuple]:
+        """Algorithm 3, one step for every row, as compiled functions: :func:`s2d2_draft_step` (the draft forward,
+        storing `pending`, and the fallback commits of every row), the policies' decisions on the host from its
+        read, then :func:`s2d2_verify_step` (the verifier forward) only when some row verifies; updates `block`
+        and the counters as the eager step does.
+
+        Returns:
+            `(done, read, advanced)` as :meth:`BlockDiffusionStrategy.compiled_denoise`: `(N,)` bool; per row
+            `[done, num_fixed, *block tokens]`; the next blocks for :meth:`take_next_blocks`.
+        """
+        s, B = self.session, self.block_size
+        stats = [s.stats.row(i) for i in range(block.tokens.shape[0])]
+        for row in stats:
+            row.num_denoising_steps += 1
+        if not self.config.draft_ver:
+            self.draft_mask(block)                        # built once, outside the compiled code
+        before = (block.tokens, block.undecided, block.start, block.num_fixed, block.step)
+        tokens, undecided, step, done, read, *advanced, draft_tokens, start, end = s.target.run_step(
+            s2d2_draft_step, self, ("draft", *self.step_key),
+            (*before, *(pending if pending is not None else (None, None, None))), q=B if pending is None else 2 * B,
+            store_len=0 if pending is None else B, logits_to_keep=B, kind="draft")
+        values = read.tolist()                            # the draft forward's one read
+        rows = [[int(v) for v in row[:2 + B]] for row in values]
+        committed = [int(row[2 + B]) for row in values]
+        contexts = self.read_contexts([row[3 + B:] for row in values])
+        routed = [ctx.span_length > 0 for ctx in contexts]
+        decisions = [r and policy.decide(ctx) for policy, ctx, r in zip(self.policies, contexts, routed)]
+        if any(decisions):
+            verify = torch.tensor(decisions, device=block.tokens.device)
+            tokens, undecided, step, done, read, *advanced = s.target.run_step(
+                s2d2_verify_step, self, ("verify", *self.step_key),
+                (*before, draft_tokens, start, end, verify, tokens, undecided), q=2 * B, store_len=0,
+                logits_to_keep=B, kind="verify", rows=decisions)
+            for i, row in enumerate(read.tolist()):       # the verifier forward's one read
+                rows[i] = row[:2 + B]
+                if decisions[i]:
+                    num_tokens, accepted, recovered, bonus = row[2 + B:]
+                    stats[i].observe_verification(contexts[i].span_length, accepted, bool(recovered), bool(bonus))
+                    stats[i].num_fallback_tokens += (num_tokens - accepted) * (not (recovered or bonus))
+                    committed[i] = num_tokens
+        for row, count, decided in zip(stats, committed, decisions):
+            if not decided:
+                row.num_fallback_tokens += count
+        if any(policy.needs_feedback for policy in self.policies):
+            for policy, count, decided, r in zip(self.policies, committed, decisions, routed):
+                if r:
+                    policy.observe(count, decided)
+        block.tokens, block.undecided, block.step = tokens, undecided, step
+        return done, rows, tuple(advanced)
+
+
+#: The S2D2 parameters that shape a step (its compiled steps' key).
+ROUTING_PARAMETERS = ("do_verify_policy", "min_ssd_span_length", "do_verify_score_threshold", "do_verify_score_type",
+                      "score_penalty_coef", "hysteresis_threshold_on", "hysteresis_threshold_off",
+                      "token_acceptance_estimator", "ssd_confidence_margin_threshold", "ssd_entropy_temperature",
+                      "ssd_entropy_threshold", "ssd_confidence_power", "ssd_confidence_margin_coef", "ucb_beta",
+                      "ucb_span_length_bins", "ucb_block_progress_bins", "ucb_entropy_bins", "ucb_entropy_source",
+                      "s2d2_acceptance")
+
+
+def pack_columns(columns: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-row columns `(N,)` / `(N, k)` side by side as one `(N, K)` float64 tensor, so the host reads them in one
+    copy (exact for counts and token ids below 2**53 and for float32 values)."""
+    return torch.cat([value.reshape(value.shape[0], -1).double() for value in columns.values()], dim=1)
+
+
+def span_index(start: torch.Tensor, width: int, end: int) -> torch.Tensor:
+    """`(N, width)` int64 block positions `start .. start + width - 1` of each row's span, clamped below `end`
+    (positions past a row's span are never read)."""
+    return (start[:, None] + torch.arange(width, device=start.device)[None]).clamp(max=end - 1)
+
+
+def step_outputs(block: BlockState, tokens: torch.Tensor, undecided: torch.Tensor,
+                 counters: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What an S2D2 compiled step returns after its commits: the block's new `tokens` / `undecided` `(N, B)`, the
+    steps taken, the finished rows, the step's read (:func:`~hf_dllm_spec.strategies.block_diffusion.step_read`
+    then `counters` `(N, k)`), the next blocks (every :attr:`BlockState.FIELDS`, finished blocks restarted) and this
+    step's block positions."""
+    done = ~undecided.any(dim=1)
+    step = block.step + 1
+    read = torch.cat([step_read(done, block.num_fixed, tokens), counters.to(tokens.dtype)], dim=1)
+    after = BlockState(tokens.clone(), undecided.clone(), block.start.clone(), block.num_fixed.clone(), step.clone(),
+                       torch.zeros_like(step), block.mask_token_id)
+    after.restart(done)
+    return (tokens, undecided, step, done, read, *(getattr(after, name) for name in BlockState.FIELDS),
+            block.positions)
+
+
+def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
+                    undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
+                    pending_tokens: torch.Tensor | None = None, pending_positions: torch.Tensor | None = None,
+                    pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """The first half of one S2D2 step (Algorithm 3) as a function of tensors, what `StaticModelRunner.run_step`
+    compiles: the draft forward of each row's block (storing the pending finished blocks first), the draft
+    (:meth:`~S2D2Strategy.propose`), the span C_t and the routing numbers (:meth:`~S2D2Strategy.routing_columns`),
+    and every row's commits by the block-diffusion rule as if no row verified, with its done flags, read and next
+    blocks: the whole step when no policy verifies. Nothing here reads the host or changes Python state.
+
+    Args:
+        strategy (`S2D2Strategy`), runner (`StaticModelRunner`), shape (`tuple`), lengths (`(N,)`): as
+            :func:`~hf_dllm_spec.strategies.block_diffusion.greedy_denoising_step`.
+        tokens, undecided, start, num_fixed, step: the :class:`BlockState` fields, `(N, B)` / `(N,)`.
+        pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
+            None.
+
+    Returns:
+        `(lengths, tokens, undecided, step, done, read, *next, positions, draft_tokens, span_start, span_end)`:
+        :func:`step_outputs` of the rule's commits, whose read `(N, 3 + B + K)` float64 has the committed count and
+        then the :func:`pack_columns` of the routing columns after the block's tokens; the drafts `(N, B)` and
+        C_t `[span_start, span_end)` `(N,)` for :func:`s2d2_verify_step`.
+    """
+    block = BlockState(tokens, undecided, start, num_fixed, step, torch.zeros_like(step),
+                       strategy.session.mask_token_id)
+    pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
+    ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
+                                                                          strategy.draft_mask(block), pending)
+    logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
+                                          store_valid=store_valid, logits_to_keep=strategy.block_size)
+    draft_probs, draft_tokens, confidence = strategy.propose(logits)
+    span_start, span_end = first_masked_span(block.masked)
+    columns = strategy.routing_columns(block, draft_probs, confidence, span_start, span_end)
+    transfer = strategy.transfer(block, draft_probs, confidence)            # the fallback, every row
+    out = step_outputs(block, torch.where(transfer, draft_tokens, tokens), undecided & ~transfer,
+                       transfer.sum(dim=1, keepdim=True))
+    return (lengths, *out[:4], torch.cat([out[4].double(), pack_columns(columns)], dim=1), *out[5:], draft_tokens,
+            span_start, span_end)
+
+
+def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
+                     undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
+                     draft_tokens: torch.Tensor, span_start: torch.Tensor, span_end: torch.Tensor,
+                     verify: torch.Tensor, fallback_tokens: torch.Tensor,
+                     fallback_undecided: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The second half of one S2D2 step, run when some row verifies: the verifier forward over `x~` (the full
+    `[x~ | MASK x B]` layout with the Eq. 3 mask, read-only), greedy_match of each row's drafted span C_t against
+    the verifier's argmax, and the commits of the verifying rows (accepted prefix, then the verifier's token at
+    the first mismatch); the other rows keep :func:`s2d2_draft_step`'s commits. A function of tensors, what
+    `StaticModelRunner.run_step` compiles.
+
+    Args:
+        tokens, undecided, start, num_fixed, step: the block before this step, as :func:`s2d2_draft_step` got it.
+        draft_tokens (`(N, B)`), span_start, span_end (`(N,)`): from :func:`s2d2_draft_step`.
+        verify (`(N,)` bool): the rows whose policy verifies.
+        fallback_tokens, fallback_undecided (`(N, B)`): the block after :func:`s2d2_draft_step`'s commits.
+
+    Returns:
+        `(lengths, tokens, undecided, step, done, read, *next, positions)`: :func:`step_outputs`, whose read
+        `(N, 6 + B)` int64 ends with each row's committed tokens, accepted drafts, and whether the last committed
+        token was recovered or a bonus (greedy_match: never a bonus).
+    """
+    B = strategy.block_size
+    block = BlockState(tokens, undecided, start, num_fixed, step, torch.zeros_like(step),
+                       strategy.session.mask_token_id)
+    ids, positions, intra = strategy.verifier_query(block, draft_tokens, 0, B)
+    logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, logits_to_keep=B)
+    idx = span_index(span_start, B, B)                                                      # (N, B)
+    target_logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))       # (N, B, V)
+    result = greedy_match(draft_tokens.gather(1, idx), strategy.session.sampler.scores(target_logits),
+                          num_drafts=span_end - span_start)
+    write, committed = span_writes(result, span_start, B)
+    write = write & verify[:, None]
+    rows = verify[:, None]
+    counters = torch.stack([result.num_tokens, result.num_accepted, result.recovered.long(), result.bonus.long()],
+                           dim=1)
+    return (lengths, *step_outputs(block, torch.where(write, committed, torch.where(rows, tokens, fallback_tokens)),
+                                   torch.where(rows, undecided & ~write, fallback_undecided), counters))

@@ -1,0 +1,176 @@
+"""S2D2's denoising step as compiled functions (issue 34, phase 2): under `cache_implementation="static"` with a
+`compile_config`, greedy S2D2 (greedy_match acceptance) on a position-aligned model runs each step as one compiled
+draft step (draft forward, routing numbers, the rule's commits as if no row verified) and, when a policy verifies,
+one compiled verify step (verifier forward, greedy_match, the verifying rows' commits), each with one host read.
+
+Checked on the CPU with the bundled sdar-tiny-arith: the eager runtime's tokens and per-row counters for every
+routing policy (batch 1 and a left-padded batch of 2 whose rows stop at different steps), fullgraph (a graph break
+raises), one graph per key over a 64-token call and a second call, at most one host read per forward, and the
+cases the compiled step does not serve on the eager step. Dynamo's "eager" backend (the trace and its guards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from hf_dllm_spec.runtime.runner import ModelRunner
+from hf_dllm_spec.runtime.static import StaticModelRunner, clear_static_state, static_states
+from hf_dllm_spec.runtime.syncs import count_host_syncs
+from hf_dllm_spec.strategies import s2d2
+from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
+
+TIMES = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s", "warmup_time_s", "runtime"}
+PROMPTS = ["12+7=", "3*4+25="]
+#: The main job's S2D2 row (benchmarks/host_work.py): AR-like caching and drafting masks, threshold 0.9.
+MAIN_JOB = dict(min_ssd_span_length=1, cache_ver=True, draft_ver=True, confidence_threshold=0.9)
+POLICIES = {
+    "span-1": MAIN_JOB,
+    "span-2": dict(min_ssd_span_length=2),             # rows verify at some steps and fall back at others
+    "score": dict(do_verify_policy="score_threshold", do_verify_score_threshold=0.5,
+                  token_acceptance_estimator="soft_entropy_negexp"),
+    "hysteresis": dict(do_verify_policy="score_hysteresis", hysteresis_threshold_on=1.0,
+                       hysteresis_threshold_off=0.5),
+    "ucb": dict(do_verify_policy="contextual_bandit_ucb"),
+}
+
+
+@pytest.fixture(scope="module")
+def arith():
+    tokenizer, model = load(ROOT / "models" / "sdar-tiny-arith")
+    tokenizer.padding_side = "left"
+    return tokenizer, model
+
+
+@pytest.fixture(autouse=True)
+def as_users_run_it(monkeypatch, one_thread):
+    """Layout checks off (the suite turns them on; they read the device every storing forward, so a compiled step
+    is not used with them)."""
+    monkeypatch.setattr(ModelRunner, "check_layouts", False)
+
+
+def compile_config() -> CompileConfig:
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True                 # transformers compiles on the CPU only when told
+    return config
+
+
+def generate(arith, prompts, compiled: bool, **kwargs):
+    tokenizer, model = arith
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    static = dict(cache_implementation="static", compile_config=compile_config()) if compiled else {}
+    return model.generate(enc.input_ids, attention_mask=enc.attention_mask, return_dict_in_generate=True,
+                          **{"decoding_strategy": "s2d2", "max_new_tokens": 16, **static, **kwargs})
+
+
+def counters(stats) -> dict:
+    return {f.name: getattr(stats, f.name) for f in fields(stats) if f.name not in TIMES}
+
+
+def assert_same(eager, compiled) -> None:
+    assert compiled.sequences.tolist() == eager.sequences.tolist()
+    for a, b in zip(eager.spec_stats_per_row, compiled.spec_stats_per_row):
+        assert counters(b) == counters(a)
+    assert compiled.spec_stats.num_forward_calls == eager.spec_stats.num_forward_calls
+
+
+def s2d2_keys(model) -> list[tuple]:
+    return [key for state in static_states(model) for key in state.steps.keys if key[0] in ("draft", "verify")]
+
+
+def one_graph_each(model) -> bool:
+    return all(state.steps.graphs(key) == 1 for state in static_states(model) for key in state.steps.keys)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_tokens_and_counters_equal_the_eager_runtime(arith, policy):
+    """A left-padded batch of 2 whose second row stops early (a stop id it generates), so the steps run at 2 and
+    then 1 rows: tokens and every per-row counter (forwards by kind, drafts, accepted, recovered, fallback tokens,
+    per-position acceptance) equal the eager runtime's; both compiled steps ran."""
+    params = POLICIES[policy]
+    eager = generate(arith, PROMPTS, False, **params)
+    prompt_width = eager.sequences.shape[1] - 16
+    stop = eager.sequences[1, prompt_width + 5].item()
+    eager = generate(arith, PROMPTS, False, eos_token_id=stop, **params)
+    compiled = generate(arith, PROMPTS, True, eos_token_id=stop, **params)
+    assert_same(eager, compiled)
+    assert compiled.spec_stats.num_verify_forwards > 0
+    keys = s2d2_keys(arith[1])
+    assert {key[0] for key in keys} == {"draft", "verify"}
+    assert one_graph_each(arith[1])
+    if policy == "span-2":
+        assert compiled.spec_stats.num_fallback_tokens > 0
+
+
+def test_batch_of_one_equals_the_eager_runtime(arith):
+    assert_same(generate(arith, PROMPTS[1:], False, **MAIN_JOB), generate(arith, PROMPTS[1:], True, **MAIN_JOB))
+
+
+def test_one_graph_per_key_over_a_64_token_call(arith):
+    """A 64-token call: each key (draft with and without a pending block, verify; per attended prefix) compiled
+    once, fullgraph; a second call of new strategy and runner objects reuses them all."""
+    clear_static_state(arith[1])
+    first = generate(arith, PROMPTS[:1], True, max_new_tokens=64, eos_token_id=None, **MAIN_JOB)
+    keys = s2d2_keys(arith[1])
+    assert {key[0] for key in keys} == {"draft", "verify"} and one_graph_each(arith[1])
+    second = generate(arith, PROMPTS[:1], True, max_new_tokens=64, eos_token_id=None, **MAIN_JOB)
+    assert s2d2_keys(arith[1]) == keys and one_graph_each(arith[1])
+    assert second.sequences.tolist() == first.sequences.tolist()
+    stats = first.spec_stats
+    assert stats.num_forward_calls == 1 + stats.num_draft_forwards + stats.num_verify_forwards
+
+
+def test_a_graph_break_in_the_step_raises(arith, monkeypatch):
+    """fullgraph=True: a graph break in the S2D2 step's maths (here in C_t) raises instead of running slowly."""
+    span = s2d2.first_masked_span
+
+    def breaking(masked):
+        torch._dynamo.graph_break()
+        return span(masked)
+
+    monkeypatch.setattr(s2d2, "first_masked_span", breaking)
+    clear_static_state(arith[1])
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        generate(arith, PROMPTS[:1], True, max_new_tokens=4)
+    clear_static_state(arith[1])
+
+
+def test_at_most_one_host_read_per_forward(arith, monkeypatch):
+    """Batch 1, every routing decision: between the first and the last compiled call the loop reads the device at
+    most once per forward (the draft step's read, and the verify step's when a row verifies). Inside the compiled
+    steps nothing reads it (fullgraph), and the counter is paused there (dynamo would trace into it)."""
+    before = []
+    run = StaticModelRunner.run_step
+    syncs = None
+
+    def counted(self, *args, **kwargs):
+        if syncs is None:
+            return run(self, *args, **kwargs)
+        before.append(syncs.total)
+        syncs.__exit__(None, None, None)
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            syncs.__enter__()
+
+    monkeypatch.setattr(StaticModelRunner, "run_step", counted)
+    params = dict(max_new_tokens=24, eos_token_id=None, **POLICIES["span-2"])
+    generate(arith, PROMPTS[:1], True, **params)
+    with count_host_syncs() as syncs:
+        out = generate(arith, PROMPTS[:1], True, **params)
+    assert out.spec_stats.num_verify_forwards > 0 and len(before) > 4
+    assert (before[-1] - before[0]) / (len(before) - 1) <= 1.0, syncs.by_site.most_common(4)
+    assert one_graph_each(arith[1])
+
+
+@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(sub_block_size=2),
+                                    dict(fuse_cache_write=False)])
+def test_other_cases_run_the_eager_step(arith, params, monkeypatch):
+    """Sampling (stochastic acceptance), sub-blocks, separate cache writes: today's eager S2D2 step."""
+    monkeypatch.setattr(s2d2, "s2d2_draft_step", None)                      # would fail if called
+    clear_static_state(arith[1])
+    generate(arith, PROMPTS[:1], True, max_new_tokens=8, generator=torch.Generator().manual_seed(0), **params)
+    assert s2d2_keys(arith[1]) == []
