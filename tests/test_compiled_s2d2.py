@@ -11,6 +11,7 @@ cases the compiled step does not serve on the eager step. Dynamo's "eager" backe
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import fields
 
 import pytest
@@ -52,16 +53,18 @@ def as_users_run_it(monkeypatch, one_thread):
     monkeypatch.setattr(ModelRunner, "check_layouts", False)
 
 
-def compile_config() -> CompileConfig:
-    config = CompileConfig(backend="eager")
+def compile_config(backend: str = "eager") -> CompileConfig:
+    config = CompileConfig(backend=backend, mode=None if backend == "eager" else "default")
     config._compile_all_devices = True                 # transformers compiles on the CPU only when told
     return config
 
 
-def generate(arith, prompts, compiled: bool, **kwargs):
+def generate(arith, prompts, compiled: bool | str, **kwargs):
+    """`compiled`: False (the eager runtime), True (dynamo's "eager" backend) or a backend's name."""
     tokenizer, model = arith
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    static = dict(cache_implementation="static", compile_config=compile_config()) if compiled else {}
+    backend = compiled if isinstance(compiled, str) else "eager"
+    static = dict(cache_implementation="static", compile_config=compile_config(backend)) if compiled else {}
     return model.generate(enc.input_ids, attention_mask=enc.attention_mask, return_dict_in_generate=True,
                           **{"decoding_strategy": "s2d2", "max_new_tokens": 16, **static, **kwargs})
 
@@ -174,3 +177,15 @@ def test_other_cases_run_the_eager_step(arith, params, monkeypatch):
     clear_static_state(arith[1])
     generate(arith, PROMPTS[:1], True, max_new_tokens=8, generator=torch.Generator().manual_seed(0), **params)
     assert s2d2_keys(arith[1]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
+                    reason="torch.compile (inductor) needs a C++ compiler on the CPU")
+def test_inductor_compiled_steps_give_the_eager_tokens(arith):
+    """Inductor (transformers' default backend), the main job's S2D2 row, a left-padded batch of 2: the eager
+    runtime's tokens and counters."""
+    clear_static_state(arith[1])
+    assert_same(generate(arith, PROMPTS, False, **MAIN_JOB), generate(arith, PROMPTS, "inductor", **MAIN_JOB))
+    assert {key[0] for key in s2d2_keys(arith[1])} == {"draft", "verify"}
+    clear_static_state(arith[1])
