@@ -1,11 +1,15 @@
-"""One decoding step, one compiled function (issue 34, phase 1): under `cache_implementation="static"` with a
-`compile_config`, greedy block diffusion (`low_confidence_dynamic` / `_static`, whole blocks, fused cache writes,
-and AR, which inherits the step) runs each denoising step (the static runner's forward, the argmax and confidence,
-the commit rule, the done flags, the step's read) as one `torch.compile(fullgraph=True)` function.
+"""One decoding step, one compiled function (issue 34): under `cache_implementation="static"` with a
+`compile_config`, block diffusion (every remasking rule, whole blocks or sub-blocks, fused cache writes; AR, which
+inherits the step; LLaDA2.1 token editing and `num_to_transfer`), greedy or sampled with transformers' warpers, runs
+each denoising step (the static runner's forward, the proposal, edits and commits, the done flags, the step's read)
+as one `torch.compile(fullgraph=True)` function. Sampling draws its noise before the step, as `torch.multinomial`
+would (`categorical_from_noise`), so seeded runs give the eager tokens.
 
-Checked on the CPU: the step compiles without a graph break (fullgraph), one graph per key and no recompilation over
-a 64-token call and a second call, the eager runtime's tokens and counters (batches with left padding, rows that
-finish at different steps and leave the batch), one host read per step, and every other case on today's path.
+Checked on the CPU: the noise draw equals `torch.multinomial` (tokens, generator states, distribution) for a shared
+generator and per-row generators; the step compiles without a graph break (fullgraph), one graph per key and no
+recompilation over a 64-token call and a second call, the eager runtime's tokens and per-row counters (greedy and
+seeded, shared and per-row generators, batches with left padding, rows that finish at different steps and leave
+the batch), one host read per step, and every other case on today's path.
 Most tests compile with dynamo's "eager" backend (the trace and its guards, fast); one slow test runs inductor.
 """
 
@@ -18,7 +22,8 @@ import pytest
 import torch
 from transformers import CompileConfig
 
-from hf_dllm_spec.maths.sampling import Sampler
+from hf_dllm_spec.maths.sampling import (RowGenerators, Sampler, categorical_from_noise, draw_categorical,
+                                         draw_exponential)
 from hf_dllm_spec.runtime.runner import ModelRunner
 from hf_dllm_spec.runtime.static import StaticModelRunner, clear_static_state, static_states
 from hf_dllm_spec.runtime.step import compile_options
@@ -28,6 +33,7 @@ from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
 
 TIMES = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s", "warmup_time_s", "runtime"}
 PROMPTS = [[5, 17, 42, 8, 9], [7, 3], [11, 12, 13, 14, 15, 16, 2]]
+SAMPLED = dict(do_sample=True, temperature=1.5, top_k=20, top_p=0.95)
 
 
 @pytest.fixture(autouse=True)
@@ -72,24 +78,81 @@ def step_keys(model) -> list[tuple]:
     return [key for state in static_states(model) for key in state.steps.keys]
 
 
+def seeded(params: dict, rows: int) -> dict:
+    """`params` with fresh seeded generators: `generator="shared"` one for the batch, `"rows"` one per row."""
+    kind = params.get("generator")
+    if kind == "shared":
+        return {**params, "generator": torch.Generator().manual_seed(1234)}
+    if kind == "rows":
+        return {**params, "generator": [torch.Generator().manual_seed(100 + r) for r in range(rows)]}
+    return params
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_noise_draw_equals_multinomial(per_row):
+    """`draw_exponential` + `categorical_from_noise` give `draw_categorical`'s tokens (`torch.multinomial`) and
+    leave each generator where the multinomial leaves it, for a shared generator and per-row generators; only the
+    first `rows` rows of a larger buffer are drawn."""
+    probs = torch.softmax(2 * torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
+    probs[..., 7] = 0.0                                                     # a suppressed id is never drawn
+    probs = probs / probs.sum(-1, keepdim=True)
+
+    def make():
+        if per_row:
+            return RowGenerators([torch.Generator().manual_seed(10 + r) for r in range(3)])
+        return torch.Generator().manual_seed(10)
+
+    eager, ahead = make(), make()
+    buffer = torch.full((4, 4, 50), 7.0)                                    # a padded step buffer
+    noise = draw_exponential(buffer, ahead, rows=3)
+    assert (buffer[3] == 7.0).all()                                         # padding rows untouched
+    tokens = categorical_from_noise(probs, noise[:3])
+    for _ in range(3):                                                      # the next draws stay aligned
+        assert torch.equal(tokens, draw_categorical(probs, eager))
+        tokens = categorical_from_noise(probs, draw_exponential(buffer, ahead, rows=3)[:3])
+    assert not (tokens == 7).any()
+    sampler = Sampler([], do_sample=True, suppress_token_ids=[], generator=make())
+    twin = Sampler([], do_sample=True, suppress_token_ids=[], generator=make())
+    chosen, confidence = sampler.choose(probs)
+    assert [t.tolist() for t in twin.choose(probs, noise=twin.draw_noise(torch.empty(3, 4, 50), 3))] == \
+        [chosen.tolist(), confidence.tolist()]
+
+
+def test_noise_draw_has_the_distribution():
+    """Distribution level: 40000 draws of one distribution through the noise path match it (each frequency within
+    4 standard errors), as `torch.multinomial`'s do."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03, 0.0])
+    n = 40000
+    generator = torch.Generator().manual_seed(3)
+    noise = draw_exponential(torch.empty(n, 6), generator)
+    counts = torch.bincount(categorical_from_noise(probs.expand(n, 6), noise), minlength=6).double()
+    reference = torch.bincount(torch.multinomial(probs.expand(n, 6), 1, generator=torch.Generator().manual_seed(3))
+                               [:, 0], minlength=6).double()
+    assert torch.equal(counts, reference)
+    error = 4 * torch.sqrt(probs * (1 - probs) / n)
+    assert ((counts / n - probs).abs() <= error + 1e-12).all(), counts / n
+
+
 def test_compile_options_force_fullgraph():
     options = compile_options(CompileConfig(fullgraph=False, mode="default", dynamic=False))
     assert options == {"backend": "inductor", "mode": "default", "dynamic": False, "fullgraph": True}
 
 
-def test_the_step_compiles_in_one_graph_without_recompiling(sdar_model):
-    """A 64-token call: every step goes through a compiled step (fullgraph=True: a graph break raises), each key
-    compiled once (one dynamo cache entry); a second call of new strategy and runner objects reuses them all."""
+@pytest.mark.parametrize("params", [{}, dict(SAMPLED, generator="rows")])
+def test_the_step_compiles_in_one_graph_without_recompiling(sdar_model, params):
+    """A 64-token call, greedy and seeded: every step goes through a compiled step (fullgraph=True: a graph break
+    raises), each key compiled once (one dynamo cache entry); a second call of new strategy and runner objects
+    (and new generators seeded alike) reuses them all."""
     clear_static_state(sdar_model)
     config = compile_config()
     first = generate(sdar_model, PROMPTS[:1], max_new_tokens=64, cache_implementation="static",
-                     compile_config=config)
+                     compile_config=config, **seeded(params, 1))
     (state,) = static_states(sdar_model)
     keys = state.steps.keys
     assert len(keys) == 2 * len({key[-3] for key in keys})   # with and without a pending block, per prefix
     assert all(state.steps.graphs(key) == 1 for key in keys)
     second = generate(sdar_model, PROMPTS[:1], max_new_tokens=64, cache_implementation="static",
-                      compile_config=config)
+                      compile_config=config, **seeded(params, 1))
     assert state.steps.keys == keys and all(state.steps.graphs(key) == 1 for key in keys)
     assert second.sequences.tolist() == first.sequences.tolist()
     assert first.spec_stats.num_forward_calls == 1 + first.spec_stats.num_denoising_steps   # prefill + steps
@@ -114,21 +177,34 @@ def test_a_graph_break_in_the_step_raises(sdar_model, monkeypatch):
 
 @pytest.mark.parametrize("params", [dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5),
                                     dict(remasking_strategy="low_confidence_static", steps_per_block=2),
-                                    dict(decoding_strategy="ar", block_size=1, max_new_tokens=6)])
+                                    dict(decoding_strategy="ar", block_size=1, max_new_tokens=6),
+                                    dict(remasking_strategy="sequential", sub_block_size=2),
+                                    dict(remasking_strategy="entropy_bounded", eb_threshold=0.5),
+                                    dict(SAMPLED, generator="shared"),
+                                    dict(SAMPLED, remasking_strategy="low_confidence_static", generator="rows"),
+                                    dict(do_sample=True, min_p=0.05, typical_p=0.9, epsilon_cutoff=3e-4,
+                                         eta_cutoff=3e-4, sub_block_size=2, generator="rows")])
 def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, params):
     """A left-padded batch of 3 whose rows finish their blocks at different steps and leave the batch at different
     forwards (stop id), so the compiled step runs at 3, 2 and 1 rows (padded to 4, 2 and 1): tokens and every
-    counter equal the eager runtime's; batch 1 too."""
-    eager = generate(sdar_model, PROMPTS, **params)
+    per-row counter equal the eager runtime's, greedy and seeded (one generator for the batch, one per row; the
+    generators end where the eager ones end); batch 1 too."""
+    eager = generate(sdar_model, PROMPTS, **seeded(params, 3))
     stop = eager.sequences[1, -8].item()                      # a token row 1 generates: it stops early
-    eager = generate(sdar_model, PROMPTS, eos_token_id=stop, **params)
+    eager_params, compiled_params = seeded(params, 3), seeded(params, 3)
+    eager = generate(sdar_model, PROMPTS, eos_token_id=stop, **eager_params)
     compiled = generate(sdar_model, PROMPTS, eos_token_id=stop, cache_implementation="static",
-                        compile_config=compile_config(), **params)
+                        compile_config=compile_config(), **compiled_params)
     assert_same(eager, compiled)
-    assert {key[-6] for key in step_keys(sdar_model)} >= {1, 2, 4}      # rows buckets the steps ran at
+    if "generator" in params:                                 # the step drew what the eager step drew
+        generators = [eager_params["generator"], compiled_params["generator"]]
+        states = [[g.get_state() for g in (gs if isinstance(gs, list) else [gs])] for gs in generators]
+        assert all(torch.equal(a, b) for a, b in zip(*states))
+    keys = step_keys(sdar_model)
+    assert {key[-6] for key in keys} >= {1, 2, 4}             # rows buckets the steps ran at
     alone = generate(sdar_model, PROMPTS[2:], cache_implementation="static", compile_config=compile_config(),
-                     **params)
-    assert_same(generate(sdar_model, PROMPTS[2:], **params), alone)
+                     **seeded(params, 1))
+    assert_same(generate(sdar_model, PROMPTS[2:], **seeded(params, 1)), alone)
     assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
 
 
@@ -161,11 +237,11 @@ def test_one_host_read_per_step(sdar_model, monkeypatch):
     assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
 
 
-@pytest.mark.parametrize("params", [dict(remasking_strategy="sequential"), dict(do_sample=True, top_k=5),
-                                    dict(fuse_cache_write=False), dict(sub_block_size=2), dict(draft_ver=True)])
+@pytest.mark.parametrize("params", [dict(fuse_cache_write=False), dict(draft_ver=True), dict(cache_ver=True),
+                                    dict(do_sample=True, sequence_bias={(5,): 1.0})])
 def test_other_cases_run_the_eager_step(sdar_model, params, monkeypatch):
-    """Sampling, other rules, separate cache writes, sub-blocks, drafting masks: today's step, unchanged."""
-    monkeypatch.setattr(block_diffusion, "greedy_denoising_step", None)         # would fail if called
+    """Separate cache writes, drafting and caching masks, a processor outside the warpers: today's step."""
+    monkeypatch.setattr(block_diffusion, "denoising_step", None)         # would fail if called
     clear_static_state(sdar_model)
     torch.manual_seed(0)
     generate(sdar_model, PROMPTS[:1], max_new_tokens=8, cache_implementation="static",

@@ -10,7 +10,8 @@ blocking, minimum length, forced tokens, grammars) need a left context per posit
 when tokens are committed out of order; they raise `NotImplementedError` instead of being ignored.
 
 Randomness (`generate(..., generator=...)`): every random draw of a decoding goes through this module
-(:meth:`Sampler.choose`, :func:`draw_categorical`, :func:`draw_uniforms`), from one of two sources:
+(:meth:`Sampler.choose`, :func:`draw_categorical`, :func:`draw_uniforms`; :func:`draw_exponential` draws a
+token draw's noise beforehand, for a compiled step), from one of two sources:
 
 - one `torch.Generator` (or `None`: torch's global RNG) shared by the batch: each draw is one call over the whole
   batch, rows in order (the stream of earlier versions, unchanged);
@@ -198,6 +199,28 @@ class RowProcessors:
         return out
 
 
+def processors_key(processors: LogitsProcessorList) -> tuple:
+    """A hashable description of `processors`: per processor its class and its attributes' values (tensors as
+    tuples of their values; this reads them on the host). Two lists with equal descriptions process scores alike:
+    a compiled function that calls them specialises on exactly this."""
+    return tuple((type(proc).__qualname__, tuple(sorted((name, _hashable(v)) for name, v in vars(proc).items())))
+                 for proc in processors)
+
+
+def _hashable(value):
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype), tuple(value.shape), tuple(value.flatten().tolist())
+    if isinstance(value, dict):
+        return tuple(sorted((repr(k), _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
 #: The warpers transformers' `generate` adds for sampling, in its order (after every other processor).
 _WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
             EpsilonLogitsWarper, EtaLogitsWarper)
@@ -297,6 +320,51 @@ def draw_categorical(probs: torch.Tensor, generator: Generators, draw: torch.Ten
             else:
                 tokens[r, where[r]] = picked
     return tokens.reshape(probs.shape[:-1])
+
+
+def categorical_from_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One token per position from `probs` and exponential noise drawn beforehand: `argmax(probs / noise)`.
+
+    What `torch.multinomial(probs, 1, generator=g)` computes (ATen's one-sample path: exponential noise
+    `Exp(1)` of the shape of `probs`, drawn by `g`, then the argmax of the ratio; the exponential form of the
+    Gumbel-max trick), with the noise as an input: :func:`draw_exponential` draws it as :func:`draw_categorical`
+    would, so the tokens are the same and the generator advances the same, and the choice itself is a pure function
+    (a compiled step, no random state inside).
+
+    Args:
+        probs (`torch.Tensor` of shape `(..., V)`): a distribution per position.
+        noise (`torch.Tensor` of the same shape, float32): positive `Exp(1)` draws.
+
+    Returns:
+        `torch.Tensor` of shape `(...)`, int64.
+
+    Source: ATen `multinomial` (aten/src/ATen/native/Distributions.cpp, "the algorithm is from gumbel softmax").
+    """
+    return (probs / noise).argmax(dim=-1)
+
+
+def draw_exponential(noise: torch.Tensor, generator: Generators, rows: int | None = None) -> torch.Tensor:
+    """Fill the first `rows` rows of `noise` `(R, *S, V)` in place with `Exp(1)` draws, in the order and amount
+    :func:`draw_categorical` (with `draw=None`) would draw for a multinomial over `probs` of shape
+    `(rows, *S, V)` (:func:`categorical_from_noise` then gives its tokens): a shared generator (or None, torch's
+    global RNG) draws them in one call, row-major; per-row generators draw row r's `(*S, V)` from generator r.
+    The other rows are left as they are (padding rows of a fixed-shape buffer). `noise` must be contiguous,
+    float32 (the dtype of the probabilities) and on their device.
+
+    Returns:
+        `noise`.
+
+    Raises:
+        ValueError: if a `RowGenerators` does not have `rows` generators.
+    """
+    rows = noise.shape[0] if rows is None else rows
+    if not isinstance(generator, RowGenerators):
+        noise[:rows].exponential_(1, generator=generator)
+        return noise
+    _check_rows(generator, rows, "draw_exponential")
+    for r in range(rows):
+        noise[r].exponential_(1, generator=generator[r])
+    return noise
 
 
 def draw_uniforms(lengths: torch.Tensor, width: int, generator: Generators, *, device: torch.device,
@@ -407,6 +475,18 @@ class Sampler:
             return self.logits_processor.apply(scores.reshape(shape[0], -1, shape[-1]), rows).reshape(shape)
         return _apply(self.logits_processor, scores).reshape(shape)
 
+    @property
+    def step_key(self) -> tuple:
+        """What a compiled step calling this sampler specialises on (hashable): whether it samples, the suppressed
+        ids, each processor's class and settings (:func:`processors_key`)."""
+        return self.do_sample, tuple(sorted(set(self.suppress_token_ids))), processors_key(self.logits_processor)
+
+    def draw_noise(self, noise: torch.Tensor, rows: int) -> torch.Tensor:
+        """The random draw of :meth:`choose` over `probs` of shape `(rows, *noise.shape[1:])`, made beforehand into
+        the first `rows` rows of the buffer `noise` (in place, :func:`draw_exponential`); pass it to :meth:`choose`
+        as `noise`. Returns `noise`."""
+        return draw_exponential(noise, self.generator, rows)
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the per-row generators of the rows `index` `(M,)` that stay in the batch (no-op for a shared
         generator). Samplers sharing the generators (target and drafter) follow; call it once per selection."""
@@ -439,7 +519,8 @@ class Sampler:
                           "every joining row")
         self.generator.extend(generators)
 
-    def choose(self, probs: torch.Tensor, draw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, probs: torch.Tensor, draw: torch.Tensor | None = None, *,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick one token per position and report its probability (the confidence).
 
         Args:
@@ -447,6 +528,9 @@ class Sampler:
             draw (`torch.Tensor` of shape `(N, ...)`, bool, *optional*): the positions whose token the caller uses,
                 when that is not all of them; with per-row generators only these consume random numbers (what the
                 row's single decode draws). See :func:`draw_categorical`.
+            noise (`torch.Tensor` of shape `(N, ..., V)`, float32, *optional*): when sampling, the draw made
+                beforehand by :meth:`draw_noise` (:func:`categorical_from_noise`: the same tokens, and nothing
+                random here, for a compiled step); `draw` is then ignored (every position was drawn).
 
         Returns:
             `(token_ids, confidence)`: int64 and float32 of shape `(N, ...)`, the probability of the chosen token
@@ -454,7 +538,9 @@ class Sampler:
             argmax). Greedy takes the argmax; sampling draws one token per position from the generator in
             row-major order (one `torch.multinomial` call; per row with per-row generators).
         """
-        if self.do_sample:
+        if self.do_sample and noise is not None:
+            token_ids = categorical_from_noise(probs, noise)
+        elif self.do_sample:
             token_ids = draw_categorical(probs, self.generator, draw)
         else:
             token_ids = probs.argmax(dim=-1)

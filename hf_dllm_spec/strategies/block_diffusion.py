@@ -20,9 +20,9 @@ import torch
 from transformers import LogitsProcessorList
 
 from ..configuration import DecodingConfig, check_bool, check_int
-from ..maths.editing import EditingConfig, EditRule
+from ..maths.editing import EditingConfig, EditRule, ThresholdEditRule
 from ..maths.masks import block_causal_mask, concat_segments, full_mask, left_pad, partially_causal_draft_mask
-from ..maths.sampling import entropy
+from ..maths.sampling import POSITION_INDEPENDENT_PROCESSORS, entropy
 from ..maths.unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
 from .base import DecodingStrategy
@@ -229,6 +229,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
         # Greedy steps whose consumers read only each position's token and confidence skip the full distribution.
         self.full_probs = (session.sampler.do_sample or config.remasking_strategy == "entropy_bounded"
                            or self.edit_rule is not None)
+        self._step_key: tuple | None = None                     # step_key, built once
+        self._noise: dict[int, torch.Tensor] = {}               # step_noise's buffers, per rows bucket
         self.compiled_step = self.runs_compiled_step()
 
     # -- Algorithm 1: the outer loop, every row at its own pace ------------------------------------------------
@@ -392,7 +394,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         batch next): the finished blocks of the continuing rows are stored by the next forward."""
         continuing, any_continuing = continuing_rows(done, done_rows, finished)
         pending = (block.tokens, advanced[-1], continuing) if any_continuing else None
-        block.tokens, block.undecided, block.start, block.num_fixed, block.step = advanced[:-1]
+        block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps = advanced[:-1]
         return pending
 
     def commit_from_carry(self, block: BlockState) -> None:
@@ -546,14 +548,16 @@ class BlockDiffusionStrategy(DecodingStrategy):
         self.apply_edits(block, probs, tokens, confidence)
         self.commit_by_rule(block, probs, tokens, confidence)
 
-    def propose(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def propose(self, logits: torch.Tensor,
+                noise: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """This step's processed distribution `(N, B, V)`, chosen tokens and confidences `(N, B)`; the
         distribution is None where :attr:`full_probs` is False (greedy, and nothing reads it:
-        :meth:`Sampler.greedy`)."""
+        :meth:`Sampler.greedy`). `noise` `(N, B, V)`: when sampling, the draw made beforehand (a compiled step,
+        :meth:`step_noise`); None draws here."""
         if not self.full_probs:
             return None, *self.session.sampler.greedy(logits)
         probs = self.session.sampler.probs(logits)
-        tokens, confidence = self.session.sampler.choose(probs)
+        tokens, confidence = self.session.sampler.choose(probs, noise=noise)
         return probs, tokens, confidence
 
     def apply_edits(self, block: BlockState, probs: torch.Tensor, tokens: torch.Tensor,
@@ -562,12 +566,18 @@ class BlockDiffusionStrategy(DecodingStrategy):
         edit rule. Runs before the step's commits (disjoint positions), so a verifier sees the edited block."""
         if self.edit_rule is None:
             return
-        editable = ~block.masked & ~block.fixed
-        edits = self.edit_rule(tokens=block.tokens, editable=editable, probs=probs, proposal=tokens,
-                               confidence=confidence) & editable & (tokens != block.tokens)
+        edits = self.edits(block, probs, tokens, confidence)
         block.tokens = torch.where(edits, tokens, block.tokens)
         self._edited = edits.any(dim=1)
         self.session.stats.accumulate("num_edited_tokens", edits.sum(dim=1))
+
+    def edits(self, block: BlockState, probs: torch.Tensor, tokens: torch.Tensor,
+              confidence: torch.Tensor) -> torch.Tensor:
+        """`(N, B)` bool, the positions the edit rule overwrites with `tokens` this step: committed, not prompt,
+        a different proposal, and the rule's test (a pure function of tensors)."""
+        editable = ~block.masked & ~block.fixed
+        return self.edit_rule(tokens=block.tokens, editable=editable, probs=probs, proposal=tokens,
+                              confidence=confidence) & editable & (tokens != block.tokens)
 
     def commit_by_rule(self, block: BlockState, probs: torch.Tensor, tokens: torch.Tensor,
                        confidence: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -605,65 +615,120 @@ class BlockDiffusionStrategy(DecodingStrategy):
     def finish_step(self, block: BlockState, began_full: torch.Tensor | None) -> torch.Tensor:
         """`(N,)` bool, the rows whose block is complete: no mask left, and with editing (`began_full` `(N,)`: the
         step began without a mask) also no edit in a post step, or `max_post_steps` post steps taken."""
+        edited, self._edited = self._edited, None
+        return self.block_complete(block, began_full, edited)
+
+    def block_complete(self, block: BlockState, began_full: torch.Tensor | None,
+                       edited: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`finish_step` as a function of tensors: `edited` `(N,)` bool, the rows with an edit this step (None:
+        none); advances `block.post_steps` (a new tensor) by the rows that began full."""
         full = ~block.masked.any(dim=1)
         if self.edit_rule is None:
             return full
-        block.post_steps += began_full.long()
-        fired = self._edited if self._edited is not None else torch.zeros_like(full)
-        self._edited = None
+        block.post_steps = block.post_steps + began_full.long()
+        fired = edited if edited is not None else torch.zeros_like(full)
         return full & ((began_full & ~fired) | (block.post_steps >= self.edit_rule.max_post_steps))
 
     # -- the step as one compiled function (runtime/step.py) --------------------------------------------------
-    #: The methods a compiled step runs; a subclass that overrides one of them runs the eager step.
+    #: The methods a compiled step runs. A subclass that overrides one of them runs the eager step, unless the class
+    #: defining the override says in its own body that its step methods are functions of tensors as well
+    #: (`traceable_step = True`; not inherited, :func:`traceable_step_methods`).
     COMPILED_STEP_METHODS = ("draft_forward", "forward_with_pending", "with_pending", "draft_mask", "store_mask",
-                             "denoise_step", "propose", "apply_edits", "commit_by_rule", "transfer", "decodable",
-                             "tokens_per_step", "scheduled_masks", "finish_step")
+                             "denoise_step", "propose", "apply_edits", "edits", "commit_by_rule", "transfer",
+                             "decodable", "current_sub_block", "tokens_per_step", "scheduled_masks", "finish_step",
+                             "block_complete")
+    traceable_step = True
 
     def runs_compiled_step(self) -> bool:
-        """Whether each denoising step runs as one compiled function (:func:`greedy_denoising_step` through
-        `StaticModelRunner.run_step`): the static runtime with `compile_config` on a position-aligned model, greedy
-        with `low_confidence_dynamic` / `low_confidence_static`, whole blocks, fused cache writes, no `cache_ver` /
-        `draft_ver`, no editing, no streamer, a subclass that keeps this class's step. Else the eager step."""
+        """Whether each denoising step runs as one compiled function (:func:`denoising_step` through
+        `StaticModelRunner.run_step`): the static runtime with `compile_config` on a position-aligned model; greedy,
+        or sampling with transformers' position-independent warpers in a plain `LogitsProcessorList` (the random
+        draw made before the step, :meth:`step_noise`; per-row processors, `RowProcessors`, keep the eager step);
+        any remasking rule, whole blocks or sub-blocks; LLaDA2.1 token editing (`ThresholdEditRule`) and
+        `num_to_transfer`; fused cache writes, no `cache_ver` / `draft_ver`, no streamer; a class whose step methods
+        are traceable (:data:`COMPILED_STEP_METHODS`). Else the eager step."""
         s, cfg = self.session, self.config
-        return (getattr(s.target, "runs_compiled_steps", False) and not s.sampler.do_sample
-                and type(s.sampler.logits_processor) in (LogitsProcessorList, list)
-                and cfg.remasking_strategy in ("low_confidence_dynamic", "low_confidence_static")
-                and self.sub_block_size == self.block_size and cfg.fuse_cache_write and not cfg.cache_ver
-                and not cfg.draft_ver and self.edit_rule is None and self.num_to_transfer is None
-                and not self.full_probs and not self.first_from_carry and s.stream is None
-                and all(getattr(type(self), name) is getattr(BlockDiffusionStrategy, name)
-                        for name in self.COMPILED_STEP_METHODS))
+        processors = s.sampler.logits_processor
+        return (getattr(s.target, "runs_compiled_steps", False)
+                and type(processors) in (LogitsProcessorList, list)
+                and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
+                and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule)
+                and cfg.fuse_cache_write and not cfg.cache_ver and not cfg.draft_ver and not self.first_from_carry
+                and s.stream is None and traceable_step_methods(type(self), self.COMPILED_STEP_METHODS))
 
     @property
     def step_key(self) -> tuple:
-        """What a compiled step specialises on besides its shapes: the rule and its parameters."""
-        cfg = self.config
-        return ("block_diffusion", self.block_size, self.steps_per_block, cfg.remasking_strategy,
-                cfg.confidence_threshold, self.session.mask_token_id)
+        """What a compiled step specialises on besides its shapes: the strategy's class, rule and parameters, the
+        edit rule's, the sampler's (:attr:`Sampler.step_key`). Built once per call."""
+        if self._step_key is None:
+            cfg, rule = self.config, self.edit_rule
+            self._step_key = (type(self).__qualname__, self.block_size, self.sub_block_size, self.steps_per_block,
+                              cfg.remasking_strategy, cfg.confidence_threshold, cfg.eb_threshold,
+                              self.num_to_transfer, None if rule is None else (rule.editing_threshold,
+                                                                               rule.max_post_steps),
+                              self.session.mask_token_id, self.session.sampler.step_key)
+        return self._step_key
 
-    def compiled_denoise(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One denoising step of every row as one compiled call (:func:`greedy_denoising_step`): the draft forward
-        (storing `pending`), the greedy commits, the done flags and the step's read; updates `block` and the
-        counters as the eager step does.
+    @property
+    def step_counters(self) -> tuple[str, ...]:
+        """The per-row counters a compiled step returns in its read (last columns, in this order)."""
+        return ("num_fallback_tokens",) + (("num_edited_tokens",) if self.edit_rule is not None else ())
+
+    def step_noise(self, rows: int) -> torch.Tensor | None:
+        """When sampling, the random draw of a compiled step, made before it (the step's choice is then a pure
+        function, :func:`~hf_dllm_spec.maths.sampling.categorical_from_noise`): `Exp(1)` noise `(R, B, V)` float32
+        for the `rows` rows of the batch, drawn by the sampler's generator(s) as the eager step's multinomial draws
+        (:meth:`Sampler.draw_noise`: the same tokens, the generators left at the same state), in a buffer kept
+        across steps and filled in place (a captured graph reads it at a fixed address); `R` is the runner's
+        :attr:`step_rows` (the rows after `rows` are padding), one buffer per `R` (not a view of a larger one: the
+        compiled step would guard on its base). None when greedy."""
+        s = self.session
+        if not s.sampler.do_sample:
+            return None
+        bucket = s.target.step_rows
+        if bucket not in self._noise:
+            self._noise[bucket] = torch.ones(bucket, self.block_size, output_vocab_size(s.target.model),
+                                             device=s.target.device)
+        return s.sampler.draw_noise(self._noise[bucket], rows)
+
+    def compiled_denoise(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, list, tuple]:
+        """One denoising step of every row as one compiled call (:func:`denoising_step`): the draft forward
+        (storing `pending`), the proposal, edits and commits, the done flags and the step's read; updates `block`
+        and the counters as the eager step does.
 
         Returns:
             `(done, read, advanced)`: `(N,)` bool; the step's one host read, per row `[done, num_fixed, *block
-            tokens]` (:func:`step_read`; the tokens each row committed are read with it, straight into its
-            counters); the next blocks for :meth:`take_next_blocks`.
+            tokens]` (:func:`step_read`; the counters each row adds, :attr:`step_counters`, are read with it,
+            straight into its counters); the next blocks for :meth:`take_next_blocks`.
         """
         s, B = self.session, self.block_size
-        for i in range(block.tokens.shape[0]):
+        n = block.tokens.shape[0]
+        for i in range(n):
             s.stats.row(i).num_denoising_steps += 1
         self.draft_mask(block)                            # built once, outside the compiled code
-        tensors = (block.tokens, block.undecided, block.start, block.num_fixed, block.step,
-                   *(pending if pending is not None else (None, None, None)))
-        block.tokens, block.undecided, block.step, done, read, *advanced = s.target.run_step(
-            greedy_denoising_step, self, self.step_key, tensors, q=B if pending is None else 2 * B,
+        tensors = (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps,
+                   *(pending if pending is not None else (None, None, None)), self.step_noise(n))
+        block.tokens, block.undecided, block.step, block.post_steps, done, read, *advanced = s.target.run_step(
+            denoising_step, self, self.step_key, tensors, q=B if pending is None else 2 * B,
             store_len=0 if pending is None else B, logits_to_keep=B, kind="draft")
-        rows = read.tolist()
+        rows, names = read.tolist(), self.step_counters
         for i, row in enumerate(rows):
-            s.stats.row(i).num_fallback_tokens += row.pop()
+            stats = s.stats.row(i)
+            for name, value in zip(names, row[-len(names):]):
+                setattr(stats, name, getattr(stats, name) + value)
+            del row[-len(names):]
         return done, rows, tuple(advanced)
+
+
+def traceable_step_methods(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether each method `names` of `cls` comes from a class that says `traceable_step = True` in its own body."""
+    return all(vars(next(c for c in cls.__mro__ if name in vars(c))).get("traceable_step", False) for name in names)
+
+
+def output_vocab_size(model) -> int:
+    """V, the width of `model`'s logits (its output embeddings' rows; `config.vocab_size` without them)."""
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
 
 
 def step_read(done: torch.Tensor, num_fixed: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -672,49 +737,59 @@ def step_read(done: torch.Tensor, num_fixed: torch.Tensor, tokens: torch.Tensor)
     return torch.cat([done[:, None].long(), num_fixed[:, None].to(done.device), tokens.to(done.device)], dim=1)
 
 
-def greedy_denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengths: torch.Tensor,
-                          tokens: torch.Tensor, undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor,
-                          step: torch.Tensor, pending_tokens: torch.Tensor | None = None,
-                          pending_positions: torch.Tensor | None = None,
-                          pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """One greedy denoising step of every row as a function of tensors (Algorithm 2 with Algorithm 1's fused
-    cache write), what `StaticModelRunner.run_step` compiles: the draft forward of each row's block
-    (`runner.step_forward`, storing the pending finished blocks first), the argmax and its confidence, the
-    commits of the remasking rule, the done flags and the step's read; and the next blocks of the rows whose block
+def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengths: torch.Tensor,
+                   tokens: torch.Tensor, undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor,
+                   step: torch.Tensor, post_steps: torch.Tensor, pending_tokens: torch.Tensor | None = None,
+                   pending_positions: torch.Tensor | None = None, pending_rows: torch.Tensor | None = None,
+                   noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """One denoising step of every row as a function of tensors (Algorithm 2 with Algorithm 1's fused cache
+    write), what `StaticModelRunner.run_step` compiles: the draft forward of each row's block
+    (`runner.step_forward`, storing the pending finished blocks first), the proposal (the argmax, or a token drawn
+    with `noise`, the random draw made before the step), token edits (LLaDA2.1), the commits of the remasking rule,
+    the done flags (with editing: the post steps), the step's read; and the next blocks of the rows whose block
     finished (:meth:`BlockState.restart`), so that Algorithm 1's block change costs no eager work. The strategy's
-    own methods decide; nothing here reads the host or changes Python state.
+    own methods decide, as in its eager step; nothing here reads the host or changes Python state.
 
     Args:
         strategy (`BlockDiffusionStrategy`): its rule and parameters (:meth:`~BlockDiffusionStrategy.transfer`).
         runner (`StaticModelRunner`), shape (`tuple`), lengths (`torch.Tensor` of shape `(N,)`): from `run_step`.
-        tokens, undecided, start, num_fixed, step: the :class:`BlockState` fields, `(N, B)` / `(N,)`.
+        tokens, undecided, start, num_fixed, step, post_steps: the :class:`BlockState` fields, `(N, B)` / `(N,)`.
         pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
             None.
+        noise (`torch.Tensor` of shape `(N, B, V)`, float32, *optional*): when sampling,
+            :meth:`~BlockDiffusionStrategy.step_noise`.
 
     Returns:
-        `(lengths, tokens, undecided, step, done, read, *next)`: the new write positions `(N,)`, the block's new
-        tokens and masks `(N, B)`, the steps taken `(N,)`, the finished rows `(N,)` bool, :func:`step_read` with
-        the tokens each row committed as a last column `(N, 3 + B)`; `next`: the next step's `tokens, undecided,
-        start, num_fixed, step` (finished blocks restarted) and the positions `(N, B)` of this step's blocks.
+        `(lengths, tokens, undecided, step, post_steps, done, read, *next)`: the new write positions `(N,)`, the
+        block's new tokens and masks `(N, B)`, the steps and post steps taken `(N,)`, the finished rows `(N,)` bool,
+        :func:`step_read` with the counters of :attr:`~BlockDiffusionStrategy.step_counters` as last columns; `next`:
+        the next step's `tokens, undecided, start, num_fixed, step, post_steps` (finished blocks restarted) and the
+        positions `(N, B)` of this step's blocks.
     """
-    block = BlockState(tokens, undecided, start, num_fixed, step, torch.zeros_like(step),
-                       strategy.session.mask_token_id)
+    block = BlockState(tokens, undecided, start, num_fixed, step, post_steps, strategy.session.mask_token_id)
+    began_full = ~block.masked.any(dim=1) if strategy.edit_rule is not None else None
     pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
     ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
                                                                           strategy.draft_mask(block), pending)
     logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
                                           store_valid=store_valid, logits_to_keep=strategy.block_size)
-    proposal, confidence = strategy.session.sampler.greedy(logits)
-    transfer = strategy.transfer(block, None, confidence)
-    tokens = torch.where(transfer, proposal, tokens)
-    undecided = undecided & ~transfer
-    done = ~undecided.any(dim=1)
-    read = torch.cat([step_read(done, num_fixed, tokens), transfer.sum(dim=1, keepdim=True)], dim=1)
-    after = BlockState(tokens.clone(), undecided.clone(), start.clone(), num_fixed.clone(), step + 1,
-                       torch.zeros_like(step), block.mask_token_id)
+    probs, proposal, confidence = strategy.propose(logits, noise)
+    counts, edited = [], None
+    if strategy.edit_rule is not None:
+        edits = strategy.edits(block, probs, proposal, confidence)
+        block.tokens = torch.where(edits, proposal, block.tokens)
+        edited, counts = edits.any(dim=1), [edits.sum(dim=1)]
+    transfer = strategy.transfer(block, probs, confidence)
+    block.tokens = torch.where(transfer, proposal, block.tokens)
+    block.undecided = block.undecided & ~transfer
+    done = strategy.block_complete(block, began_full, edited)
+    read = torch.cat([step_read(done, num_fixed, block.tokens), torch.stack([transfer.sum(dim=1), *counts], dim=1)],
+                     dim=1)
+    after = BlockState(block.tokens.clone(), block.undecided.clone(), start.clone(), num_fixed.clone(), step + 1,
+                       block.post_steps.clone(), block.mask_token_id)
     after.restart(done)
-    return (lengths, tokens, undecided, step + 1, done, read, after.tokens, after.undecided, after.start,
-            after.num_fixed, after.step, block.positions)
+    return (lengths, block.tokens, block.undecided, step + 1, block.post_steps, done, read, after.tokens,
+            after.undecided, after.start, after.num_fixed, after.step, after.post_steps, block.positions)
 
 
 class ARStrategy(BlockDiffusionStrategy):
