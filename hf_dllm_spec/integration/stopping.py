@@ -173,7 +173,10 @@ class RowEnds:
         return tokens, ended
 
     def stop_check(self, prompt_index: int, generated: torch.Tensor, host_ids: list[int] | None) -> bool:
-        """The session's `stop_check`: whether the row ends after `generated`."""
+        """The session's `stop_check`: whether the row ends after `generated` (from `host_ids` alone, no tensor
+        operation, when no stopping criterion is left to call)."""
+        if self.scan is None and host_ids is not None:
+            return row_end(host_ids, self.max_new_tokens, self.stop_set)[1]
         return self.final_tokens(prompt_index, generated, host_ids=host_ids)[1]
 
     def output_tokens(self, prompt_index: int, generated: torch.Tensor, ended: bool = False) -> torch.Tensor:

@@ -100,7 +100,10 @@ class RowStaticCache(Cache):
         return layer.keys.shape[0] if layer.is_initialized else self.rows
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Move rows `index` `(M,)` int64 to the first M rows of every layer, in place (static addresses kept)."""
+        """Move rows `index` `(M,)` int64 to the first M rows of every layer, in place (static addresses kept);
+        nothing moves when no row stays (M = 0: the call's last rows finished)."""
+        if not index.shape[0]:
+            return
         for layer in self.layers:
             if layer.is_initialized:
                 rows = index.to(layer.device)
