@@ -208,6 +208,31 @@ def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, params):
     assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
 
 
+@pytest.mark.parametrize("params", [dict(confidence_threshold=0.3, editing_threshold=0.2, max_post_steps=4),
+                                    dict(confidence_threshold=0.5, editing_threshold=0.3, max_post_steps=2,
+                                         do_sample=True, temperature=0.7, generator="rows"),
+                                    dict(confidence_threshold=0.5, editing_threshold=0.3, do_sample=True,
+                                         top_k=10, generator="shared"),
+                                    dict(preset="llada2.0", confidence_threshold=0.6, steps_per_block=2)])
+def test_llada2_editing_steps_equal_the_eager_runtime(llada2_model, params):
+    """LLaDA2.1 (the MoE family, its experts kernel switched inside the step): token editing, post steps and
+    `num_to_transfer`, greedy and seeded; LLaDA2.0's schedule (the strategy's own `scheduled_masks`). A left-padded
+    batch of 3 and batch 1: the eager runtime's tokens and per-row counters (edits included, which do happen)."""
+    clear_static_state(llada2_model)
+    params = dict(params, decoding_strategy="llada2")
+    edited = 0
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        eager = generate(llada2_model, prompts, **seeded(params, len(prompts)))
+        compiled = generate(llada2_model, prompts, cache_implementation="static", compile_config=compile_config(),
+                            **seeded(params, len(prompts)))
+        assert_same(eager, compiled)
+        edited += eager.spec_stats.num_edited_tokens
+    assert edited > 0 or "preset" in params
+    keys = step_keys(llada2_model)
+    assert keys and all(key[0] == "LLaDA2Strategy" for key in keys)
+    assert all(state.steps.graphs(key) == 1 for state in static_states(llada2_model) for key in state.steps.keys)
+
+
 def test_one_host_read_per_step(sdar_model, monkeypatch):
     """Batch 1: between the first and the last denoising step the loop reads the device once per step (the step's
     read). Inside the compiled step nothing reads it: `fullgraph=True` compiles no host read (each one would be a

@@ -503,10 +503,10 @@ class StaticModelRunner(ModelRunner):
     @property
     def runs_compiled_steps(self) -> bool:
         """Whether :meth:`run_step` is available: forwards compiled (`compile_config`), a position-aligned model
-        (no carry to keep across steps), no MoE experts kernel switched around the call, layouts not checked (the
-        check reads the device on every storing forward)."""
-        return (self.compile_mode == "compile" and self.alignment == "position" and not self._experts
-                and not self.check_layouts)
+        (no carry to keep across steps), layouts not checked (the check reads the device on every storing forward).
+        A MoE experts kernel switch (:func:`~hf_dllm_spec.runtime.experts.experts_implementation`, LLaDA2 outside
+        bfloat16) is traced with the model call inside the step (`fullgraph`: the step's graph runs "batched_mm")."""
+        return self.compile_mode == "compile" and self.alignment == "position" and not self.check_layouts
 
     def run_step(self, function, owner, key: tuple, tensors: tuple, *, q: int, store_len: int, logits_to_keep: int,
                  kind: str, rows=None) -> list:

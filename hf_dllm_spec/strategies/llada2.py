@@ -65,6 +65,7 @@ class LLaDA2Strategy(BlockDiffusionStrategy):
     name = "llada2"
     config_class = LLaDA2DecodingConfig
     paper = "LLaDA2.1 tech report §2 (Eq. 1-3); inclusionAI LLaDA2.1 Hub generate"
+    traceable_step = True           # its step method (scheduled_masks) is a function of tensors: compiled steps
 
     def scheduled_masks(self, block: BlockState) -> torch.Tensor:
         """LLaDA2.0 (`num_to_transfer=None`) schedules a whole block (`block_size` over `steps_per_block`, the Hub's
