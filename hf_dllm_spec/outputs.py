@@ -286,19 +286,20 @@ class BatchStats:
         self.accumulate("num_drafts_reaching_pos", positions < num_draft_tokens[:, None], rows)
 
     def flush(self) -> None:
-        """Move the device-side counters into the per-row stats (one host sync per counter)."""
+        """Move the device-side counters into the per-row stats (one host sync per counter; each counter's entries
+        are summed in one `index_add_`, whatever their number)."""
         n = len(self.active)
+        every_row = None
         for name, entries in self._pending.items():
+            device = entries[0][1].device
             width = max(v.shape[1] if v.dim() == 2 else 0 for _, v in entries)
-            total = torch.zeros((n, width) if width else (n,), dtype=torch.long, device=entries[0][1].device)
-            for rows, values in entries:
-                values = values.long()
-                if width:
-                    values = torch.nn.functional.pad(values, (0, width - values.shape[1]))
-                if rows is None:
-                    total += values
-                else:
-                    total.index_add_(0, rows, values)
+            if every_row is None and any(rows is None for rows, _ in entries):
+                every_row = torch.arange(n, device=device)
+            rows = torch.cat([every_row if rows is None else rows for rows, _ in entries])
+            values = torch.cat([v if not width or v.shape[1] == width else torch.nn.functional.pad(
+                v, (0, width - v.shape[1])) for _, v in entries]).long()
+            total = torch.zeros((n, width) if width else (n,), dtype=torch.long, device=device)
+            total.index_add_(0, rows, values)
             for r, row in zip(self.active, total.tolist()):
                 stats = self.per_row[r]
                 if isinstance(row, int):
