@@ -4,9 +4,9 @@ draft step (draft forward, routing numbers, the rule's commits as if no row veri
 one compiled verify step (verifier forward, greedy_match, the verifying rows' commits), each with one host read.
 
 Checked on the CPU with the bundled sdar-tiny-arith: the eager runtime's tokens and per-row counters for every
-routing policy (batch 1 and a left-padded batch of 2 whose rows stop at different steps), fullgraph (a graph break
-raises), one graph per key over a 64-token call and a second call, at most one host read per forward, and the
-cases the compiled step does not serve on the eager step. Dynamo's "eager" backend (the trace and its guards).
+routing policy and with sub-blocks (batch 1 and a left-padded batch of 2 whose rows stop at different steps),
+fullgraph (a graph break raises), one graph per key over a 64-token call and a second call, at most one host read
+per forward, and the cases the compiled step does not serve on the eager step. Dynamo's "eager" backend (the trace and its guards).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ POLICIES = {
     "hysteresis": dict(do_verify_policy="score_hysteresis", hysteresis_threshold_on=1.0,
                        hysteresis_threshold_off=0.5),
     "ucb": dict(do_verify_policy="contextual_bandit_ucb"),
+    "sub-blocks": dict(sub_block_size=2),              # C_t and the fallback end with the current sub-block
 }
 
 
@@ -169,10 +170,9 @@ def test_at_most_one_host_read_per_forward(arith, monkeypatch):
     assert one_graph_each(arith[1])
 
 
-@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(sub_block_size=2),
-                                    dict(fuse_cache_write=False)])
+@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(fuse_cache_write=False)])
 def test_other_cases_run_the_eager_step(arith, params, monkeypatch):
-    """Sampling (stochastic acceptance), sub-blocks, separate cache writes: today's eager S2D2 step."""
+    """Sampling (stochastic acceptance), separate cache writes: today's eager S2D2 step."""
     monkeypatch.setattr(s2d2, "s2d2_draft_step", None)                      # would fail if called
     clear_static_state(arith[1])
     generate(arith, PROMPTS[:1], True, max_new_tokens=8, generator=torch.Generator().manual_seed(0), **params)

@@ -15,7 +15,7 @@ Verifier layout by alignment: a position-aligned model reads the AR-mode predict
 the MASK copy of r in `[x~ | MASK x B]` with the Eq. 3 mask and duplicated positions; a right-shifted model
 reads it at row r - 1 of `[x~]` under a causal mask (the runner's shift gives row r the prediction for r).
 
-Compiled step (issue 34; the static runtime with `compile_config`, greedy_match acceptance, whole blocks): a step is
+Compiled step (issue 34; the static runtime with `compile_config`, greedy_match acceptance): a step is
 one or two compiled functions, each one forward and one host read. :func:`s2d2_draft_step` drafts, computes the
 routing numbers and commits every row by the block-diffusion rule as if no row verified; the host reads that with
 the routing numbers and the policies decide; if some row verifies, :func:`s2d2_verify_step` runs the verifier
@@ -269,9 +269,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
         """Algorithm 3, one step for every row: draft, route, then verify the span or fall back to the rule."""
         draft_probs, draft_tokens, confidence = self.propose(logits)         # (N, B, V), (N, B), (N, B)
         self.apply_edits(block, draft_probs, draft_tokens, confidence)      # LLaDA2.1: the verifier sees edits
-        start, end = first_masked_span(block.masked)
-        if self.sub_block_size < self.block_size:                           # C_t ends with its sub-block
-            end = torch.minimum(end, (start // self.sub_block_size + 1) * self.sub_block_size)
+        start, end = self.current_span(block)
         contexts = self.routing_contexts(block, draft_probs, confidence, start, end)
         # A row without a mask (an editing-only post step) has nothing to verify: its policy is not consulted.
         routed = [ctx.span_length > 0 for ctx in contexts]
@@ -289,6 +287,13 @@ class S2D2Strategy(BlockDiffusionStrategy):
             for policy, count, decided, r in zip(self.policies, committed.tolist(), decisions, routed):
                 if r:
                     policy.observe(count, decided)
+
+    def current_span(self, block: BlockState) -> tuple[torch.Tensor, torch.Tensor]:
+        """C_t per row, `[start, end)` `(N,)` each: the first contiguous masked span, ending with its sub-block."""
+        start, end = first_masked_span(block.masked)
+        if self.sub_block_size < self.block_size:
+            end = torch.minimum(end, (start // self.sub_block_size + 1) * self.sub_block_size)
+        return start, end
 
     def routing_contexts(self, block: BlockState, draft_probs: torch.Tensor, confidence: torch.Tensor,
                          start: torch.Tensor, end: torch.Tensor) -> list[RoutingContext]:
@@ -432,22 +437,22 @@ class S2D2Strategy(BlockDiffusionStrategy):
     # -- the step as compiled functions (runtime/step.py) -------------------------------------------------------
     #: S2D2's own methods its compiled step runs (with the block-diffusion ones it runs, see
     #: :meth:`runs_compiled_step`); a subclass that overrides one of them runs the eager step.
-    COMPILED_S2D2_METHODS = ("denoise_step", "routing_columns", "read_contexts", "verifier_query", "verifier_mask",
+    COMPILED_S2D2_METHODS = ("denoise_step", "current_span", "routing_columns", "read_contexts", "verifier_query", "verifier_mask",
                              "compiled_denoise")
 
     def runs_compiled_step(self) -> bool:
         """Whether each denoising step runs as compiled functions (:func:`s2d2_draft_step`, then
         :func:`s2d2_verify_step` when a row verifies, through `StaticModelRunner.run_step`): the static runtime
         with `compile_config` on a position-aligned model, greedy with greedy_match acceptance, any routing policy,
-        `low_confidence_dynamic` / `low_confidence_static` fallback, whole blocks, fused cache writes (`cache_ver`
-        and `draft_ver` allowed), no editing, no streamer, a subclass that keeps the step's methods. Else the eager
+        `low_confidence_dynamic` / `low_confidence_static` fallback, whole blocks or sub-blocks, fused cache writes
+        (`cache_ver` and `draft_ver` allowed), no editing, no streamer, a subclass that keeps the step's methods. Else the eager
         step. Called by the block-diffusion constructor (config and session only)."""
         s, cfg = self.session, self.config
         return (getattr(s.target, "runs_compiled_steps", False) and not s.sampler.do_sample
                 and cfg.s2d2_acceptance in (None, "greedy_match")
                 and type(s.sampler.logits_processor) in (LogitsProcessorList, list)
                 and cfg.remasking_strategy in ("low_confidence_dynamic", "low_confidence_static")
-                and self.sub_block_size == self.block_size and cfg.fuse_cache_write and self.edit_rule is None
+                and cfg.fuse_cache_write and self.edit_rule is None
                 and self.num_to_transfer is None and not self.first_from_carry and s.stream is None
                 and all(getattr(type(self), name) is getattr(BlockDiffusionStrategy, name)
                         for name in BlockDiffusionStrategy.COMPILED_STEP_METHODS if name != "denoise_step")
@@ -581,7 +586,7 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
     logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
                                           store_valid=store_valid, logits_to_keep=strategy.block_size)
     draft_probs, draft_tokens, confidence = strategy.propose(logits)
-    span_start, span_end = first_masked_span(block.masked)
+    span_start, span_end = strategy.current_span(block)
     columns = strategy.routing_columns(block, draft_probs, confidence, span_start, span_end)
     transfer = strategy.transfer(block, draft_probs, confidence)            # the fallback, every row
     out = step_outputs(block, torch.where(transfer, draft_tokens, tokens), undecided & ~transfer,
