@@ -227,6 +227,34 @@ def test_compiled_forward_gives_the_eager_tokens(sdar_model, one_thread):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("row,sampled", [("ar", False), ("dynamic", False), ("dynamic", True), ("s2d2", False)])
+def test_compiled_steps_on_cuda_graphs_give_the_eager_tokens(row, sampled, monkeypatch):
+    """On a GPU, `compile_config` in "reduce-overhead" mode (inductor's CUDA graphs): every decoding step is one
+    compiled function (issue 34) replayed as a graph; tokens and counters equal the eager runtime's, greedy and
+    seeded (a CUDA `torch.Generator`: the noise drawn before the step equals `torch.multinomial`'s draw), on a
+    left-padded batch of 2; the second call compiles no new step."""
+    monkeypatch.setattr(ModelRunner, "check_layouts", False)       # as users run it (the checks read the device)
+    tokenizer, model = load(MODELS / "sdar-tiny-arith")
+    model.to("cuda")
+    clear_static_state(model)
+    spec = specs(4, 0.9, [row], {})[-1]
+    texts = _texts("sdar-tiny-arith")
+    config = CompileConfig(mode="reduce-overhead")
+    sample = (lambda: dict(do_sample=True, temperature=1.0, top_k=20,
+                           generator=torch.Generator("cuda").manual_seed(3))) if sampled else dict
+    eager = _generate(model, tokenizer, texts, spec, max_new_tokens=16, **sample())
+    compiled = _generate(model, tokenizer, texts, spec, max_new_tokens=16, cache_implementation="static",
+                         compile_config=config, **sample())
+    _assert_same(eager, compiled, f"{spec.label} sampled={sampled}, compiled step")
+    keys = [key for state in static_states(model) for key in state.steps.keys]
+    assert keys, "no decoding step was compiled"
+    again = _generate(model, tokenizer, texts, spec, max_new_tokens=16, cache_implementation="static",
+                      compile_config=config, **sample())
+    _assert_same(eager, again, f"{spec.label} sampled={sampled}, compiled step replayed")
+    assert [key for state in static_states(model) for key in state.steps.keys] == keys
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("name,strategies", [("sdar-tiny-arith", ["ar", "dynamic", "s2d2"]),
                                              ("fast-dllm-v2-tiny", ["fast_dllm_v2", "s2d2"]),
                                              ("llada2-tiny", ["llada2"]), ("sdar-large", ["simsd"]),
