@@ -20,6 +20,7 @@ from dataclasses import fields
 
 import pytest
 import torch
+from conftest import MASK_ID, TINY
 from transformers import CompileConfig
 
 from hf_dllm_spec.maths.sampling import (RowGenerators, Sampler, categorical_from_noise, draw_categorical,
@@ -183,7 +184,8 @@ def test_a_graph_break_in_the_step_raises(sdar_model, monkeypatch):
                                     dict(SAMPLED, generator="shared"),
                                     dict(SAMPLED, remasking_strategy="low_confidence_static", generator="rows"),
                                     dict(do_sample=True, min_p=0.05, typical_p=0.9, epsilon_cutoff=3e-4,
-                                         eta_cutoff=3e-4, sub_block_size=2, generator="rows")])
+                                         eta_cutoff=3e-4, sub_block_size=2, generator="rows"),
+                                    dict(fuse_cache_write=False, confidence_threshold=0.5)])
 def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, params):
     """A left-padded batch of 3 whose rows finish their blocks at different steps and leave the batch at different
     forwards (stop id), so the compiled step runs at 3, 2 and 1 rows (padded to 4, 2 and 1): tokens and every
@@ -233,6 +235,35 @@ def test_llada2_editing_steps_equal_the_eager_runtime(llada2_model, params):
     assert all(state.steps.graphs(key) == 1 for state in static_states(llada2_model) for key in state.steps.keys)
 
 
+@pytest.fixture(scope="module")
+def fast_model():
+    """Tiny random Fast-dLLM v2 (right-shifted, bd_size 8, mask 98)."""
+    from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
+
+    torch.manual_seed(2)
+    return Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(bd_size=8, mask_token_id=MASK_ID, **TINY)).eval()
+
+
+@pytest.mark.parametrize("params", [dict(), dict(sub_block_size=2, confidence_threshold=0.5),
+                                    dict(SAMPLED, generator="shared"), dict(SAMPLED, generator="rows")])
+def test_fast_dllm_v2_steps_equal_the_eager_runtime(fast_model, params):
+    """Fast-dLLM v2 (right-shifted, separate cache writes, sub-blocks): the compiled step takes the carry as a
+    tensor (a block's first position predicts from the last stored token); the writes and the carry's commits stay
+    eager. A left-padded batch of 3 (one prompt over a block, so prefilled, and two shorter ones that start without
+    a carry) and batch 1, greedy and seeded: the eager runtime's tokens and per-row counters."""
+    clear_static_state(fast_model)
+    params = dict(params, decoding_strategy="fast_dllm_v2", block_size=8, max_new_tokens=20)
+    prompts = [[5, 17, 42, 8, 9, 10, 11, 12, 13, 14], *PROMPTS[1:]]
+    for batch in (prompts, prompts[:1]):
+        eager = generate(fast_model, batch, **seeded(params, len(batch)))
+        compiled = generate(fast_model, batch, cache_implementation="static", compile_config=compile_config(),
+                            **seeded(params, len(batch)))
+        assert_same(eager, compiled)
+    keys = step_keys(fast_model)
+    assert keys and all(key[0] == "FastDLLMV2Strategy" for key in keys)
+    assert all(state.steps.graphs(key) == 1 for state in static_states(fast_model) for key in state.steps.keys)
+
+
 def test_one_host_read_per_step(sdar_model, monkeypatch):
     """Batch 1: between the first and the last denoising step the loop reads the device once per step (the step's
     read). Inside the compiled step nothing reads it: `fullgraph=True` compiles no host read (each one would be a
@@ -262,10 +293,10 @@ def test_one_host_read_per_step(sdar_model, monkeypatch):
     assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
 
 
-@pytest.mark.parametrize("params", [dict(fuse_cache_write=False), dict(draft_ver=True), dict(cache_ver=True),
+@pytest.mark.parametrize("params", [dict(draft_ver=True), dict(cache_ver=True),
                                     dict(do_sample=True, sequence_bias={(5,): 1.0})])
 def test_other_cases_run_the_eager_step(sdar_model, params, monkeypatch):
-    """Separate cache writes, drafting and caching masks, a processor outside the warpers: today's step."""
+    """Drafting and caching masks, a processor outside the warpers: today's step."""
     monkeypatch.setattr(block_diffusion, "denoising_step", None)         # would fail if called
     clear_static_state(sdar_model)
     torch.manual_seed(0)

@@ -508,6 +508,13 @@ class StaticModelRunner(ModelRunner):
         bfloat16) is traced with the model call inside the step (`fullgraph`: the step's graph runs "batched_mm")."""
         return self.compile_mode == "compile" and self.alignment == "position" and not self.check_layouts
 
+    @property
+    def runs_compiled_carry_steps(self) -> bool:
+        """Whether :meth:`run_step` is available to a step of a right-shifted model that stores nothing and passes
+        the carry to :meth:`step_forward` (Fast-dLLM v2 with separate cache writes: the carry only changes in the
+        writes, which run eagerly)."""
+        return self.compile_mode == "compile" and self.alignment == "right_shift" and not self.check_layouts
+
     def run_step(self, function, owner, key: tuple, tensors: tuple, *, q: int, store_len: int, logits_to_keep: int,
                  kind: str, rows=None) -> list:
         """One decoding step, forward and maths, as one compiled function (:class:`~hf_dllm_spec.runtime.step.
@@ -559,22 +566,37 @@ class StaticModelRunner(ModelRunner):
 
     def step_forward(self, shape: tuple[int, int, int], input_ids: torch.Tensor, position_ids: torch.Tensor,
                      intra_mask: torch.Tensor, lengths: torch.Tensor, *, store_len: int = 0,
-                     store_valid: torch.Tensor | None = None,
-                     logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     store_valid: torch.Tensor | None = None, logits_to_keep: int = 0,
+                     carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` inside a compiled step (:meth:`run_step`): the same layout, mask and model call over the
         static cache at the fixed `shape` `(W, kept, P)`, from the rows' write positions `lengths` `(R,)`.
+
+        A right-shifted model (:attr:`runs_compiled_carry_steps`) takes the carry as an argument, `carry` `(R, V)`
+        (the runner's :attr:`carry`, rows padded like the step's other tensors): its query stores nothing
+        (`store_len=0`), so the carry is the same after the step.
 
         Returns:
             `(logits, lengths)`: `(R, n, V)` float32 logits as :meth:`forward` returns them, and the new write
             positions `(R,)`.
+
+        Raises:
+            ValueError: a right-shifted model's step without `carry`, or one that stores tokens.
         """
         width, kept, prefix = shape
         n, q = input_ids.shape
         intra, _, keep, keep_raw = self._prepare_query(n, q, intra_mask, store_len, store_valid, logits_to_keep)
         inputs, stored = self._layout(input_ids, position_ids, intra, store_len, store_valid, width, lengths)
         self.cache.set_write_columns(inputs[3], prefix)
-        raw = self._call_model(*inputs, call=self.model, kept=kept, prefix=prefix)
-        return raw[:, kept - keep_raw:][:, -keep:], lengths + stored
+        raw = self._call_model(*inputs, call=self.model, kept=kept, prefix=prefix)[:, kept - keep_raw:]
+        if self.alignment == "position":
+            return raw[:, -keep:], lengths + stored
+        if store_len or carry is None:
+            raise ValueError("StaticModelRunner.step_forward: a right-shifted model's step needs `carry` (the logits "
+                             f"of each row's last stored token, (R, V)) and a query that stores nothing (store_len="
+                             f"{store_len}); store the tokens with forward() instead.")
+        if keep_raw == keep:                   # the first kept token has no query predecessor: the carry's logits
+            raw = torch.cat([carry[:, None].to(raw.dtype), raw], dim=1)
+        return raw[:, :-1][:, -keep:], lengths + stored
 
     def _plain_offsets(self, width: int, front: int) -> torch.Tensor:
         """`(1, W)` int64 write offsets of a query without stored padding: its `q = W - front` tokens at `[0, q)`

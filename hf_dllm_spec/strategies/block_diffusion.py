@@ -278,7 +278,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 continue
             # 3. append finished blocks, decide stops, schedule the cache writes, start the next blocks
             finished = self.collect_finished_blocks(block, done_rows, generated, read, host)
-            if self.compiled_step:
+            if self.compiled_step and self.config.fuse_cache_write:
                 pending = self.take_next_blocks(block, advanced, done, done_rows, finished)
             else:
                 pending = self.schedule_writes(block, done, done_rows, finished)
@@ -641,20 +641,23 @@ class BlockDiffusionStrategy(DecodingStrategy):
 
     def runs_compiled_step(self) -> bool:
         """Whether each denoising step runs as one compiled function (:func:`denoising_step` through
-        `StaticModelRunner.run_step`): the static runtime with `compile_config` on a position-aligned model; greedy,
-        or sampling with transformers' position-independent warpers in a plain `LogitsProcessorList` (the random
-        draw made before the step, :meth:`step_noise`; per-row processors, `RowProcessors`, keep the eager step);
-        any remasking rule, whole blocks or sub-blocks; LLaDA2.1 token editing (`ThresholdEditRule`) and
-        `num_to_transfer`; fused cache writes, no `cache_ver` / `draft_ver`, no streamer; a class whose step methods
-        are traceable (:data:`COMPILED_STEP_METHODS`). Else the eager step."""
+        `StaticModelRunner.run_step`): the static runtime with `compile_config` on a position-aligned model (fused or
+        separate cache writes), or on a right-shifted one with separate writes (Fast-dLLM v2: the step stores
+        nothing and takes the carry as a tensor; the writes and the carry's commits stay eager, once per block);
+        greedy, or sampling with transformers' position-independent warpers in a plain `LogitsProcessorList` (the
+        random draw made before the step, :meth:`step_noise`; per-row processors, `RowProcessors`, keep the eager
+        step); any remasking rule, whole blocks or sub-blocks; LLaDA2.1 token editing (`ThresholdEditRule`) and
+        `num_to_transfer`; no `cache_ver` / `draft_ver`, no streamer; a class whose step methods are traceable
+        (:data:`COMPILED_STEP_METHODS`). Else the eager step."""
         s, cfg = self.session, self.config
         processors = s.sampler.logits_processor
-        return (getattr(s.target, "runs_compiled_steps", False)
-                and type(processors) in (LogitsProcessorList, list)
+        served = (getattr(s.target, "runs_compiled_carry_steps", False) if self.first_from_carry
+                  else getattr(s.target, "runs_compiled_steps", False))
+        return (served and type(processors) in (LogitsProcessorList, list)
                 and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
                 and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule)
-                and cfg.fuse_cache_write and not cfg.cache_ver and not cfg.draft_ver and not self.first_from_carry
-                and s.stream is None and traceable_step_methods(type(self), self.COMPILED_STEP_METHODS))
+                and not cfg.cache_ver and not cfg.draft_ver and s.stream is None
+                and traceable_step_methods(type(self), self.COMPILED_STEP_METHODS))
 
     @property
     def step_key(self) -> tuple:
@@ -706,8 +709,13 @@ class BlockDiffusionStrategy(DecodingStrategy):
         for i in range(n):
             s.stats.row(i).num_denoising_steps += 1
         self.draft_mask(block)                            # built once, outside the compiled code
+        carry = None
+        if self.first_from_carry:                         # right-shifted: the logits of each row's last stored token
+            carry = s.target.carry
+            if carry is None:                             # nothing stored yet: what the eager runner takes
+                carry = torch.zeros(n, output_vocab_size(s.target.model), device=s.target.device)
         tensors = (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps,
-                   *(pending if pending is not None else (None, None, None)), self.step_noise(n))
+                   *(pending if pending is not None else (None, None, None)), self.step_noise(n), carry)
         block.tokens, block.undecided, block.step, block.post_steps, done, read, *advanced = s.target.run_step(
             denoising_step, self, self.step_key, tensors, q=B if pending is None else 2 * B,
             store_len=0 if pending is None else B, logits_to_keep=B, kind="draft")
@@ -741,7 +749,7 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
                    tokens: torch.Tensor, undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor,
                    step: torch.Tensor, post_steps: torch.Tensor, pending_tokens: torch.Tensor | None = None,
                    pending_positions: torch.Tensor | None = None, pending_rows: torch.Tensor | None = None,
-                   noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                   noise: torch.Tensor | None = None, carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One denoising step of every row as a function of tensors (Algorithm 2 with Algorithm 1's fused cache
     write), what `StaticModelRunner.run_step` compiles: the draft forward of each row's block
     (`runner.step_forward`, storing the pending finished blocks first), the proposal (the argmax, or a token drawn
@@ -758,6 +766,7 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
             None.
         noise (`torch.Tensor` of shape `(N, B, V)`, float32, *optional*): when sampling,
             :meth:`~BlockDiffusionStrategy.step_noise`.
+        carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (separate writes).
 
     Returns:
         `(lengths, tokens, undecided, step, post_steps, done, read, *next)`: the new write positions `(N,)`, the
@@ -772,7 +781,7 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
     ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
                                                                           strategy.draft_mask(block), pending)
     logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
-                                          store_valid=store_valid, logits_to_keep=strategy.block_size)
+                                          store_valid=store_valid, logits_to_keep=strategy.block_size, carry=carry)
     probs, proposal, confidence = strategy.propose(logits, noise)
     counts, edited = [], None
     if strategy.edit_rule is not None:
