@@ -6,7 +6,8 @@ one compiled verify step (verifier forward, greedy_match, the verifying rows' co
 Checked on the CPU with the bundled sdar-tiny-arith: the eager runtime's tokens and per-row counters for every
 routing policy and with sub-blocks (batch 1 and a left-padded batch of 2 whose rows stop at different steps),
 fullgraph (a graph break raises), one graph per key over a 64-token call and a second call, at most one host read
-per forward, and the cases the compiled step does not serve on the eager step. Dynamo's "eager" backend (the trace and its guards).
+per forward, and the cases the compiled step does not serve on the eager step. Dynamo's "eager" backend (the trace
+and its guards); one slow test runs inductor.
 """
 
 from __future__ import annotations

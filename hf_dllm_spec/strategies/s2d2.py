@@ -437,16 +437,16 @@ class S2D2Strategy(BlockDiffusionStrategy):
     # -- the step as compiled functions (runtime/step.py) -------------------------------------------------------
     #: S2D2's own methods its compiled step runs (with the block-diffusion ones it runs, see
     #: :meth:`runs_compiled_step`); a subclass that overrides one of them runs the eager step.
-    COMPILED_S2D2_METHODS = ("denoise_step", "current_span", "routing_columns", "read_contexts", "verifier_query", "verifier_mask",
-                             "compiled_denoise")
+    COMPILED_S2D2_METHODS = ("denoise_step", "current_span", "routing_columns", "read_contexts", "verifier_query",
+                             "verifier_mask", "compiled_denoise")
 
     def runs_compiled_step(self) -> bool:
         """Whether each denoising step runs as compiled functions (:func:`s2d2_draft_step`, then
         :func:`s2d2_verify_step` when a row verifies, through `StaticModelRunner.run_step`): the static runtime
         with `compile_config` on a position-aligned model, greedy with greedy_match acceptance, any routing policy,
         `low_confidence_dynamic` / `low_confidence_static` fallback, whole blocks or sub-blocks, fused cache writes
-        (`cache_ver` and `draft_ver` allowed), no editing, no streamer, a subclass that keeps the step's methods. Else the eager
-        step. Called by the block-diffusion constructor (config and session only)."""
+        (`cache_ver` and `draft_ver` allowed), no editing, no streamer, a subclass that keeps the step's methods.
+        Else the eager step. Called by the block-diffusion constructor (config and session only)."""
         s, cfg = self.session, self.config
         return (getattr(s.target, "runs_compiled_steps", False) and not s.sampler.do_sample
                 and cfg.s2d2_acceptance in (None, "greedy_match")
