@@ -16,7 +16,8 @@ compiled code (no "Torch-Compiled Region" range and no ATen operation above them
 (input checks, prefill and output included) after two calls that compiled (the second call's prefill recompiles
 transformers' compiled model call once: the static cache's layers were initialised by the first); beside stock transformers' own `generate(cache_implementation="static",
 compile_config=...)` on qwen2-tiny-ar, per token, measured in the same run, and the ratio; and the same call with the
-step left eager (only the model call compiled, as before issue 34). Results:
+step left eager (only the model call compiled, as before issue 34). Some rows are measured sampled as well
+(temperature 0.7, top-k 20, top-p 0.95; torch's global RNG seeded before each call). Results:
 docs/performance.md ("One decoding step, one compiled function").
 """
 
@@ -37,7 +38,6 @@ from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
 from hf_dllm_spec.tools.jobs.main import SUB_BLOCKS, specs
 from hf_dllm_spec.runtime.static import StaticModelRunner
 from hf_dllm_spec.runtime.syncs import count_host_syncs
-from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionStrategy
 
 MODELS = ROOT / "models"
 #: bundled model -> (main-job strategy rows, drafter)
@@ -89,8 +89,13 @@ def measure(model, ids: torch.Tensor, spec, max_new_tokens: int) -> dict:
             "operations_per_forward": ops.count / forwards}
 
 
-#: bundled model -> main-job strategy rows measured under `compile_config` (the ones a compiled step serves).
-COMPILED_CASES = {"sdar-tiny-arith": ["ar", "static", "dynamic", "s2d2"]}
+#: bundled model -> main-job strategy rows measured under `compile_config` (the served ones, and Fast-dLLM v2,
+#: whose right-shifted step is not served yet).
+COMPILED_CASES = {"sdar-tiny-arith": ["ar", "static", "dynamic", "s2d2"], "llada2-tiny": ["llada2"],
+                  "fast-dllm-v2-tiny": ["fast_dllm_v2"]}
+#: rows measured sampled as well (transformers' warpers; torch's global RNG, seeded before each call).
+SAMPLED_ROWS = {"sdar-tiny-arith": ["dynamic"], "llada2-tiny": ["llada2"]}
+SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.95}
 #: The stock transformers baseline under `compile_config`: an AR model's own `generate`.
 STOCK_MODEL = "qwen2-tiny-ar"
 COMPILED_REGION = "Torch-Compiled Region"
@@ -115,12 +120,15 @@ def eager_operations(run) -> int:
 @contextlib.contextmanager
 def eager_steps():
     """Strategies run their steps eagerly around the compiled model call (what every step did before issue 34)."""
-    decide = BlockDiffusionStrategy.runs_compiled_step
-    BlockDiffusionStrategy.runs_compiled_step = lambda self: False
+    names = ("runs_compiled_steps", "runs_compiled_carry_steps")                  # every strategy asks the runner
+    served = {name: getattr(StaticModelRunner, name) for name in names}
+    for name in names:
+        setattr(StaticModelRunner, name, property(lambda runner: False))
     try:
         yield
     finally:
-        BlockDiffusionStrategy.runs_compiled_step = decide
+        for name, value in served.items():
+            setattr(StaticModelRunner, name, value)
 
 
 def compiled_config() -> CompileConfig:
@@ -136,6 +144,7 @@ def measure_compiled(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) ->
     calls = []
 
     def run():
+        torch.manual_seed(0)
         calls.append(model.generate(ids, max_new_tokens=max_new_tokens, cache_implementation="static",
                                     compile_config=config, return_dict_in_generate=True, **kwargs))
 
@@ -162,13 +171,16 @@ def main_compiled(max_new_tokens: int) -> None:
         tokenizer, model = load(MODELS / name)
         patch = model_patches.get_patch(model)
         ids = tokenizer(arithmetic_prompts(MODELS / name, 1)[0].text, return_tensors="pt").input_ids
-        for spec in specs(patch.trained_block_size(model) or 4, 0.9, rows, {}):
-            kwargs = dict(decoding_strategy=spec.decoding_strategy, **spec.params)
-            ops, forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)
-            with eager_steps():
-                before, before_forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)
-            print(f"| {name} | {spec.label} | {forwards} | {ops / forwards:.1f} | {ops / forwards / baseline:.2f} | "
-                  f"{before / before_forwards:.1f} |")
+        names = rows if rows[0] == "ar" else ["ar", *rows]                    # specs() puts AR first
+        for row, spec in zip(names, specs(patch.trained_block_size(model) or 4, 0.9, rows, {})):
+            for sampled in (False, True) if row in SAMPLED_ROWS.get(name, ()) else (False,):
+                kwargs = dict(decoding_strategy=spec.decoding_strategy, **spec.params, **(SAMPLING if sampled else {}))
+                ops, forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)
+                with eager_steps():
+                    before, before_forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)
+                label = f"{spec.label}, sampled" if sampled else spec.label
+                print(f"| {name} | {label} | {forwards} | {ops / forwards:.1f} | {ops / forwards / baseline:.2f} | "
+                      f"{before / before_forwards:.1f} |", flush=True)
 
 
 def main() -> None:

@@ -264,9 +264,10 @@ def test_fast_dllm_v2_steps_equal_the_eager_runtime(fast_model, params):
     assert all(state.steps.graphs(key) == 1 for state in static_states(fast_model) for key in state.steps.keys)
 
 
-def test_one_host_read_per_step(sdar_model, monkeypatch):
-    """Batch 1: between the first and the last denoising step the loop reads the device once per step (the step's
-    read). Inside the compiled step nothing reads it: `fullgraph=True` compiles no host read (each one would be a
+@pytest.mark.parametrize("params", [{}, dict(SAMPLED, generator="rows"), dict(SAMPLED, generator="shared")])
+def test_one_host_read_per_step(sdar_model, monkeypatch, params):
+    """Batch 1, greedy and seeded: between the first and the last denoising step the loop reads the device once per
+    step (the step's read; the noise drawn before the step reads nothing). Inside the compiled step nothing reads it: `fullgraph=True` compiles no host read (each one would be a
     graph break), and the counter (a `TorchFunctionMode`, which dynamo would trace into the step) is paused there."""
     before = []
     run = StaticModelRunner.run_step
@@ -284,10 +285,10 @@ def test_one_host_read_per_step(sdar_model, monkeypatch):
 
     monkeypatch.setattr(StaticModelRunner, "run_step", counted)
     generate(sdar_model, PROMPTS[:1], max_new_tokens=16, cache_implementation="static",
-             compile_config=compile_config())
+             compile_config=compile_config(), **seeded(params, 1))
     with count_host_syncs() as syncs:
         generate(sdar_model, PROMPTS[:1], max_new_tokens=16, cache_implementation="static",
-                 compile_config=compile_config())
+                 compile_config=compile_config(), **seeded(params, 1))
     assert len(before) > 4
     assert (before[-1] - before[0]) / (len(before) - 1) == 1.0, syncs.by_site.most_common(4)
     assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
