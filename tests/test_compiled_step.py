@@ -311,7 +311,7 @@ def test_other_cases_run_the_eager_step(sdar_model, params, monkeypatch):
                     reason="torch.compile (inductor) needs a C++ compiler on the CPU")
 def test_inductor_compiled_step_gives_the_eager_tokens():
     """The bundled SDAR model, inductor (transformers' default backend), a left-padded batch of 2: the eager
-    runtime's tokens and counters."""
+    runtime's tokens and counters, greedy and seeded (per-row generators, warpers)."""
     tokenizer, model = load(ROOT / "models" / "sdar-tiny-arith")
     tokenizer.padding_side = "left"
     enc = tokenizer(["12+7=", "3*4+25="], return_tensors="pt", padding=True)
@@ -322,3 +322,9 @@ def test_inductor_compiled_step_gives_the_eager_tokens():
                               **common)
     assert_same(eager, compiled)
     assert step_keys(model)
+    sampled = dict(common, do_sample=True, temperature=0.8, top_k=20, top_p=0.95)
+    rows = lambda: [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)]      # noqa: E731
+    eager = model.generate(enc.input_ids, generator=rows(), **sampled)
+    compiled = model.generate(enc.input_ids, cache_implementation="static", compile_config=compile_config("inductor"),
+                              generator=rows(), **sampled)
+    assert_same(eager, compiled)
