@@ -567,7 +567,7 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
 
     Args:
         strategy (`S2D2Strategy`), runner (`StaticModelRunner`), shape (`tuple`), lengths (`(N,)`): as
-            :func:`~hf_dllm_spec.strategies.block_diffusion.greedy_denoising_step`.
+            :func:`~hf_dllm_spec.strategies.block_diffusion.denoising_step`.
         tokens, undecided, start, num_fixed, step: the :class:`BlockState` fields, `(N, B)` / `(N,)`.
         pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
             None.
