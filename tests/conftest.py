@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -38,6 +40,87 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def as_users_run_it(monkeypatch, one_thread):
+    """Layout checks off (the suite turns them on; they read the device every storing forward, so a compiled step
+    is not used with them), one intra-op thread."""
+    monkeypatch.setattr(ModelRunner, "check_layouts", False)
+
+
+class StepSyncs:
+    """Host synchronisations counted before each compiled step (`StaticModelRunner.run_step`) of the calls made
+    inside :meth:`counting`; paused inside the compiled call (the counter is a `TorchFunctionMode`, which dynamo would
+    trace into; `fullgraph=True` already proves there is no host read inside). Steps outside :meth:`counting` (a
+    first call that compiles) are not counted."""
+
+    def __init__(self, monkeypatch) -> None:
+        from hf_dllm_spec.runtime.static import StaticModelRunner
+
+        self.before: list[int] = []
+        self.syncs = None
+        run = StaticModelRunner.run_step
+
+        def counted(runner, *args, **kwargs):
+            if self.syncs is None:
+                return run(runner, *args, **kwargs)
+            self.before.append(self.syncs.total)
+            self.syncs.__exit__(None, None, None)
+            try:
+                return run(runner, *args, **kwargs)
+            finally:
+                self.syncs.__enter__()
+
+        monkeypatch.setattr(StaticModelRunner, "run_step", counted)
+
+    @contextlib.contextmanager
+    def counting(self):
+        from hf_dllm_spec.runtime.syncs import count_host_syncs
+
+        with count_host_syncs() as self.syncs:
+            yield self.syncs
+        self.syncs = None
+
+    def per_step(self) -> float:
+        """Host reads per compiled step, between the first counted step and the last."""
+        return (self.before[-1] - self.before[0]) / (len(self.before) - 1)
+
+
+@pytest.fixture
+def step_syncs(monkeypatch) -> StepSyncs:
+    return StepSyncs(monkeypatch)
+
+
+#: `SpecDecodingStats` fields that are times or notes (they differ between runs), left out of counter comparisons.
+TIME_FIELDS = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s", "warmup_time_s", "runtime"}
+
+
+def spec_counters(stats) -> dict:
+    """A row's counters (`SpecDecodingStats` fields but :data:`TIME_FIELDS`)."""
+    return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.name not in TIME_FIELDS}
+
+
+def assert_same_decode(expected, got) -> None:
+    """Two `return_dict_in_generate` outputs: the same sequences, per-row counters and forward calls."""
+    assert got.sequences.tolist() == expected.sequences.tolist()
+    for a, b in zip(expected.spec_stats_per_row, got.spec_stats_per_row):
+        assert spec_counters(b) == spec_counters(a)
+    assert got.spec_stats.num_forward_calls == expected.spec_stats.num_forward_calls
+
+
+def cpu_compile_config(backend: str = "eager"):
+    """transformers' `CompileConfig` with `backend` (dynamo's "eager": the trace and its guards, fast; "inductor":
+    generated code), compiling on the CPU too (`_compile_all_devices`, transformers' switch).
+
+    A compiled step's graph guards on transformers' output-capturing registry (`_CAN_RECORD_REGISTRY`, one entry per
+    model class instantiated in the process), so each key recompiles once after a model of a new class is loaded:
+    a test that counts graphs per key clears the model's static state first and counts its own keys only."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend=backend, mode=None if backend == "eager" else "default")
+    config._compile_all_devices = True
+    return config
 
 
 @pytest.fixture(scope="session")

@@ -13,19 +13,15 @@ and its guards); one slow test runs inductor.
 from __future__ import annotations
 
 import shutil
-from dataclasses import fields
 
 import pytest
 import torch
-from transformers import CompileConfig
+from conftest import assert_same_decode, cpu_compile_config
 
-from hf_dllm_spec.runtime.runner import ModelRunner
-from hf_dllm_spec.runtime.static import StaticModelRunner, clear_static_state, static_states
-from hf_dllm_spec.runtime.syncs import count_host_syncs
+from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import s2d2
 from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
 
-TIMES = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s", "warmup_time_s", "runtime"}
 PROMPTS = ["12+7=", "3*4+25="]
 #: The main job's S2D2 row (benchmarks/host_work.py): AR-like caching and drafting masks, threshold 0.9.
 MAIN_JOB = dict(min_ssd_span_length=1, cache_ver=True, draft_ver=True, confidence_threshold=0.9)
@@ -48,17 +44,7 @@ def arith():
     return tokenizer, model
 
 
-@pytest.fixture(autouse=True)
-def as_users_run_it(monkeypatch, one_thread):
-    """Layout checks off (the suite turns them on; they read the device every storing forward, so a compiled step
-    is not used with them)."""
-    monkeypatch.setattr(ModelRunner, "check_layouts", False)
-
-
-def compile_config(backend: str = "eager") -> CompileConfig:
-    config = CompileConfig(backend=backend, mode=None if backend == "eager" else "default")
-    config._compile_all_devices = True                 # transformers compiles on the CPU only when told
-    return config
+pytestmark = pytest.mark.usefixtures("as_users_run_it")
 
 
 def generate(arith, prompts, compiled: bool | str, **kwargs):
@@ -66,20 +52,9 @@ def generate(arith, prompts, compiled: bool | str, **kwargs):
     tokenizer, model = arith
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     backend = compiled if isinstance(compiled, str) else "eager"
-    static = dict(cache_implementation="static", compile_config=compile_config(backend)) if compiled else {}
+    static = dict(cache_implementation="static", compile_config=cpu_compile_config(backend)) if compiled else {}
     return model.generate(enc.input_ids, attention_mask=enc.attention_mask, return_dict_in_generate=True,
                           **{"decoding_strategy": "s2d2", "max_new_tokens": 16, **static, **kwargs})
-
-
-def counters(stats) -> dict:
-    return {f.name: getattr(stats, f.name) for f in fields(stats) if f.name not in TIMES}
-
-
-def assert_same(eager, compiled) -> None:
-    assert compiled.sequences.tolist() == eager.sequences.tolist()
-    for a, b in zip(eager.spec_stats_per_row, compiled.spec_stats_per_row):
-        assert counters(b) == counters(a)
-    assert compiled.spec_stats.num_forward_calls == eager.spec_stats.num_forward_calls
 
 
 def s2d2_keys(model) -> list[tuple]:
@@ -95,13 +70,14 @@ def test_tokens_and_counters_equal_the_eager_runtime(arith, policy):
     """A left-padded batch of 2 whose second row stops early (a stop id it generates), so the steps run at 2 and
     then 1 rows: tokens and every per-row counter (forwards by kind, drafts, accepted, recovered, fallback tokens,
     per-position acceptance) equal the eager runtime's; both compiled steps ran."""
+    clear_static_state(arith[1])      # count its own graphs only (conftest.cpu_compile_config)
     params = POLICIES[policy]
     eager = generate(arith, PROMPTS, False, **params)
     prompt_width = eager.sequences.shape[1] - 16
     stop = eager.sequences[1, prompt_width + 5].item()
     eager = generate(arith, PROMPTS, False, eos_token_id=stop, **params)
     compiled = generate(arith, PROMPTS, True, eos_token_id=stop, **params)
-    assert_same(eager, compiled)
+    assert_same_decode(eager, compiled)
     assert compiled.spec_stats.num_verify_forwards > 0
     keys = s2d2_keys(arith[1])
     assert {key[0] for key in keys} == {"draft", "verify"}
@@ -111,7 +87,7 @@ def test_tokens_and_counters_equal_the_eager_runtime(arith, policy):
 
 
 def test_batch_of_one_equals_the_eager_runtime(arith):
-    assert_same(generate(arith, PROMPTS[1:], False, **MAIN_JOB), generate(arith, PROMPTS[1:], True, **MAIN_JOB))
+    assert_same_decode(generate(arith, PROMPTS[1:], False, **MAIN_JOB), generate(arith, PROMPTS[1:], True, **MAIN_JOB))
 
 
 def test_one_graph_per_key_over_a_64_token_call(arith):
@@ -143,31 +119,17 @@ def test_a_graph_break_in_the_step_raises(arith, monkeypatch):
     clear_static_state(arith[1])
 
 
-def test_at_most_one_host_read_per_forward(arith, monkeypatch):
+def test_at_most_one_host_read_per_forward(arith, step_syncs):
     """Batch 1, every routing decision: between the first and the last compiled call the loop reads the device at
     most once per forward (the draft step's read, and the verify step's when a row verifies). Inside the compiled
     steps nothing reads it (fullgraph), and the counter is paused there (dynamo would trace into it)."""
-    before = []
-    run = StaticModelRunner.run_step
-    syncs = None
-
-    def counted(self, *args, **kwargs):
-        if syncs is None:
-            return run(self, *args, **kwargs)
-        before.append(syncs.total)
-        syncs.__exit__(None, None, None)
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            syncs.__enter__()
-
-    monkeypatch.setattr(StaticModelRunner, "run_step", counted)
+    clear_static_state(arith[1])      # count its own graphs only (conftest.cpu_compile_config)
     params = dict(max_new_tokens=24, eos_token_id=None, **POLICIES["span-2"])
     generate(arith, PROMPTS[:1], True, **params)
-    with count_host_syncs() as syncs:
+    with step_syncs.counting() as syncs:
         out = generate(arith, PROMPTS[:1], True, **params)
-    assert out.spec_stats.num_verify_forwards > 0 and len(before) > 4
-    assert (before[-1] - before[0]) / (len(before) - 1) <= 1.0, syncs.by_site.most_common(4)
+    assert out.spec_stats.num_verify_forwards > 0 and len(step_syncs.before) > 4
+    assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
     assert one_graph_each(arith[1])
 
 
@@ -187,6 +149,6 @@ def test_inductor_compiled_steps_give_the_eager_tokens(arith):
     """Inductor (transformers' default backend), the main job's S2D2 row, a left-padded batch of 2: the eager
     runtime's tokens and counters."""
     clear_static_state(arith[1])
-    assert_same(generate(arith, PROMPTS, False, **MAIN_JOB), generate(arith, PROMPTS, "inductor", **MAIN_JOB))
+    assert_same_decode(generate(arith, PROMPTS, False, **MAIN_JOB), generate(arith, PROMPTS, "inductor", **MAIN_JOB))
     assert {key[0] for key in s2d2_keys(arith[1])} == {"draft", "verify"}
     clear_static_state(arith[1])

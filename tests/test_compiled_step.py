@@ -16,42 +16,24 @@ Most tests compile with dynamo's "eager" backend (the trace and its guards, fast
 from __future__ import annotations
 
 import shutil
-from dataclasses import fields
 
 import pytest
 import torch
-from conftest import MASK_ID, TINY
+from conftest import MASK_ID, TINY, assert_same_decode, cpu_compile_config
 from transformers import CompileConfig
 
 from hf_dllm_spec.maths.sampling import (RowGenerators, Sampler, categorical_from_noise, draw_categorical,
                                          draw_exponential)
-from hf_dllm_spec.runtime.runner import ModelRunner
-from hf_dllm_spec.runtime.static import StaticModelRunner, clear_static_state, static_states
+from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.runtime.step import compile_options
-from hf_dllm_spec.runtime.syncs import count_host_syncs
 from hf_dllm_spec.strategies import block_diffusion
 from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
 
-TIMES = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s", "warmup_time_s", "runtime"}
 PROMPTS = [[5, 17, 42, 8, 9], [7, 3], [11, 12, 13, 14, 15, 16, 2]]
 SAMPLED = dict(do_sample=True, temperature=1.5, top_k=20, top_p=0.95)
 
 
-@pytest.fixture(autouse=True)
-def as_users_run_it(monkeypatch, one_thread):
-    """Layout checks off (the suite turns them on; they read the device every storing forward, so a compiled step
-    is not used with them)."""
-    monkeypatch.setattr(ModelRunner, "check_layouts", False)
-
-
-def compile_config(backend: str = "eager") -> CompileConfig:
-    config = CompileConfig(backend=backend, mode=None if backend == "eager" else "default")
-    config._compile_all_devices = True                 # transformers compiles on the CPU only when told
-    return config
-
-
-def counters(stats) -> dict:
-    return {f.name: getattr(stats, f.name) for f in fields(stats) if f.name not in TIMES}
+pytestmark = pytest.mark.usefixtures("as_users_run_it")
 
 
 def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,13 +48,6 @@ def generate(model, prompts, **kwargs):
     return model.generate(ids, attention_mask=mask, return_dict_in_generate=True, pad_token_id=0,
                           **{"decoding_strategy": "block_diffusion", "block_size": 4, "max_new_tokens": 12,
                              "eos_token_id": None, **kwargs})
-
-
-def assert_same(eager, compiled) -> None:
-    assert compiled.sequences.tolist() == eager.sequences.tolist()
-    for a, b in zip(eager.spec_stats_per_row, compiled.spec_stats_per_row):
-        assert counters(b) == counters(a)
-    assert compiled.spec_stats.num_forward_calls == eager.spec_stats.num_forward_calls
 
 
 def step_keys(model) -> list[tuple]:
@@ -145,7 +120,7 @@ def test_the_step_compiles_in_one_graph_without_recompiling(sdar_model, params):
     raises), each key compiled once (one dynamo cache entry); a second call of new strategy and runner objects
     (and new generators seeded alike) reuses them all."""
     clear_static_state(sdar_model)
-    config = compile_config()
+    config = cpu_compile_config()
     first = generate(sdar_model, PROMPTS[:1], max_new_tokens=64, cache_implementation="static",
                      compile_config=config, **seeded(params, 1))
     (state,) = static_states(sdar_model)
@@ -172,13 +147,13 @@ def test_a_graph_break_in_the_step_raises(sdar_model, monkeypatch):
     clear_static_state(sdar_model)
     with pytest.raises(torch._dynamo.exc.Unsupported):
         generate(sdar_model, PROMPTS[:1], max_new_tokens=4, cache_implementation="static",
-                 compile_config=compile_config())
+                 compile_config=cpu_compile_config())
     clear_static_state(sdar_model)
 
 
 @pytest.mark.parametrize("params", [dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5),
                                     dict(remasking_strategy="low_confidence_static", steps_per_block=2),
-                                    dict(decoding_strategy="ar", block_size=1, max_new_tokens=6),
+                                    dict(decoding_strategy="ar", block_size=1, max_new_tokens=10),
                                     dict(remasking_strategy="sequential", sub_block_size=2),
                                     dict(remasking_strategy="entropy_bounded", eb_threshold=0.5),
                                     dict(SAMPLED, generator="shared"),
@@ -188,25 +163,26 @@ def test_a_graph_break_in_the_step_raises(sdar_model, monkeypatch):
                                     dict(fuse_cache_write=False, confidence_threshold=0.5)])
 def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, params):
     """A left-padded batch of 3 whose rows finish their blocks at different steps and leave the batch at different
-    forwards (stop id), so the compiled step runs at 3, 2 and 1 rows (padded to 4, 2 and 1): tokens and every
-    per-row counter equal the eager runtime's, greedy and seeded (one generator for the batch, one per row; the
-    generators end where the eager ones end); batch 1 too."""
+    forwards (stop id), so the compiled step runs at 3 and 2 rows (padded to 4 and 2; then 1 for some rules):
+    tokens and every per-row counter equal the eager runtime's, greedy and seeded (one generator for the batch, one
+    per row; the generators end where the eager ones end); batch 1 too."""
+    clear_static_state(sdar_model)      # count its own graphs only (conftest.cpu_compile_config)
     eager = generate(sdar_model, PROMPTS, **seeded(params, 3))
     stop = eager.sequences[1, -8].item()                      # a token row 1 generates: it stops early
     eager_params, compiled_params = seeded(params, 3), seeded(params, 3)
     eager = generate(sdar_model, PROMPTS, eos_token_id=stop, **eager_params)
     compiled = generate(sdar_model, PROMPTS, eos_token_id=stop, cache_implementation="static",
-                        compile_config=compile_config(), **compiled_params)
-    assert_same(eager, compiled)
+                        compile_config=cpu_compile_config(), **compiled_params)
+    assert_same_decode(eager, compiled)
     if "generator" in params:                                 # the step drew what the eager step drew
         generators = [eager_params["generator"], compiled_params["generator"]]
         states = [[g.get_state() for g in (gs if isinstance(gs, list) else [gs])] for gs in generators]
         assert all(torch.equal(a, b) for a, b in zip(*states))
     keys = step_keys(sdar_model)
-    assert {key[-6] for key in keys} >= {1, 2, 4}             # rows buckets the steps ran at
-    alone = generate(sdar_model, PROMPTS[2:], cache_implementation="static", compile_config=compile_config(),
+    assert {key[-6] for key in keys} >= {2, 4}                # rows buckets: 3 rows, then 2 (and 1 for some rules)
+    alone = generate(sdar_model, PROMPTS[2:], cache_implementation="static", compile_config=cpu_compile_config(),
                      **seeded(params, 1))
-    assert_same(generate(sdar_model, PROMPTS[2:], **seeded(params, 1)), alone)
+    assert_same_decode(generate(sdar_model, PROMPTS[2:], **seeded(params, 1)), alone)
     assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
 
 
@@ -225,9 +201,9 @@ def test_llada2_editing_steps_equal_the_eager_runtime(llada2_model, params):
     edited = 0
     for prompts in (PROMPTS, PROMPTS[:1]):
         eager = generate(llada2_model, prompts, **seeded(params, len(prompts)))
-        compiled = generate(llada2_model, prompts, cache_implementation="static", compile_config=compile_config(),
+        compiled = generate(llada2_model, prompts, cache_implementation="static", compile_config=cpu_compile_config(),
                             **seeded(params, len(prompts)))
-        assert_same(eager, compiled)
+        assert_same_decode(eager, compiled)
         edited += eager.spec_stats.num_edited_tokens
     assert edited > 0 or "preset" in params
     keys = step_keys(llada2_model)
@@ -256,41 +232,28 @@ def test_fast_dllm_v2_steps_equal_the_eager_runtime(fast_model, params):
     prompts = [[5, 17, 42, 8, 9, 10, 11, 12, 13, 14], *PROMPTS[1:]]
     for batch in (prompts, prompts[:1]):
         eager = generate(fast_model, batch, **seeded(params, len(batch)))
-        compiled = generate(fast_model, batch, cache_implementation="static", compile_config=compile_config(),
+        compiled = generate(fast_model, batch, cache_implementation="static", compile_config=cpu_compile_config(),
                             **seeded(params, len(batch)))
-        assert_same(eager, compiled)
+        assert_same_decode(eager, compiled)
     keys = step_keys(fast_model)
     assert keys and all(key[0] == "FastDLLMV2Strategy" for key in keys)
     assert all(state.steps.graphs(key) == 1 for state in static_states(fast_model) for key in state.steps.keys)
 
 
 @pytest.mark.parametrize("params", [{}, dict(SAMPLED, generator="rows"), dict(SAMPLED, generator="shared")])
-def test_one_host_read_per_step(sdar_model, monkeypatch, params):
+def test_one_host_read_per_step(sdar_model, step_syncs, params):
     """Batch 1, greedy and seeded: between the first and the last denoising step the loop reads the device once per
-    step (the step's read; the noise drawn before the step reads nothing). Inside the compiled step nothing reads it: `fullgraph=True` compiles no host read (each one would be a
-    graph break), and the counter (a `TorchFunctionMode`, which dynamo would trace into the step) is paused there."""
-    before = []
-    run = StaticModelRunner.run_step
-    syncs = None
-
-    def counted(self, *args, **kwargs):
-        if syncs is None:                                      # the first call compiles: not counted
-            return run(self, *args, **kwargs)
-        before.append(syncs.total)
-        syncs.__exit__(None, None, None)
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            syncs.__enter__()
-
-    monkeypatch.setattr(StaticModelRunner, "run_step", counted)
+    step (the step's read; the noise drawn before the step reads nothing). Inside the compiled step nothing reads
+    it: `fullgraph=True` compiles no host read (each one would be a graph break), and the counter (a
+    `TorchFunctionMode`, which dynamo would trace into the step) is paused there."""
+    clear_static_state(sdar_model)      # count its own graphs only (conftest.cpu_compile_config)
     generate(sdar_model, PROMPTS[:1], max_new_tokens=16, cache_implementation="static",
-             compile_config=compile_config(), **seeded(params, 1))
-    with count_host_syncs() as syncs:
+             compile_config=cpu_compile_config(), **seeded(params, 1))
+    with step_syncs.counting() as syncs:
         generate(sdar_model, PROMPTS[:1], max_new_tokens=16, cache_implementation="static",
-                 compile_config=compile_config(), **seeded(params, 1))
-    assert len(before) > 4
-    assert (before[-1] - before[0]) / (len(before) - 1) == 1.0, syncs.by_site.most_common(4)
+                 compile_config=cpu_compile_config(), **seeded(params, 1))
+    assert len(step_syncs.before) > 4
+    assert step_syncs.per_step() == 1.0, syncs.by_site.most_common(4)
     assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
 
 
@@ -302,7 +265,7 @@ def test_other_cases_run_the_eager_step(sdar_model, params, monkeypatch):
     clear_static_state(sdar_model)
     torch.manual_seed(0)
     generate(sdar_model, PROMPTS[:1], max_new_tokens=8, cache_implementation="static",
-             compile_config=compile_config(), **params)
+             compile_config=cpu_compile_config(), **params)
     assert step_keys(sdar_model) == []
 
 
@@ -318,13 +281,13 @@ def test_inductor_compiled_step_gives_the_eager_tokens():
     common = dict(decoding_strategy="block_diffusion", max_new_tokens=16, return_dict_in_generate=True,
                   attention_mask=enc.attention_mask)
     eager = model.generate(enc.input_ids, **common)
-    compiled = model.generate(enc.input_ids, cache_implementation="static", compile_config=compile_config("inductor"),
-                              **common)
-    assert_same(eager, compiled)
+    inductor = cpu_compile_config("inductor")
+    compiled = model.generate(enc.input_ids, cache_implementation="static", compile_config=inductor, **common)
+    assert_same_decode(eager, compiled)
     assert step_keys(model)
     sampled = dict(common, do_sample=True, temperature=0.8, top_k=20, top_p=0.95)
     rows = lambda: [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)]      # noqa: E731
     eager = model.generate(enc.input_ids, generator=rows(), **sampled)
-    compiled = model.generate(enc.input_ids, cache_implementation="static", compile_config=compile_config("inductor"),
+    compiled = model.generate(enc.input_ids, cache_implementation="static", compile_config=inductor,
                               generator=rows(), **sampled)
-    assert_same(eager, compiled)
+    assert_same_decode(eager, compiled)
