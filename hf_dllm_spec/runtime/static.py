@@ -510,13 +510,14 @@ class StaticModelRunner(ModelRunner):
 
     @property
     def runs_compiled_carry_steps(self) -> bool:
-        """Whether :meth:`run_step` is available to a step of a right-shifted model that stores nothing and passes
-        the carry to :meth:`step_forward` (Fast-dLLM v2 with separate cache writes: the carry only changes in the
-        writes, which run eagerly)."""
+        """Whether :meth:`run_step` is available to a step of a right-shifted model: one that stores nothing and
+        passes the carry to :meth:`step_forward` (Fast-dLLM v2 with separate cache writes: the carry only changes in
+        the writes, which run eagerly), or one that stores its query, takes the model's own logits
+        (`step_forward(unaligned=True)`) and returns the new carry (`run_step(sets_carry=True)`: DEER's verify)."""
         return self.compile_mode == "compile" and self.alignment == "right_shift" and not self.check_layouts
 
     def run_step(self, function, owner, key: tuple, tensors: tuple, *, q: int, store_len: int, logits_to_keep: int,
-                 kind: str, rows=None) -> list:
+                 kind: str, rows=None, sets_carry: bool = False) -> list:
         """One decoding step, forward and maths, as one compiled function (:class:`~hf_dllm_spec.runtime.step.
         CompiledSteps`, kept on the model per role): `function(owner, self, shape, lengths, *tensors)`.
 
@@ -532,6 +533,9 @@ class StaticModelRunner(ModelRunner):
             key (`tuple`): the owner's part of the compile key (its rule and parameters).
             tensors (`tuple`): `(N, ...)` tensors or None, rows first; a tensor of :attr:`step_rows` rows (a
                 fixed-shape step buffer whose extra rows are padding) is passed as it is.
+            sets_carry (`bool`, defaults to False): right-shifted models: `function` returns `(lengths, carry,
+                *outputs)`, the new carry `(N, V)` (the logits of each row's last stored token after the step) second;
+                the runner keeps it as :attr:`carry`.
 
         Returns:
             `list` of the function's outputs, `(N, ...)` each.
@@ -555,6 +559,8 @@ class StaticModelRunner(ModelRunner):
             lengths, *outputs = (t[:n] for t in (lengths, *outputs))
         if self.device.type == "cuda":         # CUDA graph trees reuse their output memory at the next replay
             lengths, *outputs = (t.clone() for t in (lengths, *outputs))
+        if sets_carry:
+            self.carry, *outputs = outputs
         self.lengths = lengths
         self._bound += store_len
         return outputs
@@ -567,20 +573,22 @@ class StaticModelRunner(ModelRunner):
     def step_forward(self, shape: tuple[int, int, int], input_ids: torch.Tensor, position_ids: torch.Tensor,
                      intra_mask: torch.Tensor, lengths: torch.Tensor, *, store_len: int = 0,
                      store_valid: torch.Tensor | None = None, logits_to_keep: int = 0,
-                     carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     carry: torch.Tensor | None = None, unaligned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` inside a compiled step (:meth:`run_step`): the same layout, mask and model call over the
         static cache at the fixed `shape` `(W, kept, P)`, from the rows' write positions `lengths` `(R,)`.
 
         A right-shifted model (:attr:`runs_compiled_carry_steps`) takes the carry as an argument, `carry` `(R, V)`
         (the runner's :attr:`carry`, rows padded like the step's other tensors): its query stores nothing
-        (`store_len=0`), so the carry is the same after the step.
+        (`store_len=0`), so the carry is the same after the step. Or, with `unaligned=True`, the model's own logits
+        of the last `logits_to_keep` query tokens (entry i predicts the token after query token q - n + i), for a
+        step that may store its query and computes the new carry itself (:meth:`run_step` with `sets_carry`).
 
         Returns:
-            `(logits, lengths)`: `(R, n, V)` float32 logits as :meth:`forward` returns them, and the new write
-            positions `(R,)`.
+            `(logits, lengths)`: `(R, n, V)` float32 logits as :meth:`forward` returns them (unaligned: as the model
+            computes them), and the new write positions `(R,)`.
 
         Raises:
-            ValueError: a right-shifted model's step without `carry`, or one that stores tokens.
+            ValueError: a right-shifted model's step without `carry`, or one that stores tokens (unless `unaligned`).
         """
         width, kept, prefix = shape
         n, q = input_ids.shape
@@ -588,7 +596,7 @@ class StaticModelRunner(ModelRunner):
         inputs, stored = self._layout(input_ids, position_ids, intra, store_len, store_valid, width, lengths)
         self.cache.set_write_columns(inputs[3], prefix)
         raw = self._call_model(*inputs, call=self.model, kept=kept, prefix=prefix)[:, kept - keep_raw:]
-        if self.alignment == "position":
+        if self.alignment == "position" or unaligned:
             return raw[:, -keep:], lengths + stored
         if store_len or carry is None:
             raise ValueError("StaticModelRunner.step_forward: a right-shifted model's step needs `carry` (the logits "
