@@ -69,6 +69,41 @@ class _JoiningStats:
         self.stats.count_forward(kind, [False] * self.first + flags, draft_model)
 
 
+def align_right_shift(raw: torch.Tensor, query_valid: torch.Tensor | None, q: int, keep: int, s: int,
+                      carry: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A right-shifted model's logits aligned to the tokens they predict (a pure function of tensors).
+
+    The logits at query row i - 1 predict query token i; a kept token without a valid query predecessor (the
+    query's first token, or one after padding) takes the carry, the logits of the row's last stored token.
+
+    Args:
+        raw (`torch.Tensor` of shape `(N, keep_raw, V)`): the model's logits of the last `keep_raw` query rows.
+        query_valid (`torch.Tensor` of shape `(N, q)`, bool, *optional*): real query tokens (None: all).
+        q (`int`), keep (`int`): the query's tokens and the logits to return (of its last `keep` tokens).
+        s (`int`): the query's first `s` tokens are stored; the last stored real token's logits become the carry.
+        carry (`torch.Tensor` of shape `(N, V)`, *optional*): the carry before the query (None: zeros).
+
+    Returns:
+        `(aligned, carry)`: `(N, keep, V)` logits, and the carry after the query (`carry` itself when `s` is 0).
+
+    Source: Fast-dLLM v2 (the first token of each block from the last logit of the previous block's cache
+    write); the AR convention of transformers' `generate` (logits at position t predict token t + 1).
+    """
+    n, keep_raw, vocab = raw.shape
+    if query_valid is None:
+        query_valid = torch.ones(n, q, dtype=torch.bool, device=raw.device)
+    offset = q - keep_raw                                      # query index of raw[:, 0]
+    before = carry if carry is not None else raw.new_zeros(n, vocab)
+    prev = torch.arange(q - keep, q, device=raw.device) - 1    # predecessor query index of each kept token
+    prev_valid = query_valid[:, prev.clamp(min=0)] & (prev >= 0)         # no boolean index: no host read
+    shifted = raw[:, (prev - offset).clamp(min=0)]
+    aligned = torch.where(prev_valid[..., None], shifted, before[:, None, :])
+    if s:
+        stored_any = query_valid[:, :s].any(dim=1)
+        carry = torch.where(stored_any[:, None], raw[:, s - 1 - offset], before)
+    return aligned, carry
+
+
 class ModelRunner:
     """One model, its family adapter and its stored context, for a batch of `N` rows.
 
@@ -277,19 +312,8 @@ class ModelRunner:
 
     def _align_right_shift(self, raw: torch.Tensor, query_valid: torch.Tensor | None, q: int, keep: int,
                            s: int) -> torch.Tensor:
-        """Logits at row i - 1 predict query token i; a token without a query predecessor takes the carry."""
-        n, keep_raw, vocab = raw.shape
-        if query_valid is None:
-            query_valid = torch.ones(n, q, dtype=torch.bool, device=raw.device)
-        offset = q - keep_raw                                      # query index of raw[:, 0]
-        carry = self.carry if self.carry is not None else raw.new_zeros(n, vocab)
-        prev = torch.arange(q - keep, q, device=raw.device) - 1    # predecessor query index of each kept token
-        prev_valid = query_valid[:, prev.clamp(min=0)] & (prev >= 0)         # no boolean index: no host read
-        shifted = raw[:, (prev - offset).clamp(min=0)]
-        aligned = torch.where(prev_valid[..., None], shifted, carry[:, None, :])
-        if s:
-            stored_any = query_valid[:, :s].any(dim=1)
-            self.carry = torch.where(stored_any[:, None], raw[:, s - 1 - offset], carry)
+        """:func:`align_right_shift` with the runner's carry (updated when the query stored tokens)."""
+        aligned, self.carry = align_right_shift(raw, query_valid, q, keep, s, self.carry)
         return aligned
 
     # -- batch membership ---------------------------------------------------------------------------------------

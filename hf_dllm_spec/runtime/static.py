@@ -66,7 +66,7 @@ from ..validation import invalid
 from .experts import capturable_experts, experts_configs, experts_implementation
 from .graphs import DEFAULT_MAX_GRAPHS, CapturedForwards
 from .placement import execution_device
-from .runner import DRAFT_MODEL_SPAN, ModelRunner
+from .runner import DRAFT_MODEL_SPAN, ModelRunner, align_right_shift
 from .static_cache import RowStaticCache, RowStaticLayer
 from .step import CompiledSteps, compile_options
 from .timing import ForwardTimer
@@ -525,7 +525,9 @@ class StaticModelRunner(ModelRunner):
         stored, `logits_to_keep` logits kept), whose fixed `shape` is decided here; it returns `(lengths, *outputs)`,
         the rows' new write positions first. The batch is padded to :func:`rows_bucket` rows (zero rows: each
         tensor's extra rows are zeros, and their K/V go to unused rows of the buffers) and the outputs cut back.
-        Counted as one forward of `kind` for `rows` (:meth:`forward`'s counters).
+        Counted as one forward of `kind` for `rows` (:meth:`forward`'s counters). With `sets_carry` (a
+        right-shifted model's step that stores tokens) it returns `(lengths, carry, *outputs)`, and the carry
+        `(N, V)` (:meth:`step_forward` with `return_carry`) becomes the runner's.
 
         Args:
             function (`Callable`): a plain function of tensors (no host read, no Python state changed).
@@ -573,38 +575,41 @@ class StaticModelRunner(ModelRunner):
     def step_forward(self, shape: tuple[int, int, int], input_ids: torch.Tensor, position_ids: torch.Tensor,
                      intra_mask: torch.Tensor, lengths: torch.Tensor, *, store_len: int = 0,
                      store_valid: torch.Tensor | None = None, logits_to_keep: int = 0,
-                     carry: torch.Tensor | None = None, unaligned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     carry: torch.Tensor | None = None, return_carry: bool = False) -> tuple[torch.Tensor, ...]:
         """:meth:`forward` inside a compiled step (:meth:`run_step`): the same layout, mask and model call over the
         static cache at the fixed `shape` `(W, kept, P)`, from the rows' write positions `lengths` `(R,)`.
 
         A right-shifted model (:attr:`runs_compiled_carry_steps`) takes the carry as an argument, `carry` `(R, V)`
-        (the runner's :attr:`carry`, rows padded like the step's other tensors): its query stores nothing
-        (`store_len=0`), so the carry is the same after the step. Or, with `unaligned=True`, the model's own logits
-        of the last `logits_to_keep` query tokens (entry i predicts the token after query token q - n + i), for a
-        step that may store its query and computes the new carry itself (:meth:`run_step` with `sets_carry`).
+        (the runner's :attr:`carry`, rows padded like the step's other tensors). A query that stores tokens changes
+        the carry: it needs `return_carry=True`, and the step returns the new carry to :meth:`run_step`
+        (`sets_carry=True`).
 
         Returns:
-            `(logits, lengths)`: `(R, n, V)` float32 logits as :meth:`forward` returns them (unaligned: as the model
-            computes them), and the new write positions `(R,)`.
+            `(logits, lengths)`, or `(logits, lengths, carry)` with `return_carry`: `(R, n, V)` float32 logits as
+            :meth:`forward` returns them, the new write positions `(R,)`, and the carry after the query `(R, V)`
+            (None on a position-aligned model).
 
         Raises:
-            ValueError: a right-shifted model's step without `carry`, or one that stores tokens (unless `unaligned`).
+            ValueError: a right-shifted model's step without `carry`, or one that stores tokens without
+                `return_carry`.
         """
         width, kept, prefix = shape
         n, q = input_ids.shape
-        intra, _, keep, keep_raw = self._prepare_query(n, q, intra_mask, store_len, store_valid, logits_to_keep)
+        intra, query_valid, keep, keep_raw = self._prepare_query(n, q, intra_mask, store_len, store_valid,
+                                                                 logits_to_keep)
         inputs, stored = self._layout(input_ids, position_ids, intra, store_len, store_valid, width, lengths)
         self.cache.set_write_columns(inputs[3], prefix)
         raw = self._call_model(*inputs, call=self.model, kept=kept, prefix=prefix)[:, kept - keep_raw:]
-        if self.alignment == "position" or unaligned:
-            return raw[:, -keep:], lengths + stored
-        if store_len or carry is None:
-            raise ValueError("StaticModelRunner.step_forward: a right-shifted model's step needs `carry` (the logits "
-                             f"of each row's last stored token, (R, V)) and a query that stores nothing (store_len="
-                             f"{store_len}); store the tokens with forward() instead.")
-        if keep_raw == keep:                   # the first kept token has no query predecessor: the carry's logits
-            raw = torch.cat([carry[:, None].to(raw.dtype), raw], dim=1)
-        return raw[:, :-1][:, -keep:], lengths + stored
+        lengths = lengths + stored
+        if self.alignment == "position":
+            logits = raw[:, -keep:]
+        else:
+            if carry is None or (store_len and not return_carry):
+                raise ValueError("StaticModelRunner.step_forward: a right-shifted model's step needs `carry` (the "
+                                 "logits of each row's last stored token, (R, V)), and `return_carry=True` when it "
+                                 f"stores tokens (store_len={store_len}): the stored tokens change the carry.")
+            logits, carry = align_right_shift(raw, query_valid, q, keep, store_len, carry)
+        return (logits, lengths, carry) if return_carry else (logits, lengths)
 
     def _plain_offsets(self, width: int, front: int) -> torch.Tensor:
         """`(1, W)` int64 write offsets of a query without stored padding: its `q = W - front` tokens at `[0, q)`
