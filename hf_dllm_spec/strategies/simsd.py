@@ -48,14 +48,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..configuration import DrafterConfig, check_int
 from ..maths.masks import full_mask, temporal_verify_mask
-from ..maths.sampling import Sampler, entropy
-from ..maths.unmasking import scheduled_tokens, select_transfer
+from ..maths.sampling import POSITION_INDEPENDENT_PROCESSORS, Sampler, entropy
+from ..maths.unmasking import first_masked_span, scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
-from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, continuing_rows
+from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, continuing_rows,
+                              traceable_step_methods)
 
 VERIFY_LAYOUTS = ("paired", "stacked")
 VERIFY_ORDERS = ("position", "temporal")
@@ -230,7 +232,7 @@ def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, ta
     token = committed_ids[rows, slot]
     below = probs.gather(1, token.clamp(min=0)[:, None])[:, 0] < min_prob
     gated = result.recovered & torch.isin(token, stop) & below
-    if not bool(gated.any()):
+    if not torch.compiler.is_compiling() and not bool(gated.any()):     # (a compiled cycle computes both ways)
         return committed_ids
     other = probs.index_fill(1, stop, 0.0)
     if draft_probs is not None:
@@ -303,16 +305,21 @@ class SimSDStrategy(BlockDiffusionStrategy):
                 block, pending = self.admit(block, pending, blocks_done, generated, host_done)
             if not block.tokens.shape[0]:
                 break
-            drafts = self.draft(block, pending)
-            if s.stream is not None:           # the drafter's proposal for the undecided positions, before verify
-                final = torch.cat([blocks_done[s.stats.active[0]], self.final_prefix(block, 0)])
-                self.stream_draft(final, drafts.tokens[0, int(block.first_masked[0]):])
-            target_probs = self.session.sampler.probs(self.verify(block, drafts, pending))
-            self.commit(block, drafts, target_probs)
-            done = ~block.undecided.any(dim=1)
-            # the step's one host read: which rows finished, each block's committed prefix and its tokens
-            read = torch.cat([done[:, None].long(), block.num_fixed[:, None], block.first_masked[:, None],
-                              block.tokens], dim=1).tolist()
+            if self.compiled_step:
+                # 1-3 as compiled functions (the static runtime with `compile_config`), which also prepare step 4's
+                # next blocks; the cycle's read comes back from the last one
+                done, read, advanced = self.compiled_cycle(block, pending)
+            else:
+                drafts = self.draft(block, pending)
+                if s.stream is not None:       # the drafter's proposal for the undecided positions, before verify
+                    final = torch.cat([blocks_done[s.stats.active[0]], self.final_prefix(block, 0)])
+                    self.stream_draft(final, drafts.tokens[0, int(block.first_masked[0]):])
+                target_probs = self.session.sampler.probs(self.verify(block, drafts, pending))
+                self.commit(block, drafts, target_probs)
+                done = ~block.undecided.any(dim=1)
+                # the cycle's one host read: which rows finished, each block's committed prefix and its tokens
+                read = torch.cat([done[:, None].long(), block.num_fixed[:, None], block.first_masked[:, None],
+                                  block.tokens], dim=1).tolist()
             done_rows, finished = [bool(row[0]) for row in read], []
             for i, (is_done, fixed, first_masked, *tokens) in enumerate(read):
                 prompt_index, end = s.stats.active[i], max(first_masked, fixed)
@@ -324,9 +331,12 @@ class SimSDStrategy(BlockDiffusionStrategy):
                     finished.append(i)
             if s.stream is not None:
                 s.stream.push(generated[s.stats.active[0]])
-            continuing, any_continuing = continuing_rows(done, done_rows, finished)
-            pending = (block.tokens.clone(), block.positions, continuing) if any_continuing else None
-            block.restart(continuing)
+            if self.compiled_step:
+                pending = self.take_next_blocks(block, advanced, done, done_rows, finished)
+            else:
+                continuing, any_continuing = continuing_rows(done, done_rows, finished)
+                pending = (block.tokens.clone(), block.positions, continuing) if any_continuing else None
+                block.restart(continuing)
             if finished:
                 pending = self.drop_rows(block, done_rows, finished, pending)
         return generated
@@ -358,19 +368,9 @@ class SimSDStrategy(BlockDiffusionStrategy):
             logits = self.drafter_forward(ids, block.positions, full_mask(self.block_size, ids.device), pending,
                                           kind="draft", rows=still_rows)
             pending = None
-            probs = self.draft_sampler.probs(logits)
-            chosen, confidence = self.draft_sampler.choose(probs, draw=still[:, None].expand_as(undecided))
-            transfer = select_transfer(
-                cfg.remasking_strategy, masked=undecided, confidence=confidence,
-                num_tokens=scheduled_tokens(num_masks.clamp(min=1), self.steps_per_block,
-                                            torch.full_like(num_masks, step)),
-                confidence_threshold=cfg.confidence_threshold, eb_threshold=cfg.eb_threshold,
-                entropies=entropy(probs) if cfg.remasking_strategy == "entropy_bounded" else None,
-            )
-            tokens = torch.where(transfer, chosen, tokens)
-            undecided = undecided & ~transfer
+            tokens, undecided, reveal_step, transfer, probs = self.reveal(
+                logits, tokens, undecided, reveal_step, num_masks, torch.full_like(num_masks, step), still)
             step += 1
-            reveal_step = torch.where(transfer, step, reveal_step)
             probs_at_reveal = probs if probs_at_reveal is None else torch.where(transfer[..., None], probs,
                                                                                probs_at_reveal)
             s.stats.accumulate("num_denoising_steps", still.long())
@@ -383,6 +383,33 @@ class SimSDStrategy(BlockDiffusionStrategy):
         reveal_step = torch.where(target_only, 1, reveal_step)
         tokens = torch.where(target_only, s.mask_token_id, tokens)
         return Drafts(tokens, reveal_step, probs_at_reveal, drafting)
+
+    def reveal(self, logits: torch.Tensor, tokens: torch.Tensor, undecided: torch.Tensor, reveal_step: torch.Tensor,
+               num_masks: torch.Tensor, step: torch.Tensor, still: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One drafter step's maths (a function of tensors): the drafter's distribution, its choice and the
+        drafter's unmasking rule (`remasking_strategy` over the `steps_per_block` schedule of the row's masks).
+
+        Args:
+            logits (`(N, B, V)`): the drafter's logits for the block; tokens, undecided, reveal_step (`(N, B)`): the
+                draft so far, its masks and its step map; num_masks (`(N,)`): masks the draft started with; step
+                (`(N,)`): drafter steps taken; still (`(N,)` bool): rows still drafting (the positions they draw).
+
+        Returns:
+            `(tokens, undecided, reveal_step, transfer, probs)`: the draft, masks and step map after this step
+            (revealed positions get step + 1), the revealed positions `(N, B)` bool and the drafter's processed
+            distribution `(N, B, V)`.
+        """
+        cfg = self.config
+        probs = self.draft_sampler.probs(logits)
+        chosen, confidence = self.draft_sampler.choose(probs, draw=still[:, None].expand_as(undecided))
+        transfer = select_transfer(
+            cfg.remasking_strategy, masked=undecided, confidence=confidence,
+            num_tokens=scheduled_tokens(num_masks.clamp(min=1), self.steps_per_block, step),
+            confidence_threshold=cfg.confidence_threshold, eb_threshold=cfg.eb_threshold,
+            entropies=entropy(probs) if cfg.remasking_strategy == "entropy_bounded" else None,
+        )
+        return (torch.where(transfer, chosen, tokens), undecided & ~transfer,
+                torch.where(transfer, step[:, None] + 1, reveal_step), transfer, probs)
 
     def drafter_forward(self, ids: torch.Tensor, positions: torch.Tensor, intra: torch.Tensor, pending: tuple | None,
                         *, kind: str, rows=None) -> torch.Tensor:
@@ -405,8 +432,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
         s, B = self.session, self.block_size
         device = block.tokens.device
         if self.config.verify_layout == "paired":
-            ids = torch.cat([drafts.tokens, torch.full_like(drafts.tokens, s.mask_token_id)], dim=1)
-            positions = torch.cat([block.positions, block.positions], dim=1)        # mask slots copy RoPE positions
+            ids, positions = self.paired_query(drafts.tokens, block.positions)
             ids, positions, intra, slot = compact_paired_layout(ids, positions, drafts.reveal_step)
             logits = self.forward_with_pending(s.target, ids, positions, intra, pending, kind="verify",
                                                rows=self.count_target_alone(drafts))
@@ -429,6 +455,12 @@ class SimSDStrategy(BlockDiffusionStrategy):
         index = (drafts.reveal_step - 1).clamp(min=0) * B + torch.arange(B, device=device)[None]
         return logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
 
+    def paired_query(self, draft_tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The paired layout `[data | mask slots]` (SimSD §3.1): ids and RoPE positions `(N, 2B)` each, mask slot k
+        at data position k's position; its visibility is :func:`~hf_dllm_spec.maths.masks.temporal_verify_mask`."""
+        ids = torch.cat([draft_tokens, torch.full_like(draft_tokens, self.session.mask_token_id)], dim=1)
+        return ids, torch.cat([positions, positions], dim=1)
+
     def count_target_alone(self, drafts: Drafts) -> torch.Tensor | None:
         """Rows that did not draft use this target forward as a plain denoising step: count it as one (a draft
         forward and a denoising step) and return the rows the verify counter serves (None: all)."""
@@ -445,7 +477,33 @@ class SimSDStrategy(BlockDiffusionStrategy):
     def commit(self, block: BlockState, drafts: Drafts, target_probs: torch.Tensor) -> None:
         """Accept drafts (position or temporal order), commit them and the correction token into `block`; rows
         that did not draft commit the target's most confident masked position."""
-        s, n = self.session, block.tokens.shape[0]
+        n = block.tokens.shape[0]
+        block.tokens, block.undecided, result, num_drafts, alone = self.accept(block.tokens, block.undecided, drafts,
+                                                                               target_probs)
+        s = self.session
+        rows = torch.arange(n, device=block.tokens.device)
+        s.stats.observe_verification(rows, num_drafts, result.num_accepted, result.recovered,
+                                     torch.zeros_like(result.recovered))
+        s.stats.accumulate("num_fallback_tokens", alone.sum(dim=1))
+        s.stats.accumulate("num_committed_tokens", result.num_tokens + alone.sum(dim=1))
+
+    def accept(self, tokens: torch.Tensor, undecided: torch.Tensor, drafts: Drafts,
+               target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, VerificationResult, torch.Tensor,
+                                                    torch.Tensor]:
+        """Step 3 as a function of tensors (no host read under greedy_match but the EOS gate's early exit, which a
+        compiled cycle skips): the verification in `verify_order`, the EOS gate, the commits.
+
+        Args:
+            tokens, undecided (`(N, B)`): the block before this cycle's commits.
+            drafts (`Drafts`): this cycle's drafts; target_probs (`(N, B, V)`): the target's distribution per block
+                position (:meth:`verify`).
+
+        Returns:
+            `(tokens, undecided, result, num_drafts, alone)`: the block after the commits, the verification (in
+            verification order), drafted positions per row `(N,)`, and the positions the target committed alone
+            `(N, B)` bool (rows below `min_draft_len`).
+        """
+        s = self.session
         drafted = drafts.drafted
         order = verification_order(drafted, drafts.reveal_step, self.config.verify_order)       # (N, B)
         num_drafts = drafted.sum(dim=1)
@@ -466,18 +524,173 @@ class SimSDStrategy(BlockDiffusionStrategy):
                                              self.config.eos_min_prob, s.sampler, draft_probs=draft_ordered)
         in_order = torch.arange(order.shape[1], device=order.device)[None] < result.num_tokens[:, None]
         commit = torch.zeros_like(in_order).scatter(1, order, in_order)
-        values = torch.zeros_like(block.tokens).scatter(1, order, committed_ids.clamp(min=0))
+        values = torch.zeros_like(tokens).scatter(1, order, committed_ids.clamp(min=0))
         # rows finished by the target alone: its most confident masked position, one token per forward
         alone = torch.zeros_like(commit)
         if self.config.min_draft_len > 1:
             target_ids, confidence = s.sampler.choose(target_probs)
-            alone = select_transfer("low_confidence_static", masked=block.undecided & ~drafts.drafting[:, None],
+            alone = select_transfer("low_confidence_static", masked=undecided & ~drafts.drafting[:, None],
                                     confidence=confidence, num_tokens=1)
             values = torch.where(alone, target_ids, values)
-        block.tokens = torch.where(commit | alone, values, block.tokens)
-        block.undecided = block.undecided & ~commit & ~alone
-        rows = torch.arange(n, device=order.device)
-        s.stats.observe_verification(rows, num_drafts, result.num_accepted, result.recovered,
-                                     torch.zeros_like(result.recovered))
-        s.stats.accumulate("num_fallback_tokens", alone.sum(dim=1))
-        s.stats.accumulate("num_committed_tokens", result.num_tokens + alone.sum(dim=1))
+        return (torch.where(commit | alone, values, tokens), undecided & ~commit & ~alone, result, num_drafts, alone)
+
+    # -- the cycle as compiled functions (runtime/step.py) -------------------------------------------------------
+    #: The methods a compiled cycle runs; a subclass that overrides one of them runs the eager cycle, unless the
+    #: class defining the override says `traceable_step = True` in its own body.
+    COMPILED_CYCLE_METHODS = ("reveal", "paired_query", "accept", "with_pending", "store_mask")
+    traceable_step = True
+
+    def runs_compiled_step(self) -> bool:
+        """Whether each cycle runs as compiled functions (:func:`simsd_draft_step` per drafter step on the
+        drafter, then :func:`simsd_verify_step` on the target, through `StaticModelRunner.run_step`; one host read
+        each): the static runtime with `compile_config` for both models on one device, position-aligned; greedy
+        with greedy_match acceptance and transformers' position-independent processors; the paired layout, either
+        verification order, `min_draft_len=1`, the EOS gate; any drafter schedule; no streamer, no continuous
+        batching; a class whose cycle methods are traceable (:data:`COMPILED_CYCLE_METHODS`). Else the eager
+        cycle. Called by the block-diffusion constructor (config and session only)."""
+        s, cfg = self.session, self.config
+        processors = s.sampler.logits_processor
+        return (getattr(s.target, "runs_compiled_steps", False) and getattr(s.drafter, "runs_compiled_steps", False)
+                and s.drafter.device == s.target.device and not s.sampler.do_sample
+                and cfg.acceptance in (None, "greedy_match") and cfg.verify_layout == "paired"
+                and cfg.min_draft_len == 1 and s.stream is None and s.admission is None
+                and type(processors) in (LogitsProcessorList, list)
+                and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
+                and traceable_step_methods(type(self), self.COMPILED_CYCLE_METHODS))
+
+    @property
+    def step_key(self) -> tuple:
+        """What SimSD's compiled functions specialise on besides their shapes: the drafter's rule (the
+        block-diffusion key), the drafter's sampler and mask, the verification order and the EOS gate."""
+        s, cfg = self.session, self.config
+        return (*super().step_key, "simsd", s.draft_mask_token_id, self.draft_sampler.step_key, cfg.verify_order,
+                cfg.eos_min_prob, tuple(s.stop_token_ids) if cfg.eos_min_prob > 0 else ())
+
+    def compiled_cycle(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, list, tuple]:
+        """One cycle of every row as compiled functions: :func:`simsd_draft_step` until no row has a mask left in
+        its draft (the first call also stores `pending` in the drafter's cache; each call's read is its rows still
+        drafting), then :func:`simsd_verify_step` (the verify forward, storing `pending` in the target's cache,
+        greedy_match, the commits, the done flags, the next blocks and the cycle's read); updates `block` and the
+        counters as the eager cycle does.
+
+        Returns:
+            `(done, read, advanced)`: `(N,)` bool; per row `[done, num_fixed, first_masked, *block tokens]`; the
+            next blocks for :meth:`take_next_blocks`.
+        """
+        s, B = self.session, self.block_size
+        n, store = block.tokens.shape[0], pending is not None
+        stored = pending if store else (None, None, None)
+        tokens, undecided, step = block.tokens, block.undecided, torch.zeros_like(block.start)
+        reveal_step = torch.zeros_like(tokens)
+        still = [True] * n                     # every block has a mask when a cycle starts (min_draft_len=1)
+        while any(still):
+            tokens, undecided, reveal_step, step, flags = s.drafter.run_step(
+                simsd_draft_step, self, ("simsd-draft", *self.step_key),
+                (tokens, undecided, reveal_step, step, block.start, *stored), q=2 * B if store else B,
+                store_len=B if store else 0, logits_to_keep=B, kind="draft", rows=still)
+            for i in (i for i, flag in enumerate(still) if flag):
+                s.stats.row(i).num_denoising_steps += 1
+            still = [bool(flag) for flag in flags.tolist()]     # the drafter step's one host read
+            stored, store = (None, None, None), False
+        tokens, undecided, done, read, *advanced = s.target.run_step(
+            simsd_verify_step, self, ("simsd-verify", *self.step_key),
+            (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps, tokens,
+             reveal_step, *(pending if pending is not None else (None, None, None))),
+            q=3 * B if pending is not None else 2 * B, store_len=B if pending is not None else 0, logits_to_keep=B,
+            kind="verify")
+        rows = read.tolist()                                    # the verify step's one host read
+        for i, row in enumerate(rows):
+            num_drafts, accepted, recovered, committed = row[-4:]
+            stats = s.stats.row(i)
+            stats.observe_verification(num_drafts, accepted, bool(recovered), False)
+            stats.num_committed_tokens += committed
+            del row[-4:]
+        block.tokens, block.undecided = tokens, undecided
+        return done, rows, tuple(advanced)
+
+
+def simsd_draft_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
+                     undecided: torch.Tensor, reveal_step: torch.Tensor, step: torch.Tensor, start: torch.Tensor,
+                     pending_tokens: torch.Tensor | None = None, pending_positions: torch.Tensor | None = None,
+                     pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """One drafter step of SimSD's draft (§3.2, step 1) as a function of tensors, what `StaticModelRunner.run_step`
+    compiles on the drafter: the drafter's forward over `[draft | MASK where undecided]` (full attention inside
+    the block, the cache read-only; the pending finished blocks stored first), then :meth:`SimSDStrategy.reveal`.
+    Nothing here reads the host or changes Python state.
+
+    Args:
+        strategy (`SimSDStrategy`), runner (`StaticModelRunner`, the drafter's), shape (`tuple`), lengths (`(N,)`):
+            from `run_step`.
+        tokens, undecided, reveal_step (`(N, B)`): the draft so far, its masks, its step map (0 = not revealed in
+            this cycle); step (`(N,)`): drafter steps taken this cycle; start (`(N,)`): each block's first position.
+        pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
+            None.
+
+    Returns:
+        `(lengths, tokens, undecided, reveal_step, step, still)`: the drafter's new write positions, the draft, its
+        masks and step map after this step, `step + 1`, and the rows with a mask left `(N,)` bool (the read).
+    """
+    B = strategy.block_size
+    positions = start[:, None] + torch.arange(B, device=start.device)[None]
+    still = undecided.any(dim=1)
+    num_masks = undecided.sum(dim=1) + (reveal_step > 0).sum(dim=1)            # the masks the draft started with
+    ids = torch.where(undecided, strategy.session.draft_mask_token_id, tokens)
+    pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
+    ids, positions, intra, store_len, store_valid = strategy.with_pending(ids, positions, full_mask(B, ids.device),
+                                                                          pending)
+    logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
+                                          store_valid=store_valid, logits_to_keep=B)
+    tokens, undecided, reveal_step, _, _ = strategy.reveal(logits, tokens, undecided, reveal_step, num_masks, step,
+                                                           still)
+    return lengths, tokens, undecided, reveal_step, step + 1, undecided.any(dim=1)
+
+
+def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
+                      undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
+                      post_steps: torch.Tensor, draft_tokens: torch.Tensor, reveal_step: torch.Tensor,
+                      pending_tokens: torch.Tensor | None = None, pending_positions: torch.Tensor | None = None,
+                      pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """SimSD's verify and commit (§3.1-3.3, steps 2-3) as a function of tensors, what `StaticModelRunner.run_step`
+    compiles on the target: one target forward over the paired layout at its full width 2B (every row's data and
+    mask slots, Eq. 1's :func:`~hf_dllm_spec.maths.masks.temporal_verify_mask`; the pending finished blocks stored
+    first), greedy_match over each row's drafts (:meth:`SimSDStrategy.accept`, with the EOS gate), the commits,
+    the done flags, the cycle's read and the next blocks.
+
+    The full width gives the compacted layout's logits (:func:`compact_paired_layout`): the tokens it drops (mask
+    slots of known positions, data rows of a row's last reveal step) are keys of no mask slot and of no kept data
+    row, so every mask slot attends over the same keys with the same values.
+
+    Args:
+        tokens, undecided, start, num_fixed, step, post_steps: the :class:`BlockState` fields before this cycle's
+            commits, `(N, B)` / `(N,)`.
+        draft_tokens, reveal_step (`(N, B)`): the drafted block and its step map (:func:`simsd_draft_step`).
+        pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
+            None.
+
+    Returns:
+        `(lengths, tokens, undecided, done, read, *next, positions)`: the target's new write positions; the block
+        after the commits `(N, B)`; the finished rows `(N,)`; the read `(N, 7 + B)` int64, per row `[done,
+        num_fixed, first_masked, *block tokens, drafts, accepted, recovered, committed]`; the next blocks (every
+        :attr:`BlockState.FIELDS`, finished blocks restarted) and this cycle's block positions `(N, B)`.
+    """
+    B = strategy.block_size
+    s = strategy.session
+    block = BlockState(tokens, undecided, start, num_fixed, step, post_steps, s.mask_token_id)
+    ids, positions = strategy.paired_query(draft_tokens, block.positions)
+    pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
+    ids, positions, intra, store_len, store_valid = strategy.with_pending(ids, positions,
+                                                                          temporal_verify_mask(reveal_step), pending)
+    logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
+                                          store_valid=store_valid, logits_to_keep=B)         # the mask slots
+    drafts = Drafts(draft_tokens, reveal_step, torch.zeros(*tokens.shape, 1, device=tokens.device),
+                    torch.ones_like(start, dtype=torch.bool))
+    tokens, undecided, result, num_drafts, _ = strategy.accept(tokens, undecided, drafts, s.sampler.probs(logits))
+    done = ~undecided.any(dim=1)
+    read = torch.cat([done[:, None].long(), num_fixed[:, None], first_masked_span(undecided)[0][:, None], tokens,
+                      torch.stack([num_drafts, result.num_accepted, result.recovered.long(), result.num_tokens],
+                                  dim=1)], dim=1)
+    after = BlockState(tokens.clone(), undecided.clone(), start.clone(), num_fixed.clone(), step.clone(),
+                       post_steps.clone(), block.mask_token_id)
+    after.restart(done)
+    return (lengths, tokens, undecided, done, read, *(getattr(after, name) for name in BlockState.FIELDS),
+            block.positions)

@@ -1,0 +1,193 @@
+"""SimSD's cycle as compiled functions (issue 34, phase 3): under `cache_implementation="static"` with a
+`compile_config` on both models, greedy SimSD (greedy_match, paired layout) runs each drafter step as one compiled
+function on the drafter (forward, the drafter's unmasking rule, the step map) and the verify and commit as one
+compiled function on the target (the paired layout at its full width 2B, greedy_match, the EOS gate, the commits,
+the next blocks), each with one host read.
+
+Checked on the CPU with tiny random SDAR models (target and a drafter of other weights, or the target drafting for
+itself: low and high acceptance): the eager runtime's tokens and per-row counters (batch 1 and a left-padded batch
+of 3 whose rows stop at different cycles, both verification orders, the EOS gate, several reveals per drafter step,
+the dynamic drafter rule), fullgraph (a graph break raises), one graph per key over a 64-token call and a second
+call, at most one host read per forward, and the cases the compiled cycle does not serve on the eager cycle. The full
+paired layout gives the compacted layout's tokens (eager). Dynamo's "eager" backend (the trace and its guards); one
+slow test runs the bundled pair (models/sdar-large drafted by models/sdar-tiny-arith).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import MASK_ID, TINY, assert_same_decode, cpu_compile_config, left_padded_batch
+
+from hf_dllm_spec.maths.masks import temporal_verify_mask
+from hf_dllm_spec.runtime.static import clear_static_state, static_states
+from hf_dllm_spec.strategies import simsd
+from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+pytestmark = pytest.mark.usefixtures("as_users_run_it")
+
+#: case -> (whether the target drafts for itself, parameters)
+CASES = {
+    "other-drafter": (False, {}),             # low_confidence_static, one reveal per step; every draft rejected
+    "self-drafter": (True, {}),               # drafts accepted
+    "temporal-eos-gate": (True, dict(verify_order="temporal", eos_min_prob=0.9)),
+    "dynamic-two-steps": (True, dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5,
+                                     steps_per_block=2)),                  # several reveals per drafter step
+}
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    torch.manual_seed(1)
+    return SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+
+
+def generate(target, drafter, ids, mask, compiled: bool, **kwargs):
+    """`compiled`: False (the eager runtime) or True (static runtime, dynamo's "eager" backend)."""
+    static = dict(cache_implementation="static", compile_config=cpu_compile_config()) if compiled else {}
+    return target.generate(ids, attention_mask=mask, return_dict_in_generate=True, **{
+        "decoding_strategy": "simsd", "draft_model": drafter, "block_size": 4, "draft_block_size": 4,
+        "max_new_tokens": 16, "pad_token_id": 0, **static, **kwargs})
+
+
+def simsd_keys(*models) -> list[tuple]:
+    return [key for model in models for state in static_states(model) for key in state.steps.keys
+            if key[0] in ("simsd-draft", "simsd-verify")]
+
+
+def one_graph_each(*models) -> bool:
+    return all(state.steps.graphs(key) == 1 for model in models for state in static_states(model)
+               for key in state.steps.keys)
+
+
+def clear(*models) -> None:
+    for model in models:
+        clear_static_state(model)
+
+
+def batch():
+    """Three left-padded prompts (7, 3 and 5 tokens: prompt tails of 3, 3 and 1 in the first block)."""
+    ids, mask, _ = left_padded_batch([7, 3, 5], seed=3)
+    return ids, mask
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "self-drafter" else pytest.mark.slow)
+                                  for case in CASES])
+def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, drafter, case):
+    """A left-padded batch of 3 whose middle row stops early (a stop id it generates), so the cycles run at 3 rows
+    (bucket 4) and fewer: tokens and every per-row counter (forwards by kind, drafter forwards, denoising steps,
+    drafts, accepted, recovered, committed, per-position acceptance) equal the eager runtime's."""
+    own_drafter, params = CASES[case]
+    draft = sdar_model if own_drafter else drafter
+    clear(sdar_model, draft)
+    ids, mask = batch()
+    free = generate(sdar_model, draft, ids, mask, False, **params)
+    stop = free.sequences[1, ids.shape[1] + 5].item()
+    eager = generate(sdar_model, draft, ids, mask, False, eos_token_id=stop, **params)
+    compiled = generate(sdar_model, draft, ids, mask, True, eos_token_id=stop, **params)
+    assert_same_decode(eager, compiled)
+    lengths = [int((row[ids.shape[1]:] != 0).sum()) for row in eager.sequences]
+    assert len(set(lengths)) > 1, lengths                       # rows finished at different cycles
+    stats = compiled.spec_stats
+    assert stats.num_recovered_tokens > 0 and (stats.num_accepted_tokens > 0) == own_drafter
+    assert {key[0] for key in simsd_keys(sdar_model, draft)} == {"simsd-draft", "simsd-verify"}
+    assert one_graph_each(sdar_model, draft)
+
+
+def test_batch_of_one_equals_the_eager_runtime(sdar_model, drafter):
+    ids, mask = batch()
+    ids, mask = ids[:1], mask[:1]
+    assert_same_decode(generate(sdar_model, drafter, ids, mask, False),
+                       generate(sdar_model, drafter, ids, mask, True))
+
+
+def test_one_graph_per_key_over_a_64_token_call(sdar_model, drafter):
+    """A 64-token call: each key (drafter step with and without a pending block, verify with and without; per
+    attended prefix) compiled once, fullgraph; a second call of new strategy and runner objects reuses them all."""
+    clear(sdar_model, drafter)
+    ids, mask = batch()
+    first = generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=64, eos_token_id=None)
+    keys = simsd_keys(sdar_model, drafter)
+    assert {key[0] for key in keys} == {"simsd-draft", "simsd-verify"} and one_graph_each(sdar_model, drafter)
+    second = generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=64, eos_token_id=None)
+    assert simsd_keys(sdar_model, drafter) == keys and one_graph_each(sdar_model, drafter)
+    assert second.sequences.tolist() == first.sequences.tolist()
+    stats = first.spec_stats
+    assert stats.num_forward_calls == 2 + stats.num_draft_forwards + stats.num_verify_forwards   # 2 prefills
+
+
+def test_a_graph_break_in_the_cycle_raises(sdar_model, drafter, monkeypatch):
+    """fullgraph=True: a graph break in the verify step's maths (here in the Eq. 1 mask) raises."""
+    mask_of = simsd.temporal_verify_mask
+
+    def breaking(reveal_step):
+        torch._dynamo.graph_break()
+        return mask_of(reveal_step)
+
+    monkeypatch.setattr(simsd, "temporal_verify_mask", breaking)
+    clear(sdar_model, drafter)
+    ids, mask = batch()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=4)
+    clear(sdar_model, drafter)
+
+
+def test_at_most_one_host_read_per_forward(sdar_model, drafter, step_syncs):
+    """Batch 1: between the first and the last compiled call the loop reads the device at most once per forward
+    (each drafter step's rows still drafting, the verify step's cycle read). Inside the compiled functions nothing
+    reads it (fullgraph), and the counter is paused there (dynamo would trace into it)."""
+    clear(sdar_model, drafter)
+    ids, mask = batch()
+    params = dict(max_new_tokens=24, eos_token_id=None)
+    generate(sdar_model, drafter, ids[:1], mask[:1], True, **params)
+    with step_syncs.counting() as syncs:
+        out = generate(sdar_model, drafter, ids[:1], mask[:1], True, **params)
+    assert out.spec_stats.num_verify_forwards > 3 and len(step_syncs.before) > 8
+    assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
+    assert one_graph_each(sdar_model, drafter)
+
+
+@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(verify_layout="stacked"),
+                                    dict(min_draft_len=2)], ids=["sampled", "stacked", "min-draft-len"])
+def test_other_cases_run_the_eager_cycle(sdar_model, drafter, params, monkeypatch):
+    """Sampling (rejection sampling), the stacked layout, target-alone rows: today's eager cycle."""
+    monkeypatch.setattr(simsd, "simsd_draft_step", None)                      # would fail if called
+    clear(sdar_model, drafter)
+    ids, mask = batch()
+    generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=8,
+             generator=torch.Generator().manual_seed(0), **params)
+    assert simsd_keys(sdar_model, drafter) == []
+
+
+def test_the_full_paired_layout_gives_the_compacted_tokens(sdar_model, drafter, monkeypatch):
+    """The compiled verify step reads the paired layout at its full width 2B; on the eager runtime that layout gives
+    the compacted layout's tokens and counters (the dropped tokens are keys of no kept token)."""
+    ids, mask = batch()
+    compacted = generate(sdar_model, drafter, ids, mask, False, max_new_tokens=24)
+
+    def full(ids, positions, reveal_step):
+        width = reveal_step.shape[1]
+        slots = torch.arange(width, 2 * width).expand(reveal_step.shape[0], -1)
+        return ids, positions, temporal_verify_mask(reveal_step), slots
+
+    monkeypatch.setattr(simsd, "compact_paired_layout", full)
+    assert_same_decode(compacted, generate(sdar_model, drafter, ids, mask, False, max_new_tokens=24))
+
+
+@pytest.mark.slow
+def test_the_bundled_pair_gives_the_eager_tokens():
+    """models/sdar-large drafted by models/sdar-tiny-arith (benchmarks/host_work.py's pair), a left-padded batch of
+    2: the eager runtime's tokens and counters."""
+    from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
+
+    tokenizer, target = load(ROOT / "models" / "sdar-large")
+    drafter = load(ROOT / "models" / "sdar-tiny-arith")[1]
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["12+7=", "3*4+25="], return_tensors="pt", padding=True)
+    kwargs = dict(decoding_strategy="simsd", draft_model=drafter, max_new_tokens=16, return_dict_in_generate=True)
+    eager = target.generate(enc.input_ids, attention_mask=enc.attention_mask, **kwargs)
+    compiled = target.generate(enc.input_ids, attention_mask=enc.attention_mask, cache_implementation="static",
+                               compile_config=cpu_compile_config(), **kwargs)
+    assert_same_decode(eager, compiled)
+    assert {key[0] for key in simsd_keys(target, drafter)} == {"simsd-draft", "simsd-verify"}
+    clear(target, drafter)
