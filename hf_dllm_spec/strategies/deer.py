@@ -19,6 +19,13 @@ One cycle per row (batched):
    row drops, a validity mask for the rest), so it equals a fresh prefill of the committed tokens; the
    recovered or bonus token is the next cycle's x_j.
 
+Compiled cycle (issue 34; the static runtime with `compile_config`, greedy_match acceptance): after a first eager
+cycle (the drafter reads the whole prompts), a cycle is two compiled functions, each one forward:
+:func:`deer_draft_step` (step 1: the drafter stores each row's new committed tokens, left-padded to k + 1, and
+proposes the block) and :func:`deer_verify_step` (steps 2-4: the target forward, greedy_match with the recovered or
+bonus token, the discard of the rejected drafts and the new carry, the next cycle's inputs and the cycle's one host
+read). Near the budget a row verifies fewer drafts (`num_drafts` as a mask) over the same width k.
+
 Greedy DEER reproduces the target's greedy `generate` token for token; with sampling the output follows the
 target's distribution exactly (Leviathan et al. 2023; DEER App. E), for any drafter. The drafter only sets the
 speed: without D2A alignment (`recipes`, objective ``d2a``) acceptance is low.
@@ -30,9 +37,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..configuration import DrafterConfig, check_int
-from .drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter
+from .drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter, draft_block_layout
 from ..maths.masks import causal_mask, left_pad
 from ..validation import check_choice, invalid
 from ..maths.verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
@@ -125,6 +133,9 @@ class DeerStrategy(DecodingStrategy):
         self.drafter = OneStepDrafter(s.drafter, s.draft_mask_token_id, draft_attention=config.draft_attention,
                                       sep_token_id=config.sep_token_id, sep_position=config.sep_position)
         s.follow(self.drafter.select_rows, self.drafter.add_rows)
+        self.compiled = self.runs_compiled_cycle()
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None   # compiled cycle: the drafter's next input
+        self._host_tensors: dict[tuple, torch.Tensor] = {}
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -141,7 +152,7 @@ class DeerStrategy(DecodingStrategy):
                 self.admit()
             if not s.stats.active:
                 break
-            self.finish_rows(*self.cycle())
+            self.finish_rows(*(self.compiled_cycle() if self.pending is not None else self.cycle()))
         return self.generated
 
     def prefill(self, runner, prompts: list[torch.Tensor]) -> None:
@@ -182,10 +193,14 @@ class DeerStrategy(DecodingStrategy):
     def num_drafts(self) -> tuple[int, torch.Tensor]:
         """k for this cycle (never beyond the budget) and drafts per row `(N,)`: a row one token short of its
         budget drafts nothing and takes one AR step."""
+        per_row = self.host_drafts()
+        return max(per_row, default=0), torch.tensor(per_row, dtype=torch.long, device=self.session.target.device)
+
+    def host_drafts(self) -> list[int]:
+        """Drafts per row this cycle, on the host (no device read): k, fewer near the row's budget."""
         s = self.session
-        per_row = [min(max(s.budget_of(i) - self.generated[i].shape[0] - 1, 0), self.config.block_size)
-                   for i in s.stats.active]                                  # on the host: no device read
-        return max(per_row, default=0), torch.tensor(per_row, dtype=torch.long, device=s.target.device)
+        return [min(max(s.budget_of(i) - self.generated[i].shape[0] - 1, 0), self.config.block_size)
+                for i in s.stats.active]
 
     def cycle(self) -> tuple[list[torch.Tensor], list[list[int]]]:
         """One draft/verify cycle for every active row; returns each row's committed tokens `(n_i,)` and the same
@@ -233,7 +248,85 @@ class DeerStrategy(DecodingStrategy):
         self.last = torch.stack([c[-1] for c in committed])
         self.next_pos = self.next_pos + result.num_tokens
         self.new_tokens = committed
+        if self.compiled:                 # the next cycles compile: the drafter's input as a fixed-width buffer
+            self.pending = self.drafter.pad(committed, self.config.block_size + 1)
         return committed, [row[1:1 + row[0]] for row in read]
+
+    # -- the cycle as compiled functions (runtime/step.py) ------------------------------------------------------
+    def runs_compiled_cycle(self) -> bool:
+        """Whether cycles after the first run as compiled functions (:func:`deer_draft_step`, then
+        :func:`deer_verify_step`, through `StaticModelRunner.run_step`): the static runtime with `compile_config` on
+        both models (a right-shifted target, a position-aligned drafter), greedy with greedy_match acceptance,
+        the "causal_prefix" drafter layout, no logits processors beyond transformers' list, no streamer, no rows
+        joining (continuous batching), a subclass that keeps the cycle's methods. Else the eager cycle."""
+        s = self.session
+        plain = all(type(sampler.logits_processor) in (LogitsProcessorList, list)
+                    for sampler in (s.sampler, self.draft_sampler))
+        return (getattr(s.target, "runs_compiled_carry_steps", False)
+                and getattr(s.drafter, "runs_compiled_steps", False)
+                and not s.sampler.do_sample and self.acceptance == "greedy_match"
+                and self.config.draft_attention == "causal_prefix" and plain
+                and s.stream is None and s.admission is None and type(self.drafter) is OneStepDrafter
+                and all(getattr(type(self), name) is getattr(DeerStrategy, name) for name in self.COMPILED_METHODS))
+
+    #: The methods the compiled cycle replaces or relies on; a subclass that overrides one runs the eager cycle.
+    COMPILED_METHODS = ("cycle", "compiled_cycle", "host_drafts", "num_drafts")
+
+    @property
+    def step_key(self) -> tuple:
+        """What DEER's compiled steps specialise on besides their shapes: k, the drafter's block layout and both
+        samplers' settings."""
+        cfg, drafter = self.config, self.drafter
+        return (cfg.block_size, drafter.mask_token_id, drafter.sep_token_id, drafter.sep_position,
+                self.acceptance, self.session.sampler.step_key, self.draft_sampler.step_key)
+
+    def host_tensor(self, values: list[int], device: torch.device) -> torch.Tensor:
+        """`values` as an int64 tensor on `device`, made once per distinct value (drafts per row change near the
+        budget only)."""
+        key = (tuple(values), device)
+        if key not in self._host_tensors:
+            self._host_tensors[key] = torch.tensor(values, dtype=torch.long, device=device)
+        return self._host_tensors[key]
+
+    def compiled_cycle(self) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """One draft/verify cycle as compiled functions: :func:`deer_draft_step` on the drafter (skipped when no
+        row drafts), :func:`deer_verify_step` on the target, one host read; counters as the eager :meth:`cycle`.
+
+        Returns:
+            as :meth:`cycle`.
+        """
+        s, k = self.session, self.config.block_size
+        drafts = self.host_drafts()
+        device = self.last.device
+        per_row = self.host_tensor(drafts, device)
+        new_ids, new_valid = self.pending
+        if max(drafts):
+            layout = draft_block_layout(k, self.drafter.mask_token_id, self.drafter.sep_token_id,
+                                        self.drafter.sep_position)[0]
+            seen, draft_ids = s.drafter.run_step(
+                deer_draft_step, self, ("deer-draft", *self.step_key), (self.drafter.lengths, new_ids, new_valid),
+                q=k + 1 + len(layout), store_len=k + 1, logits_to_keep=len(layout), kind="draft")
+            self.drafter.lengths = seen
+            draft_ids = draft_ids.to(device)
+        else:                             # every row one token short of its budget: one AR step, no drafter
+            draft_ids = self.last.new_zeros(self.last.shape[0], k)
+        self.last, self.next_pos, new_ids, new_valid, read = s.target.run_step(
+            deer_verify_step, self, ("deer-verify", *self.step_key),
+            (self.last, self.next_pos, draft_ids, per_row, s.target.carry),
+            q=k + 1, store_len=k + 1, logits_to_keep=k + 1, kind="verify", sets_carry=True)
+        self.pending = (new_ids.to(self.drafter.runner.device), new_valid.to(self.drafter.runner.device))
+        values = read.tolist()                                                   # the cycle's one host read
+        committed, committed_ids = [], []
+        for i, (row, drafted) in enumerate(zip(values, drafts)):
+            num_tokens, accepted, recovered, bonus, *ids = row
+            stats = s.stats.row(i)
+            stats.observe_verification(drafted, accepted, bool(recovered), bool(bonus) and drafted > 0)
+            stats.num_fallback_tokens += int(drafted == 0)      # a row without drafts took one plain AR step
+            stats.num_committed_tokens += num_tokens
+            committed_ids.append(ids[:num_tokens])
+            committed.append(new_ids[i, k + 1 - num_tokens:])
+        self.new_tokens = committed
+        return committed, committed_ids
 
     def finish_rows(self, committed: list[torch.Tensor], committed_ids: list[list[int]]) -> None:
         """Append each row's tokens (`committed_ids`: the same on the host), stream, and drop the rows that stop
@@ -256,3 +349,81 @@ class DeerStrategy(DecodingStrategy):
         self.session.select_rows(index)         # runners, generators, counters, the drafter's own state
         self.last, self.next_pos = self.last[index], self.next_pos[index]
         self.new_tokens = [self.new_tokens[i] for i in keep]
+        if self.pending is not None:
+            rows = index.to(self.pending[0].device)
+            self.pending = (self.pending[0][rows], self.pending[1][rows])
+
+
+def deer_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch.Tensor, seen: torch.Tensor,
+                    new_ids: torch.Tensor, new_valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Step 1 of a DEER cycle (§3.2, Eq. 5) as a function of tensors, what `StaticModelRunner.run_step` compiles on
+    the drafter: one drafter forward stores each row's new committed tokens (left-padded to the fixed width k + 1)
+    and reads the block of k masks (:meth:`~hf_dllm_spec.strategies.drafting.OneStepDrafter.block_query`), then the
+    drafts y_1..y_k (the draft sampler's choice: the argmax of q_theta at T = 0, the drafter's MASK suppressed).
+    Nothing here reads the host or changes Python state.
+
+    Args:
+        strategy (`DeerStrategy`), runner (`StaticModelRunner`, the drafter's), shape (`tuple`): as `run_step` passes
+            them; lengths (`(N,)` int64): the drafter's write positions.
+        seen (`(N,)` int64): committed tokens the drafter stored before this cycle.
+        new_ids (`(N, k + 1)` int64), new_valid (`(N, k + 1)` bool): the tokens committed by the last cycle,
+            left-padded (from :func:`deer_verify_step`).
+
+    Returns:
+        `(lengths, seen, draft_ids)`: the drafter's new write positions and committed tokens seen `(N,)`, and the
+        drafts `(N, k)` int64.
+    """
+    drafter, k = strategy.drafter, strategy.config.block_size
+    ids, _, slots = draft_block_layout(k, drafter.mask_token_id, drafter.sep_token_id, drafter.sep_position)
+    query, positions, intra = drafter.block_query(new_ids, new_valid, seen, k)
+    logits, lengths = runner.step_forward(shape, query, positions, intra, lengths, store_len=new_ids.shape[1],
+                                          store_valid=new_valid, logits_to_keep=len(ids))
+    draft_ids, _ = strategy.draft_sampler.choose(strategy.draft_sampler.probs(logits[:, slots]))
+    return lengths, seen + new_valid.sum(dim=1), draft_ids
+
+
+def deer_verify_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch.Tensor, last: torch.Tensor,
+                     next_pos: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                     carry: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Steps 2-4 of a DEER cycle as a function of tensors, what `StaticModelRunner.run_step` compiles on the target
+    (`sets_carry`): one target forward over `[x_j | y_1 .. y_k]` stores all k + 1 tokens and gives p_AR at every
+    draft position and the bonus position (the aligned logits after x_j, then the new carry); greedy_match over each
+    row's `num_drafts` drafts with the recovered or bonus token; the rejected drafts are discarded (the write
+    positions move back by k - accepted) and the carry becomes the logits of the last kept token; then the next
+    cycle's x_j, positions and the drafter's input, and the cycle's read. Nothing here reads the host.
+
+    Args:
+        last (`(N,)` int64): x_j, each row's last committed token (not in the target's cache).
+        next_pos (`(N,)` int64): its position.
+        draft_ids (`(N, k)` int64): the drafts (any value past a row's `num_drafts`).
+        num_drafts (`(N,)` int64): drafts each row verifies (k; fewer near its budget).
+        carry (`(N, V)`): the target's carry (the logits of each row's last stored token).
+
+    Returns:
+        `(lengths, carry, last, next_pos, new_ids, new_valid, read)`: the target's write positions after the discard
+        `(N,)`, the new carry `(N, V)`, the next x_j and its position `(N,)`, the committed tokens left-padded to
+        k + 1 with their validity `(N, k + 1)` (the drafter's next input), and the read `(N, 4 + k + 1)` int64: per
+        row the committed tokens, accepted drafts, whether the last token was recovered or a bonus, then the
+        committed tokens (-1 after them).
+    """
+    k = draft_ids.shape[1]
+    device = draft_ids.device
+    query = torch.cat([last[:, None], draft_ids], dim=1)                                     # (N, k + 1)
+    positions = next_pos[:, None] + torch.arange(k + 1, device=device)[None]
+    aligned, lengths, stored_carry = runner.step_forward(shape, query, positions, causal_mask(k + 1, device), lengths,
+                                                         store_len=k + 1, carry=carry, return_carry=True)
+    target_logits = torch.cat([aligned[:, 1:], stored_carry[:, None]], dim=1)                # (N, k + 1, V)
+    target_probs = strategy.session.sampler.probs(target_logits)                             # (N, k + 1, V)
+    bonus_probs = target_probs.gather(1, num_drafts[:, None, None].expand(-1, 1, target_probs.shape[-1]))[:, 0]
+    result = greedy_match(draft_ids, target_probs[:, :k], num_drafts=num_drafts, bonus_probs=bonus_probs)
+    accepted, num_tokens = result.num_accepted, result.num_tokens
+    lengths = lengths - (k - accepted)                                     # the rejected drafts' columns go
+    vocab = target_logits.shape[-1]
+    carry = target_logits.gather(1, accepted[:, None, None].expand(-1, 1, vocab))[:, 0]
+    source = torch.arange(k + 1, device=device)[None] - (k + 1 - num_tokens)[:, None]        # right-aligned
+    new_valid = source >= 0
+    new_ids = torch.where(new_valid, result.token_ids.gather(1, source.clamp(min=0)), 0)
+    read = torch.cat([torch.stack([num_tokens, accepted, result.recovered.long(), result.bonus.long()], dim=1),
+                      result.token_ids], dim=1)
+    last = result.token_ids.gather(1, (num_tokens - 1)[:, None])[:, 0]        # the next x_j (stride 1: a guard)
+    return lengths, carry, last, next_pos + num_tokens, new_ids, new_valid, read

@@ -126,23 +126,59 @@ class OneStepDrafter:
             prefix = self.context
         else:
             prefix = new_tokens
-        start = self.lengths if self.draft_attention == "causal_prefix" else torch.zeros_like(self.lengths)
-        padded, valid, prefix_pos = left_pad(prefix, device, start)
+        if self.draft_attention == "causal_prefix":
+            padded, valid, _ = left_pad(prefix, device)
+            query, positions, intra = self.block_query(padded, valid, self.lengths, num_draft_tokens)
+            self.lengths = self.lengths + counts
+            width = padded.shape[1]
+            logits = runner.forward(query, positions, intra, kind="draft", store_len=width,
+                                    store_valid=valid if width else None, logits_to_keep=len(ids))
+            return logits[:, slots]
+        padded, valid, prefix_pos = left_pad(prefix, device)
         width = padded.shape[1]
-        stored = width if self.draft_attention == "causal_prefix" else 0
         self.lengths = self.lengths + counts
         block_pos = self.lengths[:, None] + torch.tensor(offsets, device=device)[None]
         block_ids = torch.tensor(ids, dtype=torch.long, device=device)[None].expand(len(prefix), -1)
         query = torch.cat([padded, block_ids], dim=1)
         positions = torch.cat([prefix_pos, block_pos], dim=1)
         b = len(ids)
-        if self.draft_attention == "full":
-            see = torch.cat([valid, torch.ones(len(prefix), b, dtype=torch.bool, device=device)], dim=1)
-            eye = torch.eye(width + b, dtype=torch.bool, device=device)
-            intra = see[:, None, :] | eye
-            logits = runner.forward(query, positions, intra, kind="draft", logits_to_keep=b)
-        else:
-            intra = concat_segments(causal_mask(width, device), full_mask(b, device))
-            logits = runner.forward(query, positions, intra, kind="draft", store_len=stored,
-                                    store_valid=valid if stored else None, logits_to_keep=b)
+        see = torch.cat([valid, torch.ones(len(prefix), b, dtype=torch.bool, device=device)], dim=1)
+        eye = torch.eye(width + b, dtype=torch.bool, device=device)
+        logits = runner.forward(query, positions, see[:, None, :] | eye, kind="draft", logits_to_keep=b)
         return logits[:, slots]
+
+    def pad(self, new_tokens: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's new committed tokens `(m_n,)` (m_n <= `width`) left-padded to `width`, on the drafter's device:
+        `(ids, valid)`, `(N, width)` int64 and bool, the fixed-width input of :meth:`block_query`."""
+        ids, valid, _ = left_pad([t.to(self.runner.device) for t in new_tokens], self.runner.device)
+        front = width - ids.shape[1]
+        return torch.nn.functional.pad(ids, (front, 0)), torch.nn.functional.pad(valid, (front, 0))
+
+    def block_query(self, new_ids: torch.Tensor, new_valid: torch.Tensor, seen: torch.Tensor,
+                    num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The "causal_prefix" drafter query of one :meth:`draft`: each row's new tokens (stored, causal) then the
+        drafted block (read-only, full attention inside it, seeing the whole prefix). A function of tensors (no
+        host read): a compiled DEER cycle builds it at a fixed width.
+
+        Args:
+            new_ids (`torch.Tensor` of shape `(N, m)`, int64): each row's new committed tokens, left-padded.
+            new_valid (`torch.Tensor` of shape `(N, m)`, bool): the real columns (padding first).
+            seen (`torch.Tensor` of shape `(N,)`, int64): committed tokens the drafter stored before them.
+            num_draft_tokens (`int`): k.
+
+        Returns:
+            `(query, positions, intra)`: `(N, m + b)` ids and positions (b: k, plus one with SEP) and the `(m + b,
+            m + b)` bool visibility; the first m are the tokens to store (`store_valid=new_valid`), the drafts are
+            read at the block's `slots` (:func:`draft_block_layout`).
+        """
+        device = new_ids.device
+        ids, offsets, _ = draft_block_layout(num_draft_tokens, self.mask_token_id, self.sep_token_id,
+                                             self.sep_position)
+        width, b = new_ids.shape[1], len(ids)
+        end = seen + new_valid.sum(dim=1)                                     # the prefix length after them
+        prefix_pos = (end[:, None] - width + torch.arange(width, device=device)[None]).clamp(min=0)
+        block_pos = end[:, None] + torch.tensor(offsets, device=device)[None]
+        block_ids = torch.tensor(ids, dtype=torch.long, device=device)[None].expand(new_ids.shape[0], -1)
+        query = torch.cat([new_ids, block_ids], dim=1)
+        positions = torch.cat([prefix_pos, block_pos], dim=1)
+        return query, positions, concat_segments(causal_mask(width, device), full_mask(b, device))
