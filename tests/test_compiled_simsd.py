@@ -8,7 +8,7 @@ Checked on the CPU with tiny random SDAR models (target and a drafter of other w
 itself: low and high acceptance): the eager runtime's tokens and per-row counters (batch 1 and a left-padded batch
 of 3 whose rows stop at different cycles, both verification orders, the EOS gate, several reveals per drafter step,
 the dynamic drafter rule), fullgraph (a graph break raises), one graph per key over a 64-token call and a second
-call, at most one host read per forward, and the cases the compiled cycle does not serve on the eager cycle. The full
+call, at most one host read per forward there, and the cases the compiled cycle does not serve on the eager cycle. The full
 paired layout gives the compacted layout's tokens (eager). Dynamo's "eager" backend (the trace and its guards); one
 slow test runs the bundled pair (models/sdar-large drafted by models/sdar-tiny-arith).
 """
@@ -26,13 +26,13 @@ from model_patches.sdar import SDARConfig, SDARForCausalLM
 
 pytestmark = pytest.mark.usefixtures("as_users_run_it")
 
-#: case -> (whether the target drafts for itself, parameters)
+#: case -> (whether the target drafts for itself, rows, parameters); 3 rows run at a bucket of 4 (a zero row)
 CASES = {
-    "other-drafter": (False, {}),             # low_confidence_static, one reveal per step; every draft rejected
-    "self-drafter": (True, {}),               # drafts accepted
-    "temporal-eos-gate": (True, dict(verify_order="temporal", eos_min_prob=0.9)),
-    "dynamic-two-steps": (True, dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5,
-                                     steps_per_block=2)),                  # several reveals per drafter step
+    "self-drafter": (True, 2, {}),            # low_confidence_static, one reveal per step; drafts accepted
+    "other-drafter": (False, 3, {}),          # every draft rejected
+    "temporal-eos-gate": (True, 3, dict(verify_order="temporal", eos_min_prob=0.9)),
+    "dynamic-two-steps": (True, 3, dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5,
+                                        steps_per_block=2)),               # several reveals per drafter step
 }
 
 
@@ -74,13 +74,14 @@ def batch():
 @pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "self-drafter" else pytest.mark.slow)
                                   for case in CASES])
 def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, drafter, case):
-    """A left-padded batch of 3 whose middle row stops early (a stop id it generates), so the cycles run at 3 rows
-    (bucket 4) and fewer: tokens and every per-row counter (forwards by kind, drafter forwards, denoising steps,
+    """A left-padded batch of 2 or 3 whose second row stops early (a stop id it generates), so the cycles run at
+    fewer rows after it: tokens and every per-row counter (forwards by kind, drafter forwards, denoising steps,
     drafts, accepted, recovered, committed, per-position acceptance) equal the eager runtime's."""
-    own_drafter, params = CASES[case]
+    own_drafter, rows, params = CASES[case]
     draft = sdar_model if own_drafter else drafter
     clear(sdar_model, draft)
     ids, mask = batch()
+    ids, mask = ids[:rows], mask[:rows]
     free = generate(sdar_model, draft, ids, mask, False, **params)
     stop = free.sequences[1, ids.shape[1] + 5].item()
     eager = generate(sdar_model, draft, ids, mask, False, eos_token_id=stop, **params)
@@ -94,26 +95,28 @@ def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, drafter, case):
     assert one_graph_each(sdar_model, draft)
 
 
-def test_batch_of_one_equals_the_eager_runtime(sdar_model, drafter):
-    ids, mask = batch()
-    ids, mask = ids[:1], mask[:1]
-    assert_same_decode(generate(sdar_model, drafter, ids, mask, False),
-                       generate(sdar_model, drafter, ids, mask, True))
-
-
-def test_one_graph_per_key_over_a_64_token_call(sdar_model, drafter):
-    """A 64-token call: each key (drafter step with and without a pending block, verify with and without; per
-    attended prefix) compiled once, fullgraph; a second call of new strategy and runner objects reuses them all."""
+def test_one_graph_per_key_and_one_host_read_per_forward_over_a_64_token_call(sdar_model, drafter, step_syncs):
+    """Batch 1, a 64-token call: the eager runtime's tokens and counters; each key (drafter step with and without a
+    pending block, verify with and without; per attended prefix) compiled once, fullgraph; a second call of new
+    strategy and runner objects reuses them all, and between its first and last compiled call the loop reads the
+    device at most once per forward (each drafter step's rows still drafting, the verify step's cycle read). Inside
+    the compiled functions nothing reads it (fullgraph), and the counter is paused there (dynamo would trace into
+    it)."""
     clear(sdar_model, drafter)
     ids, mask = batch()
-    first = generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=64, eos_token_id=None)
+    ids, mask, params = ids[:1], mask[:1], dict(max_new_tokens=64, eos_token_id=None)
+    first = generate(sdar_model, drafter, ids, mask, True, **params)
+    assert_same_decode(generate(sdar_model, drafter, ids, mask, False, **params), first)
     keys = simsd_keys(sdar_model, drafter)
     assert {key[0] for key in keys} == {"simsd-draft", "simsd-verify"} and one_graph_each(sdar_model, drafter)
-    second = generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=64, eos_token_id=None)
+    with step_syncs.counting() as syncs:
+        second = generate(sdar_model, drafter, ids, mask, True, **params)
     assert simsd_keys(sdar_model, drafter) == keys and one_graph_each(sdar_model, drafter)
     assert second.sequences.tolist() == first.sequences.tolist()
     stats = first.spec_stats
     assert stats.num_forward_calls == 2 + stats.num_draft_forwards + stats.num_verify_forwards   # 2 prefills
+    assert stats.num_verify_forwards > 3 and len(step_syncs.before) == stats.num_forward_calls - 2
+    assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
 
 
 def test_a_graph_break_in_the_cycle_raises(sdar_model, drafter, monkeypatch):
@@ -130,21 +133,6 @@ def test_a_graph_break_in_the_cycle_raises(sdar_model, drafter, monkeypatch):
     with pytest.raises(torch._dynamo.exc.Unsupported):
         generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=4)
     clear(sdar_model, drafter)
-
-
-def test_at_most_one_host_read_per_forward(sdar_model, drafter, step_syncs):
-    """Batch 1: between the first and the last compiled call the loop reads the device at most once per forward
-    (each drafter step's rows still drafting, the verify step's cycle read). Inside the compiled functions nothing
-    reads it (fullgraph), and the counter is paused there (dynamo would trace into it)."""
-    clear(sdar_model, drafter)
-    ids, mask = batch()
-    params = dict(max_new_tokens=24, eos_token_id=None)
-    generate(sdar_model, drafter, ids[:1], mask[:1], True, **params)
-    with step_syncs.counting() as syncs:
-        out = generate(sdar_model, drafter, ids[:1], mask[:1], True, **params)
-    assert out.spec_stats.num_verify_forwards > 3 and len(step_syncs.before) > 8
-    assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
-    assert one_graph_each(sdar_model, drafter)
 
 
 @pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(verify_layout="stacked"),
