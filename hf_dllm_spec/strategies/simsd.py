@@ -255,6 +255,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
     uses_drafter = True
     requires_draft_mask_token = True
     per_row_stops = False           # the EOS gate (`eos_min_prob`) reads the stop ids
+    #: The compiled cycle's masks left in each row's block, on the host (from each cycle's read); None when eager.
+    masks_left: list[int] | None = None
 
     @classmethod
     def check_models(cls, target, target_patch, drafter, drafter_patch) -> None:
@@ -300,6 +302,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
         generated = [g.clone() for g in blocks_done]
         host_done: list[list[int]] = [[] for _ in range(s.batch_size)]          # blocks_done, read on the host
         pending: tuple | None = None
+        if self.compiled_step:        # each block's masks, known on the host (first blocks: B minus the prompt tail)
+            self.masks_left = [B - p.shape[0] % B for p in s.prompts]
         while True:
             if s.admission is not None:   # continuous batching: rows join between two cycles
                 block, pending = self.admit(block, pending, blocks_done, generated, host_done)
@@ -341,6 +345,14 @@ class SimSDStrategy(BlockDiffusionStrategy):
                 pending = self.drop_rows(block, done_rows, finished, pending)
         return generated
 
+    def drop_rows(self, block: BlockState, done_rows: list[bool], finished: list[int],
+                  pending: tuple | None) -> tuple | None:
+        """:meth:`BlockDiffusionStrategy.drop_rows`, the compiled cycle's mask counts following."""
+        if self.masks_left is not None:
+            gone = set(finished)
+            self.masks_left = [m for i, m in enumerate(self.masks_left) if i not in gone]
+        return super().drop_rows(block, done_rows, finished, pending)
+
     def prefill_joining(self, first: int, aligned: torch.Tensor, prompts: list[torch.Tensor]) -> None:
         """Store the joining rows' prompts in the target's and the drafter's caches."""
         super().prefill_joining(first, aligned, prompts)
@@ -379,10 +391,14 @@ class SimSDStrategy(BlockDiffusionStrategy):
                                  pending, kind="cache_write")
         if probs_at_reveal is None:
             probs_at_reveal = torch.zeros(*tokens.shape, 1, device=tokens.device)
-        target_only = block.undecided & ~drafting[:, None]
-        reveal_step = torch.where(target_only, 1, reveal_step)
-        tokens = torch.where(target_only, s.mask_token_id, tokens)
-        return Drafts(tokens, reveal_step, probs_at_reveal, drafting)
+        return self.with_target_alone(block.undecided, Drafts(tokens, reveal_step, probs_at_reveal, drafting))
+
+    def with_target_alone(self, undecided: torch.Tensor, drafts: Drafts) -> Drafts:
+        """`drafts` whose rows that did not draft (`drafts.drafting` false) read the target at every masked position
+        of `undecided` `(N, B)`: step 1, MASK in the verified block (a function of tensors)."""
+        target_only = undecided & ~drafts.drafting[:, None]
+        return Drafts(torch.where(target_only, self.session.mask_token_id, drafts.tokens),
+                      torch.where(target_only, 1, drafts.reveal_step), drafts.probs, drafts.drafting)
 
     def reveal(self, logits: torch.Tensor, tokens: torch.Tensor, undecided: torch.Tensor, reveal_step: torch.Tensor,
                num_masks: torch.Tensor, step: torch.Tensor, still: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -545,7 +561,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
         drafter, then :func:`simsd_verify_step` on the target, through `StaticModelRunner.run_step`; one host read
         each): the static runtime with `compile_config` for both models on one device, position-aligned; greedy
         with greedy_match acceptance and transformers' position-independent processors; the paired layout, either
-        verification order, `min_draft_len=1`, the EOS gate; any drafter schedule; no streamer, no continuous
+        verification order, any `min_draft_len`, the EOS gate; any drafter schedule; no streamer, no continuous
         batching; a class whose cycle methods are traceable (:data:`COMPILED_CYCLE_METHODS`). Else the eager
         cycle. Called by the block-diffusion constructor (config and session only)."""
         s, cfg = self.session, self.config
@@ -553,7 +569,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
         return (getattr(s.target, "runs_compiled_steps", False) and getattr(s.drafter, "runs_compiled_steps", False)
                 and s.drafter.device == s.target.device and not s.sampler.do_sample
                 and cfg.acceptance in (None, "greedy_match") and cfg.verify_layout == "paired"
-                and cfg.min_draft_len == 1 and s.stream is None and s.admission is None
+                and s.stream is None and s.admission is None
                 and type(processors) in (LogitsProcessorList, list)
                 and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
                 and traceable_step_methods(type(self), self.COMPILED_CYCLE_METHODS))
@@ -578,33 +594,43 @@ class SimSDStrategy(BlockDiffusionStrategy):
             next blocks for :meth:`take_next_blocks`.
         """
         s, B = self.session, self.block_size
-        n, store = block.tokens.shape[0], pending is not None
+        drafting = [count >= self.config.min_draft_len for count in self.masks_left]     # on the host
+        flags = None if all(drafting) else torch.tensor(drafting, device=block.tokens.device)
+        store = pending is not None
         stored = pending if store else (None, None, None)
-        tokens, undecided, step = block.tokens, block.undecided, torch.zeros_like(block.start)
+        tokens, step = block.tokens, torch.zeros_like(block.start)
+        undecided = block.undecided if flags is None else block.undecided & flags[:, None]
         reveal_step = torch.zeros_like(tokens)
-        still = [True] * n                     # every block has a mask when a cycle starts (min_draft_len=1)
+        still = drafting                       # every block has a mask when a cycle starts
         while any(still):
-            tokens, undecided, reveal_step, step, flags = s.drafter.run_step(
+            tokens, undecided, reveal_step, step, read = s.drafter.run_step(
                 simsd_draft_step, self, ("simsd-draft", *self.step_key),
                 (tokens, undecided, reveal_step, step, block.start, *stored), q=2 * B if store else B,
                 store_len=B if store else 0, logits_to_keep=B, kind="draft", rows=still)
             for i in (i for i, flag in enumerate(still) if flag):
                 s.stats.row(i).num_denoising_steps += 1
-            still = [bool(flag) for flag in flags.tolist()]     # the drafter step's one host read
+            still = [bool(flag) for flag in read.tolist()]      # the drafter step's one host read
             stored, store = (None, None, None), False
+        if store:                                 # nothing drafted this cycle: store the blocks on their own
+            self.drafter_forward(block.tokens, block.positions, full_mask(B, block.tokens.device), pending,
+                                 kind="cache_write")
+        for i in (i for i, d in enumerate(drafting) if not d):    # the verify forward is their denoising step
+            s.stats.row(i).count_forward("draft")
+            s.stats.row(i).num_denoising_steps += 1
         tokens, undecided, done, read, *advanced = s.target.run_step(
             simsd_verify_step, self, ("simsd-verify", *self.step_key),
             (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps, tokens,
-             reveal_step, *(pending if pending is not None else (None, None, None))),
+             reveal_step, flags, *(pending if pending is not None else (None, None, None))),
             q=3 * B if pending is not None else 2 * B, store_len=B if pending is not None else 0, logits_to_keep=B,
-            kind="verify")
+            kind="verify", rows=None if flags is None else drafting)
         rows = read.tolist()                                    # the verify step's one host read
         for i, row in enumerate(rows):
-            num_drafts, accepted, recovered, committed = row[-4:]
+            num_drafts, accepted, recovered, committed, alone, self.masks_left[i] = row[-6:]
             stats = s.stats.row(i)
             stats.observe_verification(num_drafts, accepted, bool(recovered), False)
-            stats.num_committed_tokens += committed
-            del row[-4:]
+            stats.num_fallback_tokens += alone
+            stats.num_committed_tokens += committed + alone
+            del row[-6:]
         block.tokens, block.undecided = tokens, undecided
         return done, rows, tuple(advanced)
 
@@ -648,7 +674,8 @@ def simsd_draft_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: tor
 def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
                       undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
                       post_steps: torch.Tensor, draft_tokens: torch.Tensor, reveal_step: torch.Tensor,
-                      pending_tokens: torch.Tensor | None = None, pending_positions: torch.Tensor | None = None,
+                      drafting: torch.Tensor | None = None, pending_tokens: torch.Tensor | None = None,
+                      pending_positions: torch.Tensor | None = None,
                       pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """SimSD's verify and commit (§3.1-3.3, steps 2-3) as a function of tensors, what `StaticModelRunner.run_step`
     compiles on the target: one target forward over the paired layout at its full width 2B (every row's data and
@@ -664,33 +691,40 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
         tokens, undecided, start, num_fixed, step, post_steps: the :class:`BlockState` fields before this cycle's
             commits, `(N, B)` / `(N,)`.
         draft_tokens, reveal_step (`(N, B)`): the drafted block and its step map (:func:`simsd_draft_step`).
+        drafting (`(N,)` bool, *optional*): the rows that drafted (None: all); the others are finished by the target
+            alone (`min_draft_len`).
         pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
             None.
 
     Returns:
         `(lengths, tokens, undecided, done, read, *next, positions)`: the target's new write positions; the block
-        after the commits `(N, B)`; the finished rows `(N,)`; the read `(N, 7 + B)` int64, per row `[done,
-        num_fixed, first_masked, *block tokens, drafts, accepted, recovered, committed]`; the next blocks (every
+        after the commits `(N, B)`; the finished rows `(N,)`; the read `(N, 9 + B)` int64, per row `[done,
+        num_fixed, first_masked, *block tokens, drafts, accepted, recovered, committed, committed by the target
+        alone, masks of the next cycle's block]`; the next blocks (every
         :attr:`BlockState.FIELDS`, finished blocks restarted) and this cycle's block positions `(N, B)`.
     """
     B = strategy.block_size
     s = strategy.session
     block = BlockState(tokens, undecided, start, num_fixed, step, post_steps, s.mask_token_id)
-    ids, positions = strategy.paired_query(draft_tokens, block.positions)
+    drafting = torch.ones_like(start, dtype=torch.bool) if drafting is None else drafting
+    drafts = strategy.with_target_alone(undecided, Drafts(draft_tokens, reveal_step, torch.zeros(
+        *tokens.shape, 1, device=tokens.device), drafting))
+    ids, positions = strategy.paired_query(drafts.tokens, block.positions)
     pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
     ids, positions, intra, store_len, store_valid = strategy.with_pending(ids, positions,
-                                                                          temporal_verify_mask(reveal_step), pending)
+                                                                          temporal_verify_mask(drafts.reveal_step),
+                                                                          pending)
     logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
                                           store_valid=store_valid, logits_to_keep=B)         # the mask slots
-    drafts = Drafts(draft_tokens, reveal_step, torch.zeros(*tokens.shape, 1, device=tokens.device),
-                    torch.ones_like(start, dtype=torch.bool))
-    tokens, undecided, result, num_drafts, _ = strategy.accept(tokens, undecided, drafts, s.sampler.probs(logits))
+    tokens, undecided, result, num_drafts, alone = strategy.accept(tokens, undecided, drafts,
+                                                                   s.sampler.probs(logits))
     done = ~undecided.any(dim=1)
-    read = torch.cat([done[:, None].long(), num_fixed[:, None], first_masked_span(undecided)[0][:, None], tokens,
-                      torch.stack([num_drafts, result.num_accepted, result.recovered.long(), result.num_tokens],
-                                  dim=1)], dim=1)
     after = BlockState(tokens.clone(), undecided.clone(), start.clone(), num_fixed.clone(), step.clone(),
                        post_steps.clone(), block.mask_token_id)
     after.restart(done)
+    counters = [num_drafts, result.num_accepted, result.recovered.long(), result.num_tokens, alone.sum(dim=1),
+                after.undecided.sum(dim=1)]
+    read = torch.cat([done[:, None].long(), num_fixed[:, None], first_masked_span(undecided)[0][:, None], tokens,
+                      torch.stack(counters, dim=1)], dim=1)
     return (lengths, tokens, undecided, done, read, *(getattr(after, name) for name in BlockState.FIELDS),
             block.positions)
