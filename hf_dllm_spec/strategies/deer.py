@@ -19,10 +19,10 @@ One cycle per row (batched):
    row drops, a validity mask for the rest), so it equals a fresh prefill of the committed tokens; the
    recovered or bonus token is the next cycle's x_j.
 
-Compiled cycle (issue 34; the static runtime with `compile_config`, greedy_match acceptance): after a first eager
-cycle (the drafter reads the whole prompts), a cycle is two compiled functions, each one forward:
-:func:`deer_draft_step` (step 1: the drafter stores each row's new committed tokens, left-padded to k + 1, and
-proposes the block) and :func:`deer_verify_step` (steps 2-4: the target forward, greedy_match with the recovered or
+Compiled cycle (issue 34; the static runtime with `compile_config`, greedy_match acceptance): a cycle is two
+compiled functions, each one forward: :func:`deer_draft_step` (step 1: the drafter stores each row's new committed
+tokens, left-padded to k + 1 (the first cycle: the prompts, left-padded to a width bucket), and proposes the block)
+and :func:`deer_verify_step` (steps 2-4: the target forward, greedy_match with the recovered or
 bonus token, the discard of the rejected drafts and the new carry, the next cycle's inputs and the cycle's one host
 read). Near the budget a row verifies fewer drafts (`num_drafts` as a mask) over the same width k.
 
@@ -42,6 +42,7 @@ from transformers import LogitsProcessorList
 from ..configuration import DrafterConfig, check_int
 from .drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter, draft_block_layout
 from ..maths.masks import causal_mask, left_pad
+from ..runtime.static import width_bucket
 from ..validation import check_choice, invalid
 from ..maths.verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
 from .base import DecodingStrategy
@@ -147,6 +148,11 @@ class DeerStrategy(DecodingStrategy):
         self.new_tokens = [p.to(device) for p in s.prompts]                               # drafter's input
         self.generated = [s.prompts[0].new_empty(0, device=device) for _ in range(s.batch_size)]
         self.host_generated: list[list[int]] = [[] for _ in range(s.batch_size)]   # the same, read on the host
+        # The first cycle compiled too, but never as the first writer of the drafter's cache, nor without a carry
+        # (one-token prompts): the eager cycle then.
+        if self.compiled and s.target.carry is not None and _allocated(s.drafter):
+            width = max(p.shape[0] for p in s.prompts)
+            self.pending = self.drafter.pad(self.new_tokens, max(self.config.block_size + 1, width_bucket(width)))
         while True:
             if s.admission is not None:   # continuous batching: any cycle boundary is a join point
                 self.admit()
@@ -164,9 +170,13 @@ class DeerStrategy(DecodingStrategy):
             return
         device = runner.device
         ids, valid, pos = left_pad([p[:-1] for p in prompts], device)
+        rows = [n > 0 for n in lengths]
         with runner.timer.span("prefill"):
-            runner.forward(ids, pos, causal_mask(width, device), kind="prefill", store_len=width, store_valid=valid,
-                           logits_to_keep=1, rows=[n > 0 for n in lengths])
+            if self.compiled and runner is self.session.target and _allocated(runner):
+                self.compiled_prefill(ids, valid, pos, rows)
+            else:
+                runner.forward(ids, pos, causal_mask(width, device), kind="prefill", store_len=width,
+                               store_valid=valid, logits_to_keep=1, rows=rows)
 
     def admit(self) -> None:
         """Continuous batching, between two cycles: cancelled rows leave; joining rows enter with their prompts
@@ -254,7 +264,7 @@ class DeerStrategy(DecodingStrategy):
 
     # -- the cycle as compiled functions (runtime/step.py) ------------------------------------------------------
     def runs_compiled_cycle(self) -> bool:
-        """Whether cycles after the first run as compiled functions (:func:`deer_draft_step`, then
+        """Whether cycles run as compiled functions (:func:`deer_draft_step`, then
         :func:`deer_verify_step`, through `StaticModelRunner.run_step`): the static runtime with `compile_config` on
         both models (a right-shifted target, a position-aligned drafter), greedy with greedy_match acceptance,
         the "causal_prefix" drafter layout, no logits processors beyond transformers' list, no streamer, no rows
@@ -288,6 +298,20 @@ class DeerStrategy(DecodingStrategy):
             self._host_tensors[key] = torch.tensor(values, dtype=torch.long, device=device)
         return self._host_tensors[key]
 
+    def compiled_prefill(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                         rows: list[bool]) -> None:
+        """The target's prefill as a compiled function (:func:`deer_prefill_step`): the left-padded prompts but their
+        last tokens `(N, w)` (`valid`, `positions` as :func:`~hf_dllm_spec.maths.masks.left_pad` gives them), padded
+        in front to the width bucket of w (one compiled step per bucket), stored; the carry becomes the logits of
+        each row's last stored token. Counted as the eager prefill (one forward of kind "prefill" for `rows`)."""
+        target = self.session.target
+        width = width_bucket(ids.shape[1])
+        front = (width - ids.shape[1], 0)
+        ids, valid, positions = (torch.nn.functional.pad(t, front) for t in (ids, valid, positions))
+        no_carry = ids.new_zeros(ids.shape[0], 1, dtype=torch.float32)    # broadcast: a row storing nothing keeps 0
+        target.run_step(deer_prefill_step, self, ("deer-prefill", width), (ids, valid, positions, no_carry),
+                        q=width, store_len=width, logits_to_keep=1, kind="prefill", rows=rows, sets_carry=True)
+
     def compiled_cycle(self) -> tuple[list[torch.Tensor], list[list[int]]]:
         """One draft/verify cycle as compiled functions: :func:`deer_draft_step` on the drafter (skipped when no
         row drafts), :func:`deer_verify_step` on the target, one host read; counters as the eager :meth:`cycle`.
@@ -303,18 +327,19 @@ class DeerStrategy(DecodingStrategy):
         if max(drafts):
             layout = draft_block_layout(k, self.drafter.mask_token_id, self.drafter.sep_token_id,
                                         self.drafter.sep_position)[0]
+            m = new_ids.shape[1]                  # k + 1 (the first cycle: the prompts' width bucket)
             seen, draft_ids = s.drafter.run_step(
-                deer_draft_step, self, ("deer-draft", *self.step_key), (self.drafter.lengths, new_ids, new_valid),
-                q=k + 1 + len(layout), store_len=k + 1, logits_to_keep=len(layout), kind="draft")
+                deer_draft_step, self, ("deer-draft", m, *self.step_key), (self.drafter.lengths, new_ids, new_valid),
+                q=m + len(layout), store_len=m, logits_to_keep=len(layout), kind="draft")
             self.drafter.lengths = seen
-            draft_ids = draft_ids.to(device)
+            draft_ids = _on(draft_ids, device)
         else:                             # every row one token short of its budget: one AR step, no drafter
             draft_ids = self.last.new_zeros(self.last.shape[0], k)
         self.last, self.next_pos, new_ids, new_valid, read = s.target.run_step(
             deer_verify_step, self, ("deer-verify", *self.step_key),
             (self.last, self.next_pos, draft_ids, per_row, s.target.carry),
             q=k + 1, store_len=k + 1, logits_to_keep=k + 1, kind="verify", sets_carry=True)
-        self.pending = (new_ids.to(self.drafter.runner.device), new_valid.to(self.drafter.runner.device))
+        self.pending = (_on(new_ids, self.drafter.runner.device), _on(new_valid, self.drafter.runner.device))
         values = read.tolist()                                                   # the cycle's one host read
         committed, committed_ids = [], []
         for i, (row, drafted) in enumerate(zip(values, drafts)):
@@ -354,6 +379,37 @@ class DeerStrategy(DecodingStrategy):
             self.pending = (self.pending[0][rows], self.pending[1][rows])
 
 
+def _allocated(runner) -> bool:
+    """Whether the static cache of `runner` has its buffers (a forward allocated them). A compiled step must not be
+    the first writer: it would trace the allocation, and its guards would fail on the next call (a recompilation)."""
+    return all(layer.is_initialized for layer in runner.cache.layers)
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`, without a `.to` call (an operation dispatched per cycle) when it is there already."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def deer_prefill_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch.Tensor, ids: torch.Tensor,
+                      valid: torch.Tensor, positions: torch.Tensor, carry: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The target's prefill (every prompt token but the last, causal, stored) as a function of tensors, what
+    `StaticModelRunner.run_step` compiles (`sets_carry`).
+
+    Args:
+        ids, valid, positions (`(N, W)`): the left-padded tokens, their real columns and positions.
+        carry (`(N, V)` or `(N, 1)` zeros): the carry before them (nothing stored yet).
+
+    Returns:
+        `(lengths, carry)`: the write positions after the prefill `(N,)` and the logits of each row's last stored
+        token `(N, V)` (`carry` for a row that stores nothing).
+    """
+    width = ids.shape[1]
+    _, lengths, carry = runner.step_forward(shape, ids, positions, causal_mask(width, ids.device), lengths,
+                                            store_len=width, store_valid=valid, logits_to_keep=1, carry=carry,
+                                            return_carry=True)
+    return lengths, carry
+
+
 def deer_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch.Tensor, seen: torch.Tensor,
                     new_ids: torch.Tensor, new_valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Step 1 of a DEER cycle (§3.2, Eq. 5) as a function of tensors, what `StaticModelRunner.run_step` compiles on
@@ -366,8 +422,8 @@ def deer_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch
         strategy (`DeerStrategy`), runner (`StaticModelRunner`, the drafter's), shape (`tuple`): as `run_step` passes
             them; lengths (`(N,)` int64): the drafter's write positions.
         seen (`(N,)` int64): committed tokens the drafter stored before this cycle.
-        new_ids (`(N, k + 1)` int64), new_valid (`(N, k + 1)` bool): the tokens committed by the last cycle,
-            left-padded (from :func:`deer_verify_step`).
+        new_ids (`(N, m)` int64), new_valid (`(N, m)` bool): the tokens committed by the last cycle, left-padded to
+            m = k + 1 (from :func:`deer_verify_step`); the first cycle: the prompts, left-padded to a width bucket.
 
     Returns:
         `(lengths, seen, draft_ids)`: the drafter's new write positions and committed tokens seen `(N,)`, and the
