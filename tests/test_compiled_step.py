@@ -224,9 +224,10 @@ def fast_model():
                                     dict(SAMPLED, generator="shared"), dict(SAMPLED, generator="rows")])
 def test_fast_dllm_v2_steps_equal_the_eager_runtime(fast_model, params):
     """Fast-dLLM v2 (right-shifted, separate cache writes, sub-blocks): the compiled step takes the carry as a
-    tensor (a block's first position predicts from the last stored token); the writes and the carry's commits stay
-    eager. A left-padded batch of 3 (one prompt over a block, so prefilled, and two shorter ones that start without
-    a carry) and batch 1, greedy and seeded: the eager runtime's tokens and per-row counters."""
+    tensor (a block's first position predicts from the last stored token); greedy, the writes and the carry's
+    commits are compiled calls too (seeded, they stay eager). A left-padded batch of 3 (one prompt over a block, so
+    prefilled, and two shorter ones that start without a carry) and batch 1, greedy and seeded: the eager runtime's
+    tokens and per-row counters."""
     clear_static_state(fast_model)
     params = dict(params, decoding_strategy="fast_dllm_v2", block_size=8, max_new_tokens=20)
     prompts = [[5, 17, 42, 8, 9, 10, 11, 12, 13, 14], *PROMPTS[1:]]
@@ -236,7 +237,26 @@ def test_fast_dllm_v2_steps_equal_the_eager_runtime(fast_model, params):
                             **seeded(params, len(batch)))
         assert_same_decode(eager, compiled)
     keys = step_keys(fast_model)
-    assert keys and all(key[0] == "FastDLLMV2Strategy" for key in keys)
+    assert keys and all(key[key[0] == "cache_write"] == "FastDLLMV2Strategy" for key in keys)
+    assert any(key[0] == "cache_write" for key in keys) == ("do_sample" not in params)
+    assert all(state.steps.graphs(key) == 1 for state in static_states(fast_model) for key in state.steps.keys)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_ar_on_a_right_shifted_model(fast_model, fuse):
+    """AR on a right-shifted model (every AR checkpoint): with fused writes each step stores the last token and
+    predicts the next (the compiled step returns the new carry); with `fuse_cache_write=False` every token comes
+    from the carry of a compiled cache write (no denoising step). The eager runtime's tokens and counters, a
+    left-padded batch and batch 1."""
+    clear_static_state(fast_model)
+    params = dict(decoding_strategy="ar", block_size=1, fuse_cache_write=fuse, max_new_tokens=10)
+    prompts = [[5, 17, 42, 8, 9, 10, 11, 12, 13, 14], *PROMPTS[1:]]
+    for batch in (prompts, prompts[:1]):
+        eager = generate(fast_model, batch, **params)
+        compiled = generate(fast_model, batch, cache_implementation="static", compile_config=cpu_compile_config(),
+                            **params)
+        assert_same_decode(eager, compiled)
+    assert {key[0] for key in step_keys(fast_model)} == {"ARStrategy" if fuse else "cache_write"}
     assert all(state.steps.graphs(key) == 1 for state in static_states(fast_model) for key in state.steps.keys)
 
 

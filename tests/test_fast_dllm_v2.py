@@ -660,4 +660,5 @@ def test_ar_costs_one_forward_per_token(model, length):
     assert s.num_cache_write_forwards == n and s.num_draft_forwards == 0      # each token from the carry
     assert f.num_cache_write_forwards == 0 and f.num_draft_forwards == n
     assert s.num_generated_tokens == f.num_generated_tokens == n
+    assert s.num_committed_tokens == s.num_fallback_tokens == n     # the carry's commits are counted (were not)
     assert separate.spec_stats_per_row[0].nfe == 1 + n and s.num_forward_calls == 1 + n

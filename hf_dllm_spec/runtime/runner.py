@@ -247,10 +247,16 @@ class ModelRunner:
             # Padding is seen by nobody but itself (a row with no visible key would be ill-defined).
             intra = (intra & query_valid[:, None, :]) | torch.eye(q, dtype=torch.bool, device=self.device)
         keep = logits_to_keep or q
-        keep_raw = keep if self.alignment == "position" else min(q, keep + 1)
-        if self.alignment != "position" and s:
-            keep_raw = max(keep_raw, q - s + 1)                    # the last stored token's logits: the carry
-        return intra, query_valid, keep, keep_raw
+        return intra, query_valid, keep, self.logits_computed(q, keep, s)
+
+    def logits_computed(self, q: int, keep: int, s: int) -> int:
+        """The logits a forward of `q` query tokens (the first `s` stored) computes to return `keep`: `keep` on a
+        position-aligned model; on a right-shifted one also the predecessor of the first kept token and the last
+        stored token's (the carry)."""
+        if self.alignment == "position":
+            return keep
+        keep_raw = min(q, keep + 1)
+        return max(keep_raw, q - s + 1) if s else keep_raw
 
     def _own_span(self):
         return self.timer.span(self.timer_span) if self.timer_span else contextlib.nullcontext()

@@ -510,10 +510,9 @@ class StaticModelRunner(ModelRunner):
 
     @property
     def runs_compiled_carry_steps(self) -> bool:
-        """Whether :meth:`run_step` is available to a step of a right-shifted model: one that stores nothing and
-        passes the carry to :meth:`step_forward` (Fast-dLLM v2 with separate cache writes: the carry only changes in
-        the writes, which run eagerly), or one that stores its query, takes the model's own logits
-        (`step_forward(unaligned=True)`) and returns the new carry (`run_step(sets_carry=True)`: DEER's verify)."""
+        """Whether :meth:`run_step` is available to a step of a right-shifted model, which passes the carry to
+        :meth:`step_forward` and, when it stores tokens, gets the new carry back (`return_carry`) and returns it to
+        :meth:`run_step` (`sets_carry`): Fast-dLLM v2's denoising steps and cache writes, AR, DEER's verify."""
         return self.compile_mode == "compile" and self.alignment == "right_shift" and not self.check_layouts
 
     def run_step(self, function, owner, key: tuple, tensors: tuple, *, q: int, store_len: int, logits_to_keep: int,
@@ -543,7 +542,7 @@ class StaticModelRunner(ModelRunner):
             `list` of the function's outputs, `(N, ...)` each.
         """
         n = self.batch_size
-        width, kept, prefix = shape = self.reserve(q, logits_to_keep or q)
+        width, kept, prefix = shape = self.reserve(q, self.logits_computed(q, logits_to_keep or q, store_len))
         self.stats.count_forward(kind, rows, draft_model=self.timer_span == DRAFT_MODEL_SPAN)
         bucket = rows_bucket(n, self.cache.batch_capacity)
         lengths = self.lengths

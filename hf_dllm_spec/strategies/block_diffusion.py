@@ -232,6 +232,11 @@ class BlockDiffusionStrategy(DecodingStrategy):
         self._step_key: tuple | None = None                     # step_key, built once
         self._noise: dict[int, torch.Tensor] = {}               # step_noise's buffers, per rows bucket
         self.compiled_step = self.runs_compiled_step()
+        # Separate cache writes as compiled calls too: the write, the next blocks and (right-shifted models,
+        # greedy) the carry's commits (:func:`cache_write_step`). A sampled carry commit draws for the restarted
+        # rows only (per-row generators), which stays eager.
+        self.compiled_write = (self.compiled_step and not config.fuse_cache_write
+                               and not (self.first_from_carry and session.sampler.do_sample))
 
     # -- Algorithm 1: the outer loop, every row at its own pace ------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -253,6 +258,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 # the carry decided every block (a block of B > 1 always keeps a mask after the carry's commit:
                 # a prompt tail fills fewer than B positions, and an unfinished block is not restarted)
                 done = torch.ones_like(block.start, dtype=torch.bool)
+                read = step_read(done, block.num_fixed, block.tokens).tolist()
             elif self.compiled_step:
                 # 1-2 as one compiled function (the static runtime with `compile_config`), which also prepares
                 # step 3's next blocks
@@ -267,7 +273,6 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 self.denoise_step(block, logits)
                 done = self.finish_step(block, began_full)
                 block.step += 1
-            if not self.compiled_step:
                 # the step's one host read: which rows finished, where their new tokens start, the block's tokens
                 read = step_read(done, block.num_fixed, block.tokens).tolist()
             done_rows = [bool(row[0]) for row in read]
@@ -377,9 +382,12 @@ class BlockDiffusionStrategy(DecodingStrategy):
         Returns:
             `(tokens (N, B), positions (N, B), rows (N,) bool)` of the blocks the next forward stores, or None.
         """
+        continuing, any_continuing = continuing_rows(done, done_rows, finished)
+        if self.compiled_write:
+            self.compiled_cache_write(block, done, done_rows, continuing)
+            return None
         if not self.config.fuse_cache_write:
             self.write_blocks(block, done, done_rows)
-        continuing, any_continuing = continuing_rows(done, done_rows, finished)
         pending = None
         if self.config.fuse_cache_write and any_continuing:
             pending = (block.tokens.clone(), block.positions, continuing)
@@ -409,7 +417,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         carry = self.session.target.carry
         if not self.first_from_carry or carry is None:
             return
-        rows = block.undecided[:, 0]
+        rows = block.undecided[:, 0].clone()             # not a view: the commit below clears the column
         if not bool(rows.any()):
             return
         tokens, _ = self.session.sampler.choose(self.session.sampler.probs(carry[:, None, :]), draw=rows[:, None])
@@ -641,17 +649,16 @@ class BlockDiffusionStrategy(DecodingStrategy):
 
     def runs_compiled_step(self) -> bool:
         """Whether each denoising step runs as one compiled function (:func:`denoising_step` through
-        `StaticModelRunner.run_step`): the static runtime with `compile_config` on a position-aligned model (fused or
-        separate cache writes), or on a right-shifted one with separate writes (Fast-dLLM v2: the step stores
-        nothing and takes the carry as a tensor; the writes and the carry's commits stay eager, once per block);
-        greedy, or sampling with transformers' position-independent warpers in a plain `LogitsProcessorList` (the
+        `StaticModelRunner.run_step`): the static runtime with `compile_config`, fused or separate cache writes (the
+        writes compiled too, :attr:`compiled_write`), on a position-aligned model or a right-shifted one (Fast-dLLM
+        v2, AR on an AR checkpoint: the step takes the carry as a tensor and returns it after storing); greedy, or sampling with transformers' position-independent warpers in a plain `LogitsProcessorList` (the
         random draw made before the step, :meth:`step_noise`; per-row processors, `RowProcessors`, keep the eager
         step); any remasking rule, whole blocks or sub-blocks; LLaDA2.1 token editing (`ThresholdEditRule`) and
         `num_to_transfer`; no `cache_ver` / `draft_ver`, no streamer; a class whose step methods are traceable
         (:data:`COMPILED_STEP_METHODS`). Else the eager step."""
         s, cfg = self.session, self.config
         processors = s.sampler.logits_processor
-        served = (getattr(s.target, "runs_compiled_carry_steps", False) if self.first_from_carry
+        served = (getattr(s.target, "runs_compiled_carry_steps", False) if s.target.alignment == "right_shift"
                   else getattr(s.target, "runs_compiled_steps", False))
         return (served and type(processors) in (LogitsProcessorList, list)
                 and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
@@ -694,6 +701,16 @@ class BlockDiffusionStrategy(DecodingStrategy):
                                              device=s.target.device)
         return s.sampler.draw_noise(self._noise[bucket], rows)
 
+    def step_carry(self, rows: int) -> torch.Tensor | None:
+        """A compiled step's carry argument: on a right-shifted model the logits of each of the `rows` rows' last
+        stored token, `(N, V)` (zeros before anything is stored: what the eager runner takes); None otherwise."""
+        target = self.session.target
+        if target.alignment != "right_shift":
+            return None
+        if target.carry is None:
+            return torch.zeros(rows, output_vocab_size(target.model), device=target.device)
+        return target.carry
+
     def compiled_denoise(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, list, tuple]:
         """One denoising step of every row as one compiled call (:func:`denoising_step`): the draft forward
         (storing `pending`), the proposal, edits and commits, the done flags and the step's read; updates `block`
@@ -709,16 +726,12 @@ class BlockDiffusionStrategy(DecodingStrategy):
         for i in range(n):
             s.stats.row(i).num_denoising_steps += 1
         self.draft_mask(block)                            # built once, outside the compiled code
-        carry = None
-        if self.first_from_carry:                         # right-shifted: the logits of each row's last stored token
-            carry = s.target.carry
-            if carry is None:                             # nothing stored yet: what the eager runner takes
-                carry = torch.zeros(n, output_vocab_size(s.target.model), device=s.target.device)
+        carry = self.step_carry(n)
         tensors = (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps,
                    *(pending if pending is not None else (None, None, None)), self.step_noise(n), carry)
         block.tokens, block.undecided, block.step, block.post_steps, done, read, *advanced = s.target.run_step(
             denoising_step, self, self.step_key, tensors, q=B if pending is None else 2 * B,
-            store_len=0 if pending is None else B, logits_to_keep=B, kind="draft")
+            store_len=0 if pending is None else B, logits_to_keep=B, kind="draft", sets_carry=carry is not None)
         rows, names = read.tolist(), self.step_counters
         for i, row in enumerate(rows):
             stats = s.stats.row(i)
@@ -726,6 +739,65 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 setattr(stats, name, getattr(stats, name) + value)
             del row[-len(names):]
         return done, rows, tuple(advanced)
+
+
+    def compiled_cache_write(self, block: BlockState, done: torch.Tensor, done_rows: list[bool],
+                             continuing: torch.Tensor) -> None:
+        """:meth:`schedule_writes` with separate cache writes as one compiled call (:func:`cache_write_step`): the
+        write of the finished blocks (`done` `(N,)`, `done_rows` its host read), the `continuing` rows' next
+        blocks and the carry's commits; updates `block`, the runner's carry and the counters as the eager path."""
+        s = self.session
+        carry = self.step_carry(done.shape[0])
+        if continuing is done:                                  # two arguments, one tensor: a guard would fail
+            continuing = done.clone()
+        tensors = (block.tokens, block.positions, done, continuing, block.undecided, block.start, block.num_fixed,
+                   block.step, block.post_steps, carry)
+        (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps,
+         committed) = s.target.run_step(cache_write_step, self, ("cache_write", *self.step_key), tensors,
+                                        q=self.block_size, store_len=self.block_size, logits_to_keep=1,
+                                        kind="cache_write", rows=done_rows, sets_carry=carry is not None)
+        if carry is not None:
+            s.stats.accumulate("num_fallback_tokens", committed)
+
+def cache_write_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengths: torch.Tensor,
+                     tokens: torch.Tensor, positions: torch.Tensor, done: torch.Tensor, continuing: torch.Tensor,
+                     undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
+                     post_steps: torch.Tensor, carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Algorithm 1's separate cache write as a function of tensors (what `StaticModelRunner.run_step` compiles):
+    store the finished blocks (`done` rows; the others store padding), start the `continuing` rows' next blocks
+    (:meth:`BlockState.restart`) and, on a right-shifted model, commit each new block's first token from the carry
+    the write leaves (greedy; :meth:`~BlockDiffusionStrategy.commit_from_carry`). Nothing here reads the host.
+
+    Args:
+        strategy (`BlockDiffusionStrategy`), runner (`StaticModelRunner`), shape (`tuple`), lengths (`(N,)`): as in
+            :func:`denoising_step`.
+        tokens, positions (`(N, B)` int64): the blocks; done, continuing (`(N,)` bool): rows whose block is stored,
+            rows that go on to a next block.
+        undecided, start, num_fixed, step, post_steps: the other :class:`BlockState` fields.
+        carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (None: position-aligned).
+
+    Returns:
+        `(lengths, [carry,] tokens, undecided, start, num_fixed, step, post_steps, committed)`: the new write
+        positions, the carry after the write (right-shifted models only), the next blocks' fields and the tokens
+        committed from the carry per row `(N,)` (Fast-dLLM v2's first token of each block).
+    """
+    B, sampler = strategy.block_size, strategy.session.sampler
+    out = runner.step_forward(shape, tokens, positions, strategy.store_mask(positions), lengths, store_len=B,
+                              store_valid=done[:, None].expand(-1, B), logits_to_keep=1, carry=carry,
+                              return_carry=carry is not None)
+    block = BlockState(tokens.clone(), undecided.clone(), start.clone(), num_fixed.clone(), step.clone(),
+                       post_steps.clone(), strategy.session.mask_token_id)
+    block.restart(continuing)
+    committed = torch.zeros_like(start)
+    if carry is not None:
+        carry = out[2]
+        first, _ = sampler.choose(sampler.probs(carry[:, None, :]))                       # (N, 1)
+        take = block.undecided & (block.offsets == 0)
+        block.tokens = torch.where(take, first, block.tokens)
+        block.undecided = block.undecided & ~take
+        committed = take.sum(dim=1)
+    return (out[1], *(() if carry is None else (carry,)), block.tokens, block.undecided, block.start,
+            block.num_fixed, block.step, block.post_steps, committed)
 
 
 def traceable_step_methods(cls: type, names: tuple[str, ...]) -> bool:
@@ -766,10 +838,11 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
             None.
         noise (`torch.Tensor` of shape `(N, B, V)`, float32, *optional*): when sampling,
             :meth:`~BlockDiffusionStrategy.step_noise`.
-        carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (separate writes).
+        carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (None: position-aligned).
 
     Returns:
-        `(lengths, tokens, undecided, step, post_steps, done, read, *next)`: the new write positions `(N,)`, the
+        `(lengths, [carry,] tokens, undecided, step, post_steps, done, read, *next)`: the new write positions
+        `(N,)`, the carry after the step (right-shifted models only: changed where the step stored a block), the
         block's new tokens and masks `(N, B)`, the steps and post steps taken `(N,)`, the finished rows `(N,)` bool,
         :func:`step_read` with the counters of :attr:`~BlockDiffusionStrategy.step_counters` as last columns; `next`:
         the next step's `tokens, undecided, start, num_fixed, step, post_steps` (finished blocks restarted) and the
@@ -780,8 +853,9 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
     pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
     ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
                                                                           strategy.draft_mask(block), pending)
-    logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
-                                          store_valid=store_valid, logits_to_keep=strategy.block_size, carry=carry)
+    logits, lengths, carry = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
+                                                 store_valid=store_valid, logits_to_keep=strategy.block_size,
+                                                 carry=carry, return_carry=True)
     probs, proposal, confidence = strategy.propose(logits, noise)
     counts, edited = [], None
     if strategy.edit_rule is not None:
@@ -797,8 +871,9 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
     after = BlockState(block.tokens.clone(), block.undecided.clone(), start.clone(), num_fixed.clone(), step + 1,
                        block.post_steps.clone(), block.mask_token_id)
     after.restart(done)
-    return (lengths, block.tokens, block.undecided, step + 1, block.post_steps, done, read, after.tokens,
-            after.undecided, after.start, after.num_fixed, after.step, after.post_steps, block.positions)
+    return (lengths, *(() if carry is None else (carry,)), block.tokens, block.undecided, step + 1, block.post_steps,
+            done, read, after.tokens, after.undecided, after.start, after.num_fixed, after.step, after.post_steps,
+            block.positions)
 
 
 class ARStrategy(BlockDiffusionStrategy):
