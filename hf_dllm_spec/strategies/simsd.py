@@ -40,6 +40,13 @@ conditions a position on a neighbour revealed in the same step, which the target
 Rejection sampling keeps each position's distribution only for left-to-right reveals: a confidence rule picks
 positions by their sampled tokens, so the drafter's distribution is not the proposal. Other reveal orders and
 the paired layout on deeper targets are approximations: SimSD is not claimed lossless.
+
+Compiled cycle (issue 34; the static runtime with `compile_config` on both models, greedy with greedy_match, the
+paired layout): each drafter step is one compiled function on the drafter (:func:`simsd_draft_step`: forward,
+unmasking rule, step map; one host read, the rows still drafting) and verify + commit one compiled function on the
+target (:func:`simsd_verify_step`: the paired layout at its full width 2B, which gives the compacted layout's
+logits, greedy_match, the EOS gate, the commits and the next blocks; one host read, the cycle's). The maths are the
+eager cycle's methods (:meth:`SimSDStrategy.reveal`, :meth:`SimSDStrategy.accept`, ...).
 """
 
 from __future__ import annotations
@@ -553,7 +560,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
     # -- the cycle as compiled functions (runtime/step.py) -------------------------------------------------------
     #: The methods a compiled cycle runs; a subclass that overrides one of them runs the eager cycle, unless the
     #: class defining the override says `traceable_step = True` in its own body.
-    COMPILED_CYCLE_METHODS = ("reveal", "paired_query", "accept", "with_pending", "store_mask")
+    COMPILED_CYCLE_METHODS = ("reveal", "with_target_alone", "paired_query", "accept", "with_pending", "store_mask")
     traceable_step = True
 
     def runs_compiled_step(self) -> bool:
@@ -577,10 +584,11 @@ class SimSDStrategy(BlockDiffusionStrategy):
     @property
     def step_key(self) -> tuple:
         """What SimSD's compiled functions specialise on besides their shapes: the drafter's rule (the
-        block-diffusion key), the drafter's sampler and mask, the verification order and the EOS gate."""
+        block-diffusion key), the drafter's sampler and mask, the verification order, `min_draft_len` and the EOS
+        gate."""
         s, cfg = self.session, self.config
         return (*super().step_key, "simsd", s.draft_mask_token_id, self.draft_sampler.step_key, cfg.verify_order,
-                cfg.eos_min_prob, tuple(s.stop_token_ids) if cfg.eos_min_prob > 0 else ())
+                cfg.min_draft_len, cfg.eos_min_prob, tuple(s.stop_token_ids) if cfg.eos_min_prob > 0 else ())
 
     def compiled_cycle(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, list, tuple]:
         """One cycle of every row as compiled functions: :func:`simsd_draft_step` until no row has a mask left in
