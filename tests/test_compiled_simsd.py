@@ -7,7 +7,7 @@ the next blocks), each with one host read.
 Checked on the CPU with tiny random SDAR models (target and a drafter of other weights, or the target drafting for
 itself: low and high acceptance): the eager runtime's tokens and per-row counters (batch 1, left-padded batches of 2
 and 3 whose rows stop at different cycles, both verification orders, the EOS gate, several reveals per drafter step,
-the dynamic drafter rule, blocks finished by the target alone), fullgraph (a graph break raises), one graph per key
+the dynamic drafter rule, blocks finished by the target alone, rows that join), fullgraph (a graph break raises), one graph per key
 over a 64-token call and a second call, at most one host read per forward there, and the cases the compiled cycle
 does not serve on the eager cycle. The full paired layout gives the compacted layout's tokens (eager). Dynamo's
 "eager" backend (the trace and its guards); the slow tests run the other cases and the bundled pair
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MASK_ID, TINY, assert_same_decode, cpu_compile_config, left_padded_batch
+from conftest import MASK_ID, TINY, assert_same_decode, cpu_compile_config, left_padded_batch, spec_counters
 
+from hf_dllm_spec.integration.continuous import RowFeed, RowRequest
 from hf_dllm_spec.maths.masks import temporal_verify_mask
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import simsd
@@ -164,6 +165,45 @@ def test_the_full_paired_layout_gives_the_compacted_tokens(sdar_model, drafter, 
 
     monkeypatch.setattr(simsd, "compact_paired_layout", full)
     assert_same_decode(compacted, generate(sdar_model, drafter, ids, mask, False, max_new_tokens=24))
+
+
+class ScriptedFeed(RowFeed):
+    """Hands out `joining[k]` at the k-th join point (1-based)."""
+
+    def __init__(self, initial: list[RowRequest], joining: dict[int, list[RowRequest]]) -> None:
+        super().__init__(initial)
+        self.joining, self.calls = joining, 0
+
+    def take(self, rows: int) -> list[RowRequest]:
+        self.calls += 1
+        return self.joining.pop(self.calls, [])
+
+
+@pytest.mark.slow
+def test_rows_that_join_get_the_eager_runtime_tokens(sdar_model):
+    """Continuous batching (`row_feed`): two rows start, two join before the third cycle (their first blocks' masks
+    known on the host; the static buffers double); every row's tokens, end and counters equal the eager
+    runtime's."""
+    prompts = [[5, 17, 42, 8, 23, 61, 4], [9, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7]]
+
+    def run(compiled: bool) -> dict:
+        results: dict = {}
+
+        def request(n: int) -> RowRequest:
+            return RowRequest(prompts[n], 10, on_done=lambda tokens, reason, stats: results.__setitem__(
+                n, (tokens, reason, spec_counters(stats))))
+
+        initial = [request(0), request(1)]
+        ids = torch.tensor([prompts[0], [0] * 5 + prompts[1]])
+        generate(sdar_model, sdar_model, ids, (ids != 0).long(), compiled, max_new_tokens=10,
+                 row_feed=ScriptedFeed(initial, {3: [request(2), request(3)]}))
+        return results
+
+    clear(sdar_model)
+    eager = run(False)
+    assert sorted(eager) == [0, 1, 2, 3] and run(True) == eager
+    assert {key[0] for key in simsd_keys(sdar_model)} == {"simsd-draft", "simsd-verify"}
+    clear(sdar_model)
 
 
 @pytest.mark.slow

@@ -314,6 +314,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
         while True:
             if s.admission is not None:   # continuous batching: rows join between two cycles
                 block, pending = self.admit(block, pending, blocks_done, generated, host_done)
+                if self.masks_left is not None:           # joining rows: their first blocks' masks
+                    self.masks_left += [B - s.prompts[p].shape[0] % B for p in s.stats.active[len(self.masks_left):]]
             if not block.tokens.shape[0]:
                 break
             if self.compiled_step:
@@ -568,15 +570,15 @@ class SimSDStrategy(BlockDiffusionStrategy):
         drafter, then :func:`simsd_verify_step` on the target, through `StaticModelRunner.run_step`; one host read
         each): the static runtime with `compile_config` for both models on one device, position-aligned; greedy
         with greedy_match acceptance and transformers' position-independent processors; the paired layout, either
-        verification order, any `min_draft_len`, the EOS gate; any drafter schedule; no streamer, no continuous
-        batching; a class whose cycle methods are traceable (:data:`COMPILED_CYCLE_METHODS`). Else the eager
+        verification order, any `min_draft_len`, the EOS gate; any drafter schedule; continuous batching; no
+        streamer; a class whose cycle methods are traceable (:data:`COMPILED_CYCLE_METHODS`). Else the eager
         cycle. Called by the block-diffusion constructor (config and session only)."""
         s, cfg = self.session, self.config
         processors = s.sampler.logits_processor
         return (getattr(s.target, "runs_compiled_steps", False) and getattr(s.drafter, "runs_compiled_steps", False)
                 and s.drafter.device == s.target.device and not s.sampler.do_sample
                 and cfg.acceptance in (None, "greedy_match") and cfg.verify_layout == "paired"
-                and s.stream is None and s.admission is None
+                and s.stream is None
                 and type(processors) in (LogitsProcessorList, list)
                 and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
                 and traceable_step_methods(type(self), self.COMPILED_CYCLE_METHODS))
