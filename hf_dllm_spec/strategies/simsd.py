@@ -455,20 +455,13 @@ class SimSDStrategy(BlockDiffusionStrategy):
         """One target forward; returns the target logits for every block position, `(N, B, V)`, each read where
         that position is still masked in the block state before its reveal step."""
         s, B = self.session, self.block_size
-        device = block.tokens.device
         if self.config.verify_layout == "paired":
             ids, positions = self.paired_query(drafts.tokens, block.positions)
             ids, positions, intra, slot = compact_paired_layout(ids, positions, drafts.reveal_step)
             logits = self.forward_with_pending(s.target, ids, positions, intra, pending, kind="verify",
                                                rows=self.count_target_alone(drafts))
             return logits.gather(1, slot[..., None].expand(-1, -1, logits.shape[-1]))
-        num_copies = int(drafts.reveal_step.max())
-        copy = torch.arange(1, num_copies + 1, device=device)[None, :, None]           # (1, S, 1)
-        before = drafts.reveal_step[:, None, :] < copy                                  # (N, S, B) known at copy s
-        ids = torch.where(before, drafts.tokens[:, None, :], s.mask_token_id).reshape(-1, num_copies * B)
-        positions = block.positions.repeat(1, num_copies)
-        copy_of = torch.arange(num_copies * B, device=device) // B
-        intra = copy_of[:, None] == copy_of[None, :]                                   # block-diagonal copies
+        ids, positions, intra = self.stacked_query(drafts, block.positions, int(drafts.reveal_step.max()))
         logits = self.forward_with_pending(s.target, ids, positions, intra, pending, kind="verify",
                                            rows=self.count_target_alone(drafts))
         if s.target.alignment == "right_shift":
@@ -477,8 +470,33 @@ class SimSDStrategy(BlockDiffusionStrategy):
             # copy's last row, so every copy takes copy 1's.
             logits = logits.clone()
             logits[:, B::B] = logits[:, :1]
-        index = (drafts.reveal_step - 1).clamp(min=0) * B + torch.arange(B, device=device)[None]
+        return self.stacked_logits(logits, drafts.reveal_step)
+
+    def stacked_query(self, drafts: Drafts, positions: torch.Tensor,
+                      num_copies: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacked layout: copy s = 1..`num_copies` holds the block as it was before reveal step s (full
+        attention inside each copy, copies apart). Returns ids and positions `(N, S * B)` and the block-diagonal
+        visibility `(S * B, S * B)` bool; copies past a row's last step are complete blocks nobody reads."""
+        B, device = self.block_size, positions.device
+        copy = torch.arange(1, num_copies + 1, device=device)[None, :, None]           # (1, S, 1)
+        before = drafts.reveal_step[:, None, :] < copy                                  # (N, S, B) known at copy s
+        ids = torch.where(before, drafts.tokens[:, None, :], self.session.mask_token_id).reshape(-1, num_copies * B)
+        copy_of = torch.arange(num_copies * B, device=device) // B
+        return ids, positions.repeat(1, num_copies), copy_of[:, None] == copy_of[None, :]
+
+    def stacked_logits(self, logits: torch.Tensor, reveal_step: torch.Tensor) -> torch.Tensor:
+        """The stacked layout's logits `(N, S * B, V)` read per block position at the copy of its reveal step,
+        `(N, B, V)`."""
+        B = self.block_size
+        index = (reveal_step - 1).clamp(min=0) * B + torch.arange(B, device=logits.device)[None]
         return logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+
+    @property
+    def verify_width(self) -> int:
+        """The compiled verify step's query width: 2B (paired) or S x B (stacked, S = the most drafter steps a
+        block can take: `steps_per_block`, each step revealing at least its scheduled count)."""
+        B = self.block_size
+        return 2 * B if self.config.verify_layout == "paired" else min(self.steps_per_block, B) * B
 
     def paired_query(self, draft_tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The paired layout `[data | mask slots]` (SimSD §3.1): ids and RoPE positions `(N, 2B)` each, mask slot k
@@ -562,23 +580,24 @@ class SimSDStrategy(BlockDiffusionStrategy):
     # -- the cycle as compiled functions (runtime/step.py) -------------------------------------------------------
     #: The methods a compiled cycle runs; a subclass that overrides one of them runs the eager cycle, unless the
     #: class defining the override says `traceable_step = True` in its own body.
-    COMPILED_CYCLE_METHODS = ("reveal", "with_target_alone", "paired_query", "accept", "with_pending", "store_mask")
+    COMPILED_CYCLE_METHODS = ("reveal", "with_target_alone", "paired_query", "stacked_query", "stacked_logits",
+                              "accept", "with_pending", "store_mask")
     traceable_step = True
 
     def runs_compiled_step(self) -> bool:
         """Whether each cycle runs as compiled functions (:func:`simsd_draft_step` per drafter step on the
         drafter, then :func:`simsd_verify_step` on the target, through `StaticModelRunner.run_step`; one host read
         each): the static runtime with `compile_config` for both models on one device, position-aligned; greedy
-        with greedy_match acceptance and transformers' position-independent processors; the paired layout, either
-        verification order, any `min_draft_len`, the EOS gate; any drafter schedule; continuous batching; no
-        streamer; a class whose cycle methods are traceable (:data:`COMPILED_CYCLE_METHODS`). Else the eager
-        cycle. Called by the block-diffusion constructor (config and session only)."""
+        with greedy_match acceptance and transformers' position-independent processors; either layout (the stacked
+        one at its most copies, `steps_per_block`), either verification order, any `min_draft_len`, the EOS gate;
+        any drafter schedule; continuous batching; no streamer; a class whose cycle methods are traceable
+        (:data:`COMPILED_CYCLE_METHODS`). Else the eager cycle. Called by the block-diffusion constructor (config and
+        session only)."""
         s, cfg = self.session, self.config
         processors = s.sampler.logits_processor
         return (getattr(s.target, "runs_compiled_steps", False) and getattr(s.drafter, "runs_compiled_steps", False)
                 and s.drafter.device == s.target.device and not s.sampler.do_sample
-                and cfg.acceptance in (None, "greedy_match") and cfg.verify_layout == "paired"
-                and s.stream is None
+                and cfg.acceptance in (None, "greedy_match") and s.stream is None
                 and type(processors) in (LogitsProcessorList, list)
                 and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
                 and traceable_step_methods(type(self), self.COMPILED_CYCLE_METHODS))
@@ -586,11 +605,12 @@ class SimSDStrategy(BlockDiffusionStrategy):
     @property
     def step_key(self) -> tuple:
         """What SimSD's compiled functions specialise on besides their shapes: the drafter's rule (the
-        block-diffusion key), the drafter's sampler and mask, the verification order, `min_draft_len` and the EOS
-        gate."""
+        block-diffusion key), the drafter's sampler and mask, the layout, the verification order, `min_draft_len`
+        and the EOS gate."""
         s, cfg = self.session, self.config
-        return (*super().step_key, "simsd", s.draft_mask_token_id, self.draft_sampler.step_key, cfg.verify_order,
-                cfg.min_draft_len, cfg.eos_min_prob, tuple(s.stop_token_ids) if cfg.eos_min_prob > 0 else ())
+        return (*super().step_key, "simsd", s.draft_mask_token_id, self.draft_sampler.step_key, cfg.verify_layout,
+                cfg.verify_order, cfg.min_draft_len, cfg.eos_min_prob,
+                tuple(s.stop_token_ids) if cfg.eos_min_prob > 0 else ())
 
     def compiled_cycle(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, list, tuple]:
         """One cycle of every row as compiled functions: :func:`simsd_draft_step` until no row has a mask left in
@@ -631,8 +651,9 @@ class SimSDStrategy(BlockDiffusionStrategy):
             simsd_verify_step, self, ("simsd-verify", *self.step_key),
             (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps, tokens,
              reveal_step, flags, *(pending if pending is not None else (None, None, None))),
-            q=3 * B if pending is not None else 2 * B, store_len=B if pending is not None else 0, logits_to_keep=B,
-            kind="verify", rows=None if flags is None else drafting)
+            q=self.verify_width + (B if pending is not None else 0), store_len=B if pending is not None else 0,
+            logits_to_keep=B if self.config.verify_layout == "paired" else self.verify_width, kind="verify",
+            rows=None if flags is None else drafting)
         rows = read.tolist()                                    # the verify step's one host read
         for i, row in enumerate(rows):
             num_drafts, accepted, recovered, committed, alone, self.masks_left[i] = row[-6:]
@@ -719,13 +740,19 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
     drafting = torch.ones_like(start, dtype=torch.bool) if drafting is None else drafting
     drafts = strategy.with_target_alone(undecided, Drafts(draft_tokens, reveal_step, torch.zeros(
         *tokens.shape, 1, device=tokens.device), drafting))
-    ids, positions = strategy.paired_query(drafts.tokens, block.positions)
+    paired = strategy.config.verify_layout == "paired"
+    if paired:
+        ids, positions = strategy.paired_query(drafts.tokens, block.positions)
+        intra = temporal_verify_mask(drafts.reveal_step)
+    else:
+        ids, positions, intra = strategy.stacked_query(drafts, block.positions, strategy.verify_width // B)
     pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
-    ids, positions, intra, store_len, store_valid = strategy.with_pending(ids, positions,
-                                                                          temporal_verify_mask(drafts.reveal_step),
-                                                                          pending)
+    ids, positions, intra, store_len, store_valid = strategy.with_pending(ids, positions, intra, pending)
     logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
-                                          store_valid=store_valid, logits_to_keep=B)         # the mask slots
+                                          store_valid=store_valid, logits_to_keep=B if paired else ids.shape[1]
+                                          - store_len)            # paired: the mask slots; stacked: every copy
+    if not paired:
+        logits = strategy.stacked_logits(logits, drafts.reveal_step)
     tokens, undecided, result, num_drafts, alone = strategy.accept(tokens, undecided, drafts,
                                                                    s.sampler.probs(logits))
     done = ~undecided.any(dim=1)
