@@ -123,6 +123,23 @@ def test_left_padded_batch_equals_the_eager_runtime(pair):
     assert one_graph_each(pair)
 
 
+def test_a_one_token_prompt_equals_the_eager_runtime(pair):
+    """A batch of 2 whose second prompt is one token: that row stores nothing in the compiled prefill (its carry
+    stays zero) and its first draft reads the one token."""
+    tokenizer, target, drafter, prompts = pair
+    first = tokenizer(prompts[0], return_tensors="pt").input_ids[0]
+    ids, mask = torch.zeros(2, first.shape[0], dtype=torch.long), torch.zeros(2, first.shape[0], dtype=torch.long)
+    ids[0], mask[0], ids[1, -1], mask[1, -1] = first, 1, first[0], 1
+
+    def call(compiled: bool):
+        static = dict(cache_implementation="static", compile_config=cpu_compile_config()) if compiled else {}
+        return target.generate(ids, attention_mask=mask, return_dict_in_generate=True,
+                               custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="deer",
+                               draft_model=drafter, block_size=4, max_new_tokens=16, eos_token_id=None, **static)
+
+    assert_same_decode(call(False), call(True))
+
+
 def test_at_most_one_host_read_per_cycle(pair, step_syncs):
     """Batch 1: between the first and the last compiled call the loop reads the device at most once per cycle of
     two forwards (the verify step's read; the prefill step reads nothing). Inside the compiled steps nothing reads
