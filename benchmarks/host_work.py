@@ -89,10 +89,10 @@ def measure(model, ids: torch.Tensor, spec, max_new_tokens: int) -> dict:
             "operations_per_forward": ops.count / forwards}
 
 
-#: bundled model -> main-job strategy rows measured under `compile_config` (the served ones, and Fast-dLLM v2,
-#: whose right-shifted step is not served yet).
-COMPILED_CASES = {"sdar-tiny-arith": ["ar", "static", "dynamic", "s2d2"], "llada2-tiny": ["llada2"],
-                  "fast-dllm-v2-tiny": ["fast_dllm_v2"]}
+#: bundled model -> main-job strategy rows measured under `compile_config` (every strategy x family of the main
+#: job; the drafter of a pair is the one of :data:`CASES`).
+COMPILED_CASES = {"sdar-tiny-arith": ["ar", "static", "dynamic", "s2d2"], "llada2-tiny": ["llada2", "s2d2-llada2"],
+                  "fast-dllm-v2-tiny": ["fast_dllm_v2", "s2d2"], "sdar-large": ["simsd"], "qwen2-tiny-ar": ["deer"]}
 #: rows measured sampled as well (transformers' warpers; torch's global RNG, seeded before each call).
 SAMPLED_ROWS = {"sdar-tiny-arith": ["dynamic"], "llada2-tiny": ["llada2"]}
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.95}
@@ -169,12 +169,20 @@ def main_compiled(max_new_tokens: int) -> None:
     print("|---|---|---|---|---|---|")
     for name, rows in COMPILED_CASES.items():
         tokenizer, model = load(MODELS / name)
+        drafter_name = CASES[name][1]
+        drafter = load(MODELS / drafter_name)[1] if drafter_name else None
         patch = model_patches.get_patch(model)
+        family = SUB_BLOCKS if patch.native_strategy == "fast_dllm_v2" else None
         ids = tokenizer(arithmetic_prompts(MODELS / name, 1)[0].text, return_tensors="pt").input_ids
+        entry = ({} if isinstance(model, hf_dllm_spec.DllmGenerationMixin)
+                 else {"custom_generate": hf_dllm_spec.custom_generate})
         names = rows if rows[0] == "ar" else ["ar", *rows]                    # specs() puts AR first
-        for row, spec in zip(names, specs(patch.trained_block_size(model) or 4, 0.9, rows, {})):
+        for row, spec in zip(names, specs(patch.trained_block_size(model) or 4, 0.9, rows, {}, family, drafter,
+                                          draft_block_size=8)):
             for sampled in (False, True) if row in SAMPLED_ROWS.get(name, ()) else (False,):
-                kwargs = dict(decoding_strategy=spec.decoding_strategy, **spec.params, **(SAMPLING if sampled else {}))
+                kwargs = dict(decoding_strategy=spec.decoding_strategy, **spec.params, **entry,
+                              **({"draft_model": spec.draft_model} if spec.draft_model is not None else {}),
+                              **(SAMPLING if sampled else {}))
                 ops, forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)
                 with eager_steps():
                     before, before_forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)

@@ -86,6 +86,29 @@ def test_tokens_and_counters_equal_the_eager_runtime(arith, policy):
         assert compiled.spec_stats.num_fallback_tokens > 0
 
 
+@pytest.fixture(scope="module")
+def fast():
+    tokenizer, model = load(ROOT / "models" / "fast-dllm-v2-tiny")
+    tokenizer.padding_side = "left"
+    return tokenizer, model
+
+
+@pytest.mark.parametrize("params", [{}, dict(fuse_cache_write=True, block_size=8, min_ssd_span_length=2)])
+def test_right_shifted_model_equals_the_eager_runtime(fast, params):
+    """S2D2 on Fast-dLLM v2 (right-shifted): the draft and verify steps take the carry (the verifier reads `x~`
+    under a causal mask), the family's separate cache writes are compiled calls, or fused writes store the last
+    block in the next draft step and return the new carry. A left-padded batch of 2 and batch 1: the eager
+    runtime's tokens and per-row counters; both steps ran."""
+    clear_static_state(fast[1])
+    for prompts in (PROMPTS, PROMPTS[1:]):
+        eager = generate(fast, prompts, False, max_new_tokens=24, **params)
+        compiled = generate(fast, prompts, True, max_new_tokens=24, **params)
+        assert_same_decode(eager, compiled)
+        assert compiled.spec_stats.num_verify_forwards > 0
+    assert {key[0] for key in s2d2_keys(fast[1])} == {"draft", "verify"}
+    assert one_graph_each(fast[1])
+
+
 def test_batch_of_one_equals_the_eager_runtime(arith):
     assert_same_decode(generate(arith, PROMPTS[1:], False, **MAIN_JOB), generate(arith, PROMPTS[1:], True, **MAIN_JOB))
 
@@ -133,9 +156,9 @@ def test_at_most_one_host_read_per_forward(arith, step_syncs):
     assert one_graph_each(arith[1])
 
 
-@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(fuse_cache_write=False)])
+@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(editing_threshold=0.5)])
 def test_other_cases_run_the_eager_step(arith, params, monkeypatch):
-    """Sampling (stochastic acceptance), separate cache writes: today's eager S2D2 step."""
+    """Sampling (stochastic acceptance), token editing: today's eager S2D2 step."""
     monkeypatch.setattr(s2d2, "s2d2_draft_step", None)                      # would fail if called
     clear_static_state(arith[1])
     generate(arith, PROMPTS[:1], True, max_new_tokens=8, generator=torch.Generator().manual_seed(0), **params)

@@ -524,7 +524,8 @@ class StaticModelRunner(ModelRunner):
         stored, `logits_to_keep` logits kept), whose fixed `shape` is decided here; it returns `(lengths, *outputs)`,
         the rows' new write positions first. The batch is padded to :func:`rows_bucket` rows (zero rows: each
         tensor's extra rows are zeros, and their K/V go to unused rows of the buffers) and the outputs cut back.
-        Counted as one forward of `kind` for `rows` (:meth:`forward`'s counters). With `sets_carry` (a
+        Counted as one forward of `kind` for `rows` (:meth:`forward`'s counters). A call's first forward, before
+        the cache's buffers exist, runs `function` eagerly (it allocates them). With `sets_carry` (a
         right-shifted model's step that stores tokens) it returns `(lengths, carry, *outputs)`, and the carry
         `(N, V)` (:meth:`step_forward` with `return_carry`) becomes the runner's.
 
@@ -555,7 +556,10 @@ class StaticModelRunner(ModelRunner):
             torch.compiler.cudagraph_mark_step_begin()
         with self.timer.span("forward"), self._own_span(), self._traced(kind, n, width, store_len, kept), \
                 self.timer.span("warmup") if key not in steps else contextlib.nullcontext():
-            lengths, *outputs = steps.run(key, function, self._step_options, owner, self, shape, lengths, *tensors)
+            if self.cache.allocated:
+                lengths, *outputs = steps.run(key, function, self._step_options, owner, self, shape, lengths, *tensors)
+            else:       # the call's first forward allocates the buffers: eagerly (a graph would guard on them)
+                lengths, *outputs = function(owner, self, shape, lengths, *tensors)
         if bucket > n:
             lengths, *outputs = (t[:n] for t in (lengths, *outputs))
         if self.device.type == "cuda":         # CUDA graph trees reuse their output memory at the next replay

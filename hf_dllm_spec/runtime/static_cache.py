@@ -94,6 +94,11 @@ class RowStaticCache(Cache):
         return self._max_len
 
     @property
+    def allocated(self) -> bool:
+        """Whether every layer's buffers exist (the first storing or reading forward allocates them)."""
+        return all(layer.is_initialized for layer in self.layers)
+
+    @property
     def batch_capacity(self) -> int:
         """Rows the buffers hold (R; the allocated rows once the first forward ran)."""
         layer = self.layers[0]

@@ -148,9 +148,9 @@ class DeerStrategy(DecodingStrategy):
         self.new_tokens = [p.to(device) for p in s.prompts]                               # drafter's input
         self.generated = [s.prompts[0].new_empty(0, device=device) for _ in range(s.batch_size)]
         self.host_generated: list[list[int]] = [[] for _ in range(s.batch_size)]   # the same, read on the host
-        # The first cycle compiled too, but never as the first writer of the drafter's cache, nor without a carry
-        # (one-token prompts): the eager cycle then.
-        if self.compiled and s.target.carry is not None and _allocated(s.drafter):
+        # The first cycle compiled too, but not without a carry (one-token prompts): the eager cycle then. (A
+        # compiled step that would be the first writer of a cache runs eagerly: StaticModelRunner.run_step.)
+        if self.compiled and s.target.carry is not None:
             width = max(p.shape[0] for p in s.prompts)
             self.pending = self.drafter.pad(self.new_tokens, max(self.config.block_size + 1, width_bucket(width)))
         while True:
@@ -172,7 +172,7 @@ class DeerStrategy(DecodingStrategy):
         ids, valid, pos = left_pad([p[:-1] for p in prompts], device)
         rows = [n > 0 for n in lengths]
         with runner.timer.span("prefill"):
-            if self.compiled and runner is self.session.target and _allocated(runner):
+            if self.compiled and runner is self.session.target:
                 self.compiled_prefill(ids, valid, pos, rows)
             else:
                 runner.forward(ids, pos, causal_mask(width, device), kind="prefill", store_len=width,
@@ -377,12 +377,6 @@ class DeerStrategy(DecodingStrategy):
         if self.pending is not None:
             rows = index.to(self.pending[0].device)
             self.pending = (self.pending[0][rows], self.pending[1][rows])
-
-
-def _allocated(runner) -> bool:
-    """Whether the static cache of `runner` has its buffers (a forward allocated them). A compiled step must not be
-    the first writer: it would trace the allocation, and its guards would fail on the next call (a recompilation)."""
-    return all(layer.is_initialized for layer in runner.cache.layers)
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -443,17 +443,19 @@ class S2D2Strategy(BlockDiffusionStrategy):
     def runs_compiled_step(self) -> bool:
         """Whether each denoising step runs as compiled functions (:func:`s2d2_draft_step`, then
         :func:`s2d2_verify_step` when a row verifies, through `StaticModelRunner.run_step`): the static runtime
-        with `compile_config` on a position-aligned model, greedy with greedy_match acceptance, any routing policy,
-        `low_confidence_dynamic` / `low_confidence_static` fallback, whole blocks or sub-blocks, fused cache writes
-        (`cache_ver` and `draft_ver` allowed), no editing, no streamer, a subclass that keeps the step's methods.
-        Else the eager step. Called by the block-diffusion constructor (config and session only)."""
+        with `compile_config`, on a position-aligned model or a right-shifted one (Fast-dLLM v2: the steps take the
+        carry), greedy with greedy_match acceptance, any routing policy, `low_confidence_dynamic` /
+        `low_confidence_static` fallback, whole blocks or sub-blocks, fused or separate cache writes (compiled too),
+        `cache_ver` and `draft_ver`, no editing, no streamer, a subclass that keeps the step's methods. Else the
+        eager step. Called by the block-diffusion constructor (config and session only)."""
         s, cfg = self.session, self.config
-        return (getattr(s.target, "runs_compiled_steps", False) and not s.sampler.do_sample
+        served = (getattr(s.target, "runs_compiled_carry_steps", False) if s.target.alignment == "right_shift"
+                  else getattr(s.target, "runs_compiled_steps", False))
+        return (served and not s.sampler.do_sample
                 and cfg.s2d2_acceptance in (None, "greedy_match")
                 and type(s.sampler.logits_processor) in (LogitsProcessorList, list)
                 and cfg.remasking_strategy in ("low_confidence_dynamic", "low_confidence_static")
-                and cfg.fuse_cache_write and self.edit_rule is None
-                and self.num_to_transfer is None and not self.first_from_carry and s.stream is None
+                and self.edit_rule is None and self.num_to_transfer is None and s.stream is None
                 and all(getattr(type(self), name) is getattr(BlockDiffusionStrategy, name)
                         for name in BlockDiffusionStrategy.COMPILED_STEP_METHODS if name != "denoise_step")
                 and all(getattr(type(self), name) is getattr(S2D2Strategy, name)
@@ -484,10 +486,12 @@ class S2D2Strategy(BlockDiffusionStrategy):
         if not self.config.draft_ver:
             self.draft_mask(block)                        # built once, outside the compiled code
         before = (block.tokens, block.undecided, block.start, block.num_fixed, block.step)
+        carry = self.step_carry(len(stats))
         tokens, undecided, step, done, read, *advanced, draft_tokens, start, end = s.target.run_step(
             s2d2_draft_step, self, ("draft", *self.step_key),
-            (*before, *(pending if pending is not None else (None, None, None))), q=B if pending is None else 2 * B,
-            store_len=0 if pending is None else B, logits_to_keep=B, kind="draft")
+            (*before, *(pending if pending is not None else (None, None, None)), carry),
+            q=B if pending is None else 2 * B, store_len=0 if pending is None else B, logits_to_keep=B, kind="draft",
+            sets_carry=carry is not None)
         values = read.tolist()                            # the draft forward's one read
         rows = [[int(v) for v in row[:2 + B]] for row in values]
         committed = [int(row[2 + B]) for row in values]
@@ -498,8 +502,8 @@ class S2D2Strategy(BlockDiffusionStrategy):
             verify = torch.tensor(decisions, device=block.tokens.device)
             tokens, undecided, step, done, read, *advanced = s.target.run_step(
                 s2d2_verify_step, self, ("verify", *self.step_key),
-                (*before, draft_tokens, start, end, verify, tokens, undecided), q=2 * B, store_len=0,
-                logits_to_keep=B, kind="verify", rows=decisions)
+                (*before, draft_tokens, start, end, verify, tokens, undecided, self.step_carry(len(stats))),
+                q=2 * B if carry is None else B, store_len=0, logits_to_keep=B, kind="verify", rows=decisions)
             for i, row in enumerate(read.tolist()):       # the verifier forward's one read
                 rows[i] = row[:2 + B]
                 if decisions[i]:
@@ -558,7 +562,8 @@ def step_outputs(block: BlockState, tokens: torch.Tensor, undecided: torch.Tenso
 def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
                     undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
                     pending_tokens: torch.Tensor | None = None, pending_positions: torch.Tensor | None = None,
-                    pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                    pending_rows: torch.Tensor | None = None,
+                    carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The first half of one S2D2 step (Algorithm 3) as a function of tensors, what `StaticModelRunner.run_step`
     compiles: the draft forward of each row's block (storing the pending finished blocks first), the draft
     (:meth:`~S2D2Strategy.propose`), the span C_t and the routing numbers (:meth:`~S2D2Strategy.routing_columns`),
@@ -571,9 +576,11 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
         tokens, undecided, start, num_fixed, step: the :class:`BlockState` fields, `(N, B)` / `(N,)`.
         pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
             None.
+        carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (None: position-aligned).
 
     Returns:
-        `(lengths, tokens, undecided, step, done, read, *next, positions, draft_tokens, span_start, span_end)`:
+        `(lengths, [carry,] tokens, undecided, step, done, read, *next, positions, draft_tokens, span_start,
+        span_end)` (the carry after the forward on a right-shifted model):
         :func:`step_outputs` of the rule's commits, whose read `(N, 3 + B + K)` float64 has the committed count and
         then the :func:`pack_columns` of the routing columns after the block's tokens; the drafts `(N, B)` and
         C_t `[span_start, span_end)` `(N,)` for :func:`s2d2_verify_step`.
@@ -583,25 +590,27 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
     pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
     ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
                                                                           strategy.draft_mask(block), pending)
-    logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
-                                          store_valid=store_valid, logits_to_keep=strategy.block_size)
+    logits, lengths, carry = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
+                                                 store_valid=store_valid, logits_to_keep=strategy.block_size,
+                                                 carry=carry, return_carry=True)
     draft_probs, draft_tokens, confidence = strategy.propose(logits)
     span_start, span_end = strategy.current_span(block)
     columns = strategy.routing_columns(block, draft_probs, confidence, span_start, span_end)
     transfer = strategy.transfer(block, draft_probs, confidence)            # the fallback, every row
     out = step_outputs(block, torch.where(transfer, draft_tokens, tokens), undecided & ~transfer,
                        transfer.sum(dim=1, keepdim=True))
-    return (lengths, *out[:4], torch.cat([out[4].double(), pack_columns(columns)], dim=1), *out[5:], draft_tokens,
-            span_start, span_end)
+    return (lengths, *(() if carry is None else (carry,)), *out[:4],
+            torch.cat([out[4].double(), pack_columns(columns)], dim=1), *out[5:], draft_tokens, span_start, span_end)
 
 
 def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
                      undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
                      draft_tokens: torch.Tensor, span_start: torch.Tensor, span_end: torch.Tensor,
                      verify: torch.Tensor, fallback_tokens: torch.Tensor,
-                     fallback_undecided: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                     fallback_undecided: torch.Tensor, carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The second half of one S2D2 step, run when some row verifies: the verifier forward over `x~` (the full
-    `[x~ | MASK x B]` layout with the Eq. 3 mask, read-only), greedy_match of each row's drafted span C_t against
+    `[x~ | MASK x B]` layout with the Eq. 3 mask on a position-aligned model, `x~` under a causal mask on a
+    right-shifted one, whose `carry` predicts the block's first position; read-only), greedy_match of each row's drafted span C_t against
     the verifier's argmax, and the commits of the verifying rows (accepted prefix, then the verifier's token at
     the first mismatch); the other rows keep :func:`s2d2_draft_step`'s commits. A function of tensors, what
     `StaticModelRunner.run_step` compiles.
@@ -611,6 +620,7 @@ def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torc
         draft_tokens (`(N, B)`), span_start, span_end (`(N,)`): from :func:`s2d2_draft_step`.
         verify (`(N,)` bool): the rows whose policy verifies.
         fallback_tokens, fallback_undecided (`(N, B)`): the block after :func:`s2d2_draft_step`'s commits.
+        carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (None: position-aligned).
 
     Returns:
         `(lengths, tokens, undecided, step, done, read, *next, positions)`: :func:`step_outputs`, whose read
@@ -621,7 +631,7 @@ def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torc
     block = BlockState(tokens, undecided, start, num_fixed, step, torch.zeros_like(step),
                        strategy.session.mask_token_id)
     ids, positions, intra = strategy.verifier_query(block, draft_tokens, 0, B)
-    logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, logits_to_keep=B)
+    logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, logits_to_keep=B, carry=carry)
     idx = span_index(span_start, B, B)                                                      # (N, B)
     target_logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))       # (N, B, V)
     result = greedy_match(draft_tokens.gather(1, idx), strategy.session.sampler.scores(target_logits),
