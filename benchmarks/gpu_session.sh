@@ -6,7 +6,8 @@
 #   1. `hf-dllm-spec check-gpu` (every strategy x bundled family through CUDA graphs, bf16 and fp32, memory over
 #      50 calls, a captured forward vs stock compiled AR at SDAR-1.7B shapes), JSON and report;
 #   2. the CUDA tests of the static runtime (`tests/test_static_runtime.py -k cuda_graphs`: every strategy x family
-#      through CUDA graphs, and each compiled decoding step of issue 34 in "reduce-overhead" mode),
+#      through CUDA graphs, and every strategy x family's compiled decoding step of issue 34 in "reduce-overhead"
+#      mode),
 # writing everything under $OUT (default runs/gpu-session/). Record the figures in docs/performance.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT
 cat "$OUT/machine.txt"
 timeout 300 python3 -m hf_dllm_spec.cli check-gpu --json "$OUT/check-gpu.json" 2>&1 | tee "$OUT/check-gpu.txt"
 check=${PIPESTATUS[0]}
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_static_runtime.py -k cuda_graphs 2>&1 \
+timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_static_runtime.py -k cuda_graphs 2>&1 \
   | tee "$OUT/gpu-tests.txt"
 tests=${PIPESTATUS[0]}
 echo "check-gpu exit status $check; GPU tests exit status $tests"

@@ -158,6 +158,7 @@ def measure_compiled(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) ->
 
 
 def main_compiled(max_new_tokens: int) -> None:
+    torch._dynamo.reset()
     tokenizer, stock = load(MODELS / STOCK_MODEL)
     ids = tokenizer(arithmetic_prompts(MODELS / STOCK_MODEL, 1)[0].text, return_tensors="pt").input_ids
     ops, tokens = measure_compiled(stock, ids, max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
@@ -168,6 +169,9 @@ def main_compiled(max_new_tokens: int) -> None:
           "token | with the step eager (model call compiled only) |")
     print("|---|---|---|---|---|---|")
     for name, rows in COMPILED_CASES.items():
+        # Every model's compiled call (transformers' `get_compiled_call`) shares one code object, hence dynamo's
+        # recompile budget (`recompile_limit`, past which a new shape silently runs eagerly): a fresh one per model.
+        torch._dynamo.reset()
         tokenizer, model = load(MODELS / name)
         drafter_name = CASES[name][1]
         drafter = load(MODELS / drafter_name)[1] if drafter_name else None

@@ -109,6 +109,13 @@ def assert_same_decode(expected, got) -> None:
     assert got.spec_stats.num_forward_calls == expected.spec_stats.num_forward_calls
 
 
+def fast_first(cases: list, fast: int = 1) -> list:
+    """Parametrisation `cases` whose first `fast` cases run in the fast tier (every supported transformers version,
+    `-m "not slow"`) and the others only in the full suite (`slow`): the compiled-step equality tests, whose cases
+    each compile their own graphs, keep CI within its time."""
+    return [case if i < fast else pytest.param(case, marks=pytest.mark.slow) for i, case in enumerate(cases)]
+
+
 def cpu_compile_config(backend: str = "eager"):
     """transformers' `CompileConfig` with `backend` (dynamo's "eager": the trace and its guards, fast; "inductor":
     generated code), compiling on the CPU too (`_compile_all_devices`, transformers' switch).

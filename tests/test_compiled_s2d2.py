@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_same_decode, cpu_compile_config
+from conftest import assert_same_decode, cpu_compile_config, fast_first
 
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import s2d2
@@ -65,7 +65,7 @@ def one_graph_each(model) -> bool:
     return all(state.steps.graphs(key) == 1 for state in static_states(model) for key in state.steps.keys)
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("policy", fast_first(list(POLICIES)))
 def test_tokens_and_counters_equal_the_eager_runtime(arith, policy):
     """A left-padded batch of 2 whose second row stops early (a stop id it generates), so the steps run at 2 and
     then 1 rows: tokens and every per-row counter (forwards by kind, drafts, accepted, recovered, fallback tokens,
@@ -93,7 +93,8 @@ def fast():
     return tokenizer, model
 
 
-@pytest.mark.parametrize("params", [{}, dict(fuse_cache_write=True, block_size=8, min_ssd_span_length=2)])
+@pytest.mark.parametrize("params", fast_first([{}, dict(fuse_cache_write=True, block_size=8,
+                                                       min_ssd_span_length=2)]))
 def test_right_shifted_model_equals_the_eager_runtime(fast, params):
     """S2D2 on Fast-dLLM v2 (right-shifted): the draft and verify steps take the carry (the verifier reads `x~`
     under a causal mask), the family's separate cache writes are compiled calls, or fused writes store the last
@@ -107,6 +108,49 @@ def test_right_shifted_model_equals_the_eager_runtime(fast, params):
         assert compiled.spec_stats.num_verify_forwards > 0
     assert {key[0] for key in s2d2_keys(fast[1])} == {"draft", "verify"}
     assert one_graph_each(fast[1])
+
+
+@pytest.fixture(scope="module")
+def llada2():
+    tokenizer, model = load(ROOT / "models" / "llada2-tiny")
+    tokenizer.padding_side = "left"
+    return tokenizer, model
+
+
+def test_token_editing_equals_the_eager_runtime(llada2, llada2_model):
+    """S2D2 on LLaDA2.1 (token editing, `num_to_transfer`, editing-only post steps): the draft step applies the
+    edits before C_t and the routing numbers, the verifier reads the edited block, a block ends by the edit rule's
+    post steps. The bundled llada2-tiny with the paper's preset, and a tiny random LLaDA2 with a low editing
+    threshold (so that tokens are edited); a left-padded batch of 2 and batch 1: the eager runtime's tokens and
+    per-row counters (edits included)."""
+    tokenizer, model = llada2
+    ids, mask = left_padded([[5, 17, 42, 8, 9], [7, 3]])
+    cases = [(llada2, dict(preset="llada2.1-mini-quality")),
+             ((None, llada2_model), dict(block_size=4, confidence_threshold=0.3, editing_threshold=0.05,
+                                         max_post_steps=2, num_to_transfer=1, min_ssd_span_length=2))]
+    for (tokenizer, model), params in cases:
+        clear_static_state(model)
+        edited = 0
+        for rows in (slice(None), slice(1, None)):
+            if tokenizer is not None:
+                enc = tokenizer(PROMPTS[rows], return_tensors="pt", padding=True)
+                inputs = dict(input_ids=enc.input_ids, attention_mask=enc.attention_mask)
+            else:
+                inputs = dict(input_ids=ids[rows], attention_mask=mask[rows], pad_token_id=0, eos_token_id=None)
+            common = dict(decoding_strategy="s2d2", max_new_tokens=16, return_dict_in_generate=True, **params)
+            eager = model.generate(**inputs, **common)
+            compiled = model.generate(**inputs, cache_implementation="static", compile_config=cpu_compile_config(),
+                                      **common)
+            assert_same_decode(eager, compiled)
+            edited += eager.spec_stats.num_edited_tokens
+        assert edited > 0 or tokenizer is not None
+        assert "draft" in {key[0] for key in s2d2_keys(model)} and one_graph_each(model)
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    return (torch.tensor([[0] * (width - len(p)) + p for p in prompts]),
+            torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]))
 
 
 def test_batch_of_one_equals_the_eager_runtime(arith):
@@ -156,9 +200,9 @@ def test_at_most_one_host_read_per_forward(arith, step_syncs):
     assert one_graph_each(arith[1])
 
 
-@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(editing_threshold=0.5)])
+@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(remasking_strategy="sequential")])
 def test_other_cases_run_the_eager_step(arith, params, monkeypatch):
-    """Sampling (stochastic acceptance), token editing: today's eager S2D2 step."""
+    """Sampling (stochastic acceptance), a fallback rule other than the confidence ones: today's eager S2D2 step."""
     monkeypatch.setattr(s2d2, "s2d2_draft_step", None)                      # would fail if called
     clear_static_state(arith[1])
     generate(arith, PROMPTS[:1], True, max_new_tokens=8, generator=torch.Generator().manual_seed(0), **params)

@@ -19,7 +19,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import MASK_ID, TINY, assert_same_decode, cpu_compile_config
+from conftest import MASK_ID, TINY, assert_same_decode, cpu_compile_config, fast_first
 from transformers import CompileConfig
 
 from hf_dllm_spec.maths.sampling import (RowGenerators, Sampler, categorical_from_noise, draw_categorical,
@@ -151,7 +151,8 @@ def test_a_graph_break_in_the_step_raises(sdar_model, monkeypatch):
     clear_static_state(sdar_model)
 
 
-@pytest.mark.parametrize("params", [dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5),
+@pytest.mark.parametrize("params", fast_first([
+                                    dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5),
                                     dict(remasking_strategy="low_confidence_static", steps_per_block=2),
                                     dict(decoding_strategy="ar", block_size=1, max_new_tokens=10),
                                     dict(remasking_strategy="sequential", sub_block_size=2),
@@ -160,7 +161,7 @@ def test_a_graph_break_in_the_step_raises(sdar_model, monkeypatch):
                                     dict(SAMPLED, remasking_strategy="low_confidence_static", generator="rows"),
                                     dict(do_sample=True, min_p=0.05, typical_p=0.9, epsilon_cutoff=3e-4,
                                          eta_cutoff=3e-4, sub_block_size=2, generator="rows"),
-                                    dict(fuse_cache_write=False, confidence_threshold=0.5)])
+                                    dict(fuse_cache_write=False, confidence_threshold=0.5)]))
 def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, params):
     """A left-padded batch of 3 whose rows finish their blocks at different steps and leave the batch at different
     forwards (stop id), so the compiled step runs at 3 and 2 rows (padded to 4 and 2; then 1 for some rules):
@@ -186,12 +187,12 @@ def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, params):
     assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
 
 
-@pytest.mark.parametrize("params", [dict(confidence_threshold=0.3, editing_threshold=0.2, max_post_steps=4),
+@pytest.mark.parametrize("params", fast_first([dict(confidence_threshold=0.3, editing_threshold=0.2, max_post_steps=4),
                                     dict(confidence_threshold=0.5, editing_threshold=0.3, max_post_steps=2,
                                          do_sample=True, temperature=0.7, generator="rows"),
                                     dict(confidence_threshold=0.5, editing_threshold=0.3, do_sample=True,
                                          top_k=10, generator="shared"),
-                                    dict(preset="llada2.0", confidence_threshold=0.6, steps_per_block=2)])
+                                    dict(preset="llada2.0", confidence_threshold=0.6, steps_per_block=2)]))
 def test_llada2_editing_steps_equal_the_eager_runtime(llada2_model, params):
     """LLaDA2.1 (the MoE family, its experts kernel switched inside the step): token editing, post steps and
     `num_to_transfer`, greedy and seeded; LLaDA2.0's schedule (the strategy's own `scheduled_masks`). A left-padded
@@ -220,8 +221,8 @@ def fast_model():
     return Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(bd_size=8, mask_token_id=MASK_ID, **TINY)).eval()
 
 
-@pytest.mark.parametrize("params", [dict(), dict(sub_block_size=2, confidence_threshold=0.5),
-                                    dict(SAMPLED, generator="shared"), dict(SAMPLED, generator="rows")])
+@pytest.mark.parametrize("params", fast_first([dict(), dict(sub_block_size=2, confidence_threshold=0.5),
+                                    dict(SAMPLED, generator="shared"), dict(SAMPLED, generator="rows")]))
 def test_fast_dllm_v2_steps_equal_the_eager_runtime(fast_model, params):
     """Fast-dLLM v2 (right-shifted, separate cache writes, sub-blocks): the compiled step takes the carry as a
     tensor (a block's first position predicts from the last stored token); greedy, the writes and the carry's
@@ -260,7 +261,7 @@ def test_ar_on_a_right_shifted_model(fast_model, fuse):
     assert all(state.steps.graphs(key) == 1 for state in static_states(fast_model) for key in state.steps.keys)
 
 
-@pytest.mark.parametrize("params", [{}, dict(SAMPLED, generator="rows"), dict(SAMPLED, generator="shared")])
+@pytest.mark.parametrize("params", fast_first([{}, dict(SAMPLED, generator="rows"), dict(SAMPLED, generator="shared")]))
 def test_one_host_read_per_step(sdar_model, step_syncs, params):
     """Batch 1, greedy and seeded: between the first and the last denoising step the loop reads the device once per
     step (the step's read; the noise drawn before the step reads nothing). Inside the compiled step nothing reads

@@ -226,19 +226,28 @@ def test_compiled_forward_gives_the_eager_tokens(sdar_model, one_thread):
     assert getattr(sdar_model, "_last_compile_config", None) == config      # transformers' compiled call ran
 
 
+#: (bundled model, main-job row, sampled): every strategy x family whose step compiles (issue 34).
+COMPILED_STEP_ROWS = [("sdar-tiny-arith", "ar", False), ("sdar-tiny-arith", "dynamic", False),
+                      ("sdar-tiny-arith", "dynamic", True), ("sdar-tiny-arith", "s2d2", False),
+                      ("fast-dllm-v2-tiny", "fast_dllm_v2", False), ("fast-dllm-v2-tiny", "s2d2", False),
+                      ("llada2-tiny", "llada2", False), ("sdar-large", "simsd", False),
+                      ("qwen2-tiny-ar", "deer", False)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("row,sampled", [("ar", False), ("dynamic", False), ("dynamic", True), ("s2d2", False)])
-def test_compiled_steps_on_cuda_graphs_give_the_eager_tokens(row, sampled, monkeypatch):
-    """On a GPU, `compile_config` in "reduce-overhead" mode (inductor's CUDA graphs): every decoding step is one
-    compiled function (issue 34) replayed as a graph; tokens and counters equal the eager runtime's, greedy and
-    seeded (a CUDA `torch.Generator`: the noise drawn before the step equals `torch.multinomial`'s draw), on a
-    left-padded batch of 2; the second call compiles no new step."""
+@pytest.mark.parametrize("name,row,sampled", COMPILED_STEP_ROWS)
+def test_compiled_steps_on_cuda_graphs_give_the_eager_tokens(name, row, sampled, monkeypatch):
+    """On a GPU, `compile_config` in "reduce-overhead" mode (inductor's CUDA graphs): every decoding step (SimSD and
+    DEER: every cycle's functions) is compiled and replayed as a graph; tokens and counters equal the eager
+    runtime's, greedy and seeded (a CUDA `torch.Generator`: the noise drawn before the step equals
+    `torch.multinomial`'s draw), on a left-padded batch of 2; the second call compiles no new step. Fresh copies of
+    the bundled models (the session's CPU ones stay where they are)."""
     monkeypatch.setattr(ModelRunner, "check_layouts", False)       # as users run it (the checks read the device)
-    tokenizer, model = load(MODELS / "sdar-tiny-arith")
-    model.to("cuda")
-    clear_static_state(model)
-    spec = specs(4, 0.9, [row], {})[-1]
-    texts = _texts("sdar-tiny-arith")
+    drafter_name = CASES[name][1]
+    models = {n: (tokenizer, model.to("cuda")) for n in filter(None, (name, drafter_name))
+              for tokenizer, model in [load(MODELS / n)]}
+    tokenizer, model, spec = _spec(models, name, row)
+    texts = _texts(name)
     config = CompileConfig(mode="reduce-overhead")
     sample = (lambda: dict(do_sample=True, temperature=1.0, top_k=20,
                            generator=torch.Generator("cuda").manual_seed(3))) if sampled else dict

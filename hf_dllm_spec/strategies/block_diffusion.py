@@ -651,9 +651,10 @@ class BlockDiffusionStrategy(DecodingStrategy):
         """Whether each denoising step runs as one compiled function (:func:`denoising_step` through
         `StaticModelRunner.run_step`): the static runtime with `compile_config`, fused or separate cache writes (the
         writes compiled too, :attr:`compiled_write`), on a position-aligned model or a right-shifted one (Fast-dLLM
-        v2, AR on an AR checkpoint: the step takes the carry as a tensor and returns it after storing); greedy, or sampling with transformers' position-independent warpers in a plain `LogitsProcessorList` (the
-        random draw made before the step, :meth:`step_noise`; per-row processors, `RowProcessors`, keep the eager
-        step); any remasking rule, whole blocks or sub-blocks; LLaDA2.1 token editing (`ThresholdEditRule`) and
+        v2, AR on an AR checkpoint: the step takes the carry as a tensor and returns it after storing); greedy, or
+        sampling with transformers' position-independent warpers in a plain `LogitsProcessorList` (the random draw
+        made before the step, :meth:`step_noise`; per-row processors, `RowProcessors`, keep the eager step); any
+        remasking rule, whole blocks or sub-blocks; LLaDA2.1 token editing (`ThresholdEditRule`) and
         `num_to_transfer`; no `cache_ver` / `draft_ver`, no streamer; a class whose step methods are traceable
         (:data:`COMPILED_STEP_METHODS`). Else the eager step."""
         s, cfg = self.session, self.config

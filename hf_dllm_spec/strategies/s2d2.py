@@ -19,8 +19,10 @@ Compiled step (issue 34; the static runtime with `compile_config`, greedy_match 
 one or two compiled functions, each one forward and one host read. :func:`s2d2_draft_step` drafts, computes the
 routing numbers and commits every row by the block-diffusion rule as if no row verified; the host reads that with
 the routing numbers and the policies decide; if some row verifies, :func:`s2d2_verify_step` runs the verifier
-forward (the full `[x~ | MASK x B]` layout of Eq. 3: one width per key), greedy_match over each verifying row's
-span and its commits, keeping the first call's commits for the other rows.
+forward (the full `[x~ | MASK x B]` layout of Eq. 3: one width per key; `x~` under a causal mask on a
+right-shifted model, whose carry both steps take), greedy_match over each verifying row's span and its commits,
+keeping the first call's commits for the other rows. LLaDA2.1's token edits are applied in the draft step, before
+C_t and the routing numbers, so the verifier reads the edited block.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from ..configuration import check_bool, check_int
-from ..maths.editing import EditingConfig
+from ..maths.editing import EditingConfig, ThresholdEditRule
 from ..maths.masks import causal_mask, verifier_2l_mask
 from ..maths.routing import (
     ESTIMATORS,
@@ -446,7 +448,8 @@ class S2D2Strategy(BlockDiffusionStrategy):
         with `compile_config`, on a position-aligned model or a right-shifted one (Fast-dLLM v2: the steps take the
         carry), greedy with greedy_match acceptance, any routing policy, `low_confidence_dynamic` /
         `low_confidence_static` fallback, whole blocks or sub-blocks, fused or separate cache writes (compiled too),
-        `cache_ver` and `draft_ver`, no editing, no streamer, a subclass that keeps the step's methods. Else the
+        `cache_ver` and `draft_ver`, LLaDA2.1's token editing (`ThresholdEditRule`, post steps) and
+        `num_to_transfer`, no streamer, a subclass that keeps the step's methods. Else the
         eager step. Called by the block-diffusion constructor (config and session only)."""
         s, cfg = self.session, self.config
         served = (getattr(s.target, "runs_compiled_carry_steps", False) if s.target.alignment == "right_shift"
@@ -455,7 +458,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
                 and cfg.s2d2_acceptance in (None, "greedy_match")
                 and type(s.sampler.logits_processor) in (LogitsProcessorList, list)
                 and cfg.remasking_strategy in ("low_confidence_dynamic", "low_confidence_static")
-                and self.edit_rule is None and self.num_to_transfer is None and s.stream is None
+                and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule) and s.stream is None
                 and all(getattr(type(self), name) is getattr(BlockDiffusionStrategy, name)
                         for name in BlockDiffusionStrategy.COMPILED_STEP_METHODS if name != "denoise_step")
                 and all(getattr(type(self), name) is getattr(S2D2Strategy, name)
@@ -485,9 +488,10 @@ class S2D2Strategy(BlockDiffusionStrategy):
             row.num_denoising_steps += 1
         if not self.config.draft_ver:
             self.draft_mask(block)                        # built once, outside the compiled code
-        before = (block.tokens, block.undecided, block.start, block.num_fixed, block.step)
+        before = (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps)
         carry = self.step_carry(len(stats))
-        tokens, undecided, step, done, read, *advanced, draft_tokens, start, end = s.target.run_step(
+        (tokens, undecided, step, post_steps, done, read, *advanced, draft_tokens, start, end, edited_tokens,
+         flags) = s.target.run_step(
             s2d2_draft_step, self, ("draft", *self.step_key),
             (*before, *(pending if pending is not None else (None, None, None)), carry),
             q=B if pending is None else 2 * B, store_len=0 if pending is None else B, logits_to_keep=B, kind="draft",
@@ -495,14 +499,19 @@ class S2D2Strategy(BlockDiffusionStrategy):
         values = read.tolist()                            # the draft forward's one read
         rows = [[int(v) for v in row[:2 + B]] for row in values]
         committed = [int(row[2 + B]) for row in values]
-        contexts = self.read_contexts([row[3 + B:] for row in values])
+        counters = len(self.step_counters)                # the rule's commits, then the edits (token editing)
+        if self.edit_rule is not None:
+            for row, values_row in zip(stats, values):
+                row.num_edited_tokens += int(values_row[3 + B])
+        contexts = self.read_contexts([row[2 + B + counters:] for row in values])
         routed = [ctx.span_length > 0 for ctx in contexts]
         decisions = [r and policy.decide(ctx) for policy, ctx, r in zip(self.policies, contexts, routed)]
         if any(decisions):
             verify = torch.tensor(decisions, device=block.tokens.device)
-            tokens, undecided, step, done, read, *advanced = s.target.run_step(
+            tokens, undecided, step, post_steps, done, read, *advanced = s.target.run_step(
                 s2d2_verify_step, self, ("verify", *self.step_key),
-                (*before, draft_tokens, start, end, verify, tokens, undecided, self.step_carry(len(stats))),
+                (*before, draft_tokens, start, end, verify, tokens, undecided, edited_tokens, flags,
+                 self.step_carry(len(stats))),
                 q=2 * B if carry is None else B, store_len=0, logits_to_keep=B, kind="verify", rows=decisions)
             for i, row in enumerate(read.tolist()):       # the verifier forward's one read
                 rows[i] = row[:2 + B]
@@ -518,7 +527,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
             for policy, count, decided, r in zip(self.policies, committed, decisions, routed):
                 if r:
                     policy.observe(count, decided)
-        block.tokens, block.undecided, block.step = tokens, undecided, step
+        block.tokens, block.undecided, block.step, block.post_steps = tokens, undecided, step, post_steps
         return done, rows, tuple(advanced)
 
 
@@ -543,26 +552,30 @@ def span_index(start: torch.Tensor, width: int, end: int) -> torch.Tensor:
     return (start[:, None] + torch.arange(width, device=start.device)[None]).clamp(max=end - 1)
 
 
-def step_outputs(block: BlockState, tokens: torch.Tensor, undecided: torch.Tensor,
-                 counters: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def step_outputs(strategy: S2D2Strategy, block: BlockState, tokens: torch.Tensor, undecided: torch.Tensor,
+                 counters: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """What an S2D2 compiled step returns after its commits: the block's new `tokens` / `undecided` `(N, B)`, the
-    steps taken, the finished rows, the step's read (:func:`~hf_dllm_spec.strategies.block_diffusion.step_read`
-    then `counters` `(N, k)`), the next blocks (every :attr:`BlockState.FIELDS`, finished blocks restarted) and this
-    step's block positions."""
-    done = ~undecided.any(dim=1)
+    steps and post steps taken, the finished rows (:meth:`~BlockDiffusionStrategy.block_complete`: with token
+    editing, `flags` `(N, 2)` bool says which rows began the step without a mask and which had an edit), the step's
+    read (:func:`~hf_dllm_spec.strategies.block_diffusion.step_read` then `counters` `(N, k)`), the next blocks
+    (every :attr:`BlockState.FIELDS`, finished blocks restarted) and this step's block positions."""
+    after = BlockState(tokens, undecided, block.start, block.num_fixed, block.step, block.post_steps,
+                       block.mask_token_id)
+    editing = strategy.edit_rule is not None
+    done = strategy.block_complete(after, flags[:, 0] if editing else None, flags[:, 1] if editing else None)
     step = block.step + 1
     read = torch.cat([step_read(done, block.num_fixed, tokens), counters.to(tokens.dtype)], dim=1)
-    after = BlockState(tokens.clone(), undecided.clone(), block.start.clone(), block.num_fixed.clone(), step.clone(),
-                       torch.zeros_like(step), block.mask_token_id)
-    after.restart(done)
-    return (tokens, undecided, step, done, read, *(getattr(after, name) for name in BlockState.FIELDS),
+    nxt = BlockState(tokens.clone(), undecided.clone(), block.start.clone(), block.num_fixed.clone(), step.clone(),
+                     after.post_steps.clone(), block.mask_token_id)
+    nxt.restart(done)
+    return (tokens, undecided, step, after.post_steps, done, read, *(getattr(nxt, name) for name in BlockState.FIELDS),
             block.positions)
 
 
 def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
                     undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
-                    pending_tokens: torch.Tensor | None = None, pending_positions: torch.Tensor | None = None,
-                    pending_rows: torch.Tensor | None = None,
+                    post_steps: torch.Tensor, pending_tokens: torch.Tensor | None = None,
+                    pending_positions: torch.Tensor | None = None, pending_rows: torch.Tensor | None = None,
                     carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The first half of one S2D2 step (Algorithm 3) as a function of tensors, what `StaticModelRunner.run_step`
     compiles: the draft forward of each row's block (storing the pending finished blocks first), the draft
@@ -573,20 +586,21 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
     Args:
         strategy (`S2D2Strategy`), runner (`StaticModelRunner`), shape (`tuple`), lengths (`(N,)`): as
             :func:`~hf_dllm_spec.strategies.block_diffusion.denoising_step`.
-        tokens, undecided, start, num_fixed, step: the :class:`BlockState` fields, `(N, B)` / `(N,)`.
+        tokens, undecided, start, num_fixed, step, post_steps: the :class:`BlockState` fields, `(N, B)` / `(N,)`.
         pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
             None.
         carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (None: position-aligned).
 
     Returns:
-        `(lengths, [carry,] tokens, undecided, step, done, read, *next, positions, draft_tokens, span_start,
-        span_end)` (the carry after the forward on a right-shifted model):
+        `(lengths, [carry,] tokens, undecided, step, post_steps, done, read, *next, positions, draft_tokens,
+        span_start, span_end, edited_tokens, flags)` (the carry after the forward on a right-shifted model; the block
+        after LLaDA2.1's token edits, which the verifier reads, and :func:`step_outputs`' flags):
         :func:`step_outputs` of the rule's commits, whose read `(N, 3 + B + K)` float64 has the committed count and
         then the :func:`pack_columns` of the routing columns after the block's tokens; the drafts `(N, B)` and
         C_t `[span_start, span_end)` `(N,)` for :func:`s2d2_verify_step`.
     """
-    block = BlockState(tokens, undecided, start, num_fixed, step, torch.zeros_like(step),
-                       strategy.session.mask_token_id)
+    block = BlockState(tokens, undecided, start, num_fixed, step, post_steps, strategy.session.mask_token_id)
+    began_full = ~block.masked.any(dim=1)
     pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
     ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
                                                                           strategy.draft_mask(block), pending)
@@ -594,42 +608,52 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
                                                  store_valid=store_valid, logits_to_keep=strategy.block_size,
                                                  carry=carry, return_carry=True)
     draft_probs, draft_tokens, confidence = strategy.propose(logits)
+    edits = torch.zeros_like(block.undecided)
+    if strategy.edit_rule is not None:                                      # LLaDA2.1: the verifier sees edits
+        edits = strategy.edits(block, draft_probs, draft_tokens, confidence)
+        block.tokens = torch.where(edits, draft_tokens, block.tokens)
     span_start, span_end = strategy.current_span(block)
     columns = strategy.routing_columns(block, draft_probs, confidence, span_start, span_end)
     transfer = strategy.transfer(block, draft_probs, confidence)            # the fallback, every row
-    out = step_outputs(block, torch.where(transfer, draft_tokens, tokens), undecided & ~transfer,
-                       transfer.sum(dim=1, keepdim=True))
-    return (lengths, *(() if carry is None else (carry,)), *out[:4],
-            torch.cat([out[4].double(), pack_columns(columns)], dim=1), *out[5:], draft_tokens, span_start, span_end)
+    counts = [transfer.sum(dim=1)] + ([edits.sum(dim=1)] if strategy.edit_rule is not None else [])
+    flags = torch.stack([began_full, edits.any(dim=1)], dim=1)
+    out = step_outputs(strategy, block, torch.where(transfer, draft_tokens, block.tokens), undecided & ~transfer,
+                       torch.stack(counts, dim=1), flags)
+    return (lengths, *(() if carry is None else (carry,)), *out[:5],
+            torch.cat([out[5].double(), pack_columns(columns)], dim=1), *out[6:], draft_tokens, span_start, span_end,
+            block.tokens, flags)
 
 
 def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
                      undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
-                     draft_tokens: torch.Tensor, span_start: torch.Tensor, span_end: torch.Tensor,
-                     verify: torch.Tensor, fallback_tokens: torch.Tensor,
-                     fallback_undecided: torch.Tensor, carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                     post_steps: torch.Tensor, draft_tokens: torch.Tensor, span_start: torch.Tensor,
+                     span_end: torch.Tensor, verify: torch.Tensor, fallback_tokens: torch.Tensor,
+                     fallback_undecided: torch.Tensor, edited_tokens: torch.Tensor, flags: torch.Tensor,
+                     carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The second half of one S2D2 step, run when some row verifies: the verifier forward over `x~` (the full
     `[x~ | MASK x B]` layout with the Eq. 3 mask on a position-aligned model, `x~` under a causal mask on a
-    right-shifted one, whose `carry` predicts the block's first position; read-only), greedy_match of each row's drafted span C_t against
-    the verifier's argmax, and the commits of the verifying rows (accepted prefix, then the verifier's token at
-    the first mismatch); the other rows keep :func:`s2d2_draft_step`'s commits. A function of tensors, what
-    `StaticModelRunner.run_step` compiles.
+    right-shifted one, whose `carry` predicts the block's first position; read-only), greedy_match of each row's
+    drafted span C_t against the verifier's argmax, and the commits of the verifying rows (accepted prefix, then the
+    verifier's token at the first mismatch); the other rows keep :func:`s2d2_draft_step`'s commits. A function of
+    tensors, what `StaticModelRunner.run_step` compiles.
 
     Args:
-        tokens, undecided, start, num_fixed, step: the block before this step, as :func:`s2d2_draft_step` got it.
+        tokens, undecided, start, num_fixed, step, post_steps: the block before this step, as
+            :func:`s2d2_draft_step` got it.
         draft_tokens (`(N, B)`), span_start, span_end (`(N,)`): from :func:`s2d2_draft_step`.
         verify (`(N,)` bool): the rows whose policy verifies.
         fallback_tokens, fallback_undecided (`(N, B)`): the block after :func:`s2d2_draft_step`'s commits.
+        edited_tokens (`(N, B)`), flags (`(N, 2)` bool): the block after the draft's token edits and
+            :func:`step_outputs`' flags, from :func:`s2d2_draft_step`.
         carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (None: position-aligned).
 
     Returns:
-        `(lengths, tokens, undecided, step, done, read, *next, positions)`: :func:`step_outputs`, whose read
+        `(lengths, tokens, undecided, step, post_steps, done, read, *next, positions)`: :func:`step_outputs`, whose read
         `(N, 6 + B)` int64 ends with each row's committed tokens, accepted drafts, and whether the last committed
         token was recovered or a bonus (greedy_match: never a bonus).
     """
     B = strategy.block_size
-    block = BlockState(tokens, undecided, start, num_fixed, step, torch.zeros_like(step),
-                       strategy.session.mask_token_id)
+    block = BlockState(edited_tokens, undecided, start, num_fixed, step, post_steps, strategy.session.mask_token_id)
     ids, positions, intra = strategy.verifier_query(block, draft_tokens, 0, B)
     logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, logits_to_keep=B, carry=carry)
     idx = span_index(span_start, B, B)                                                      # (N, B)
@@ -641,5 +665,6 @@ def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torc
     rows = verify[:, None]
     counters = torch.stack([result.num_tokens, result.num_accepted, result.recovered.long(), result.bonus.long()],
                            dim=1)
-    return (lengths, *step_outputs(block, torch.where(write, committed, torch.where(rows, tokens, fallback_tokens)),
-                                   torch.where(rows, undecided & ~write, fallback_undecided), counters))
+    return (lengths, *step_outputs(strategy, block,
+                                   torch.where(write, committed, torch.where(rows, edited_tokens, fallback_tokens)),
+                                   torch.where(rows, undecided & ~write, fallback_undecided), counters, flags))
