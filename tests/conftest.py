@@ -19,6 +19,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_dllm_spec
+from hf_dllm_spec.integration.continuous import RowFeed, RowRequest
 from hf_dllm_spec.runtime.runner import ModelRunner
 from model_patches.sdar import SDARConfig, SDARForCausalLM
 
@@ -107,6 +108,18 @@ def assert_same_decode(expected, got) -> None:
     for a, b in zip(expected.spec_stats_per_row, got.spec_stats_per_row):
         assert spec_counters(b) == spec_counters(a)
     assert got.spec_stats.num_forward_calls == expected.spec_stats.num_forward_calls
+
+
+class ScriptedFeed(RowFeed):
+    """Hands out `joining[k]` at the k-th join point (1-based); counts the join points."""
+
+    def __init__(self, initial: list[RowRequest], joining: dict[int, list[RowRequest]]) -> None:
+        super().__init__(initial)
+        self.joining, self.calls = joining, 0
+
+    def take(self, rows: int) -> list[RowRequest]:
+        self.calls += 1
+        return self.joining.pop(self.calls, [])
 
 
 def fast_first(cases: list, fast: int = 1) -> list:

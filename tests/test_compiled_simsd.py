@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MASK_ID, TINY, assert_same_decode, cpu_compile_config, left_padded_batch, spec_counters
+from conftest import (MASK_ID, TINY, ScriptedFeed, assert_same_decode, cpu_compile_config, left_padded_batch,
+                      spec_counters)
 
-from hf_dllm_spec.integration.continuous import RowFeed, RowRequest
+from hf_dllm_spec.integration.continuous import RowRequest
 from hf_dllm_spec.maths.masks import temporal_verify_mask
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import simsd
@@ -167,18 +168,6 @@ def test_the_full_paired_layout_gives_the_compacted_tokens(sdar_model, drafter, 
 
     monkeypatch.setattr(simsd, "compact_paired_layout", full)
     assert_same_decode(compacted, generate(sdar_model, drafter, ids, mask, False, max_new_tokens=24))
-
-
-class ScriptedFeed(RowFeed):
-    """Hands out `joining[k]` at the k-th join point (1-based)."""
-
-    def __init__(self, initial: list[RowRequest], joining: dict[int, list[RowRequest]]) -> None:
-        super().__init__(initial)
-        self.joining, self.calls = joining, 0
-
-    def take(self, rows: int) -> list[RowRequest]:
-        self.calls += 1
-        return self.joining.pop(self.calls, [])
 
 
 @pytest.mark.slow

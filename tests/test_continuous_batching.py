@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import MASK_ID, tiny_family_models
+from conftest import MASK_ID, ScriptedFeed, tiny_family_models
 
 import hf_dllm_spec
-from hf_dllm_spec.integration.continuous import RowFeed, RowRequest
+from hf_dllm_spec.integration.continuous import RowRequest
 
 PAD = 0
 
@@ -39,18 +39,6 @@ CASES = {
 }
 PROMPTS = [[5, 17, 42, 8, 23, 61, 4], [9, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7], [33, 34, 35, 36, 37]]
 BUDGETS = [10, 6, 12, 9, 5]
-
-
-class ScriptedFeed(RowFeed):
-    """Hands out `joining[k]` at the k-th join point (1-based); counts the join points."""
-
-    def __init__(self, initial: list[RowRequest], joining: dict[int, list[RowRequest]]) -> None:
-        super().__init__(initial)
-        self.joining, self.calls = joining, 0
-
-    def take(self, rows: int) -> list[RowRequest]:
-        self.calls += 1
-        return self.joining.pop(self.calls, [])
 
 
 def _call(case: str, ids, mask, budget: int, **extra):
