@@ -417,13 +417,21 @@ class BlockDiffusionStrategy(DecodingStrategy):
         carry = self.session.target.carry
         if not self.first_from_carry or carry is None:
             return
-        rows = block.undecided[:, 0].clone()             # not a view: the commit below clears the column
+        rows = block.undecided[:, 0]
         if not bool(rows.any()):
             return
-        tokens, _ = self.session.sampler.choose(self.session.sampler.probs(carry[:, None, :]), draw=rows[:, None])
-        block.tokens[:, 0] = torch.where(rows, tokens[:, 0], block.tokens[:, 0])
-        block.undecided[:, 0] &= ~rows
-        self.session.stats.accumulate("num_fallback_tokens", rows.long())
+        self.session.stats.accumulate("num_fallback_tokens", self.take_from_carry(block, carry, rows[:, None]))
+
+    def take_from_carry(self, block: BlockState, carry: torch.Tensor, draw: torch.Tensor | None = None) -> torch.Tensor:
+        """Commit each row's masked block position 0 from `carry` `(N, V)` (a function of tensors, shared by
+        :meth:`commit_from_carry` and :func:`cache_write_step`); `draw` `(N, 1)` bool: the rows that draw (per-row
+        generators). Returns the tokens committed per row `(N,)`."""
+        take = block.undecided & (block.offsets == 0)
+        sampler = self.session.sampler
+        first, _ = sampler.choose(sampler.probs(carry[:, None, :]), draw=draw)                # (N, 1)
+        block.tokens = torch.where(take, first, block.tokens)
+        block.undecided = block.undecided & ~take
+        return take.sum(dim=1)
 
     def drop_rows(self, block: BlockState, done_rows: list[bool], finished: list[int],
                   pending: tuple | None) -> tuple | None:
@@ -782,7 +790,7 @@ def cache_write_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, len
         positions, the carry after the write (right-shifted models only), the next blocks' fields and the tokens
         committed from the carry per row `(N,)` (Fast-dLLM v2's first token of each block).
     """
-    B, sampler = strategy.block_size, strategy.session.sampler
+    B = strategy.block_size
     out = runner.step_forward(shape, tokens, positions, strategy.store_mask(positions), lengths, store_len=B,
                               store_valid=done[:, None].expand(-1, B), logits_to_keep=1, carry=carry,
                               return_carry=carry is not None)
@@ -792,11 +800,7 @@ def cache_write_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, len
     committed = torch.zeros_like(start)
     if carry is not None:
         carry = out[2]
-        first, _ = sampler.choose(sampler.probs(carry[:, None, :]))                       # (N, 1)
-        take = block.undecided & (block.offsets == 0)
-        block.tokens = torch.where(take, first, block.tokens)
-        block.undecided = block.undecided & ~take
-        committed = take.sum(dim=1)
+        committed = strategy.take_from_carry(block, carry)
     return (out[1], *(() if carry is None else (carry,)), block.tokens, block.undecided, block.start,
             block.num_fixed, block.step, block.post_steps, committed)
 
