@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from hf_dllm_spec.maths import verification
+from hf_dllm_spec.maths.sampling import draw_verification
 from hf_dllm_spec.maths.verification import (
     acceptance_probability,
     greedy_match,
@@ -191,7 +192,8 @@ def test_seeded_determinism_and_no_global_rng():
 
 
 def test_rng_consumption_order_matches_docstring():
-    """uniforms = one rand(N, L); then one multinomial over the rejected rows; then one over the bonus rows."""
+    """uniforms = one rand(N, L); then one Exp(1) draw (N, V) for every row, whatever it rejects; a row's recovered
+    or bonus token is the multinomial draw from those numbers."""
     g = torch.Generator().manual_seed(11)
     n, length, vocab = 40, 3, 8
     draft = torch.rand(n, length, vocab, generator=g).softmax(-1)
@@ -199,8 +201,8 @@ def test_rng_consumption_order_matches_docstring():
     bonus_probs = torch.rand(n, vocab, generator=g).softmax(-1)
     tokens = torch.randint(0, vocab, (n, length), generator=g)
     num_drafts = torch.randint(0, length + 1, (n,), generator=g)
-    res = rejection_sample(tokens, draft, target, num_drafts=num_drafts, bonus_probs=bonus_probs,
-                           generator=torch.Generator().manual_seed(5))
+    used = torch.Generator().manual_seed(5)
+    res = rejection_sample(tokens, draft, target, num_drafts=num_drafts, bonus_probs=bonus_probs, generator=used)
     # the same computation by hand, one row at a time, from the same stream
     g = torch.Generator().manual_seed(5)
     uniforms = torch.rand(n, length, generator=g)
@@ -217,17 +219,47 @@ def test_rng_consumption_order_matches_docstring():
         first.append(stop)
     assert res.num_accepted.tolist() == first
     assert 0 < len(rejected_rows) < n
-    expected_last = {}
-    residual = torch.stack([residual_distribution(target[r, first[r]], draft[r, first[r]]) for r in rejected_rows])
-    for r, tok in zip(rejected_rows, torch.multinomial(residual, 1, generator=g)[:, 0].tolist()):
-        expected_last[r] = tok
-    bonus_rows = [r for r in range(n) if r not in expected_last]
-    for r, tok in zip(bonus_rows, torch.multinomial(bonus_probs[bonus_rows], 1, generator=g)[:, 0].tolist()):
-        expected_last[r] = tok
+    dists = torch.stack([residual_distribution(target[r, first[r]], draft[r, first[r]]) if r in rejected_rows
+                         else bonus_probs[r] for r in range(n)])
+    expected_last = torch.multinomial(dists, 1, generator=g)[:, 0].tolist()       # one call, every row
+    assert torch.equal(used.get_state(), g.get_state())                           # the generator is left the same
     for r in range(n):
         assert res.row(r).tolist() == tokens[r, : first[r]].tolist() + [expected_last[r]], r
         assert bool(res.recovered[r]) == (r in rejected_rows) and bool(res.bonus[r]) == (r not in rejected_rows)
         assert (res.token_ids[r, first[r] + 1:] == -1).all()
+    # drawn beforehand (what a compiled step does), into larger buffers: the same result
+    g.set_state(torch.Generator().manual_seed(5).get_state())
+    buffers = (torch.zeros(n + 3, length), torch.zeros(n + 3, vocab))
+    draws = draw_verification(num_drafts, length, vocab, g, device=torch.device("cpu"), dtype=torch.float32,
+                              out=buffers)
+    again = rejection_sample(tokens, draft, target, num_drafts=num_drafts, bonus_probs=bonus_probs, draws=draws)
+    assert torch.equal(again.token_ids, res.token_ids) and torch.equal(again.recovered, res.recovered)
+    assert torch.equal(g.get_state(), used.get_state())
+
+
+def test_rejection_sample_with_draws_compiles_without_graph_break():
+    """Given its draws, rejection sampling is a pure function of tensors (fullgraph) with the eager tokens."""
+    g = torch.Generator().manual_seed(3)
+    n, length, vocab = 6, 4, 10
+    draft = torch.rand(n, length, vocab, generator=g).softmax(-1)
+    target = torch.rand(n, length, vocab, generator=g).softmax(-1)
+    bonus_probs = torch.rand(n, vocab, generator=g).softmax(-1)
+    tokens = torch.randint(0, vocab, (n, length), generator=g)
+    num_drafts = torch.tensor([0, 1, 4, 4, 2, 3])
+    draws = draw_verification(num_drafts, length, vocab, torch.Generator().manual_seed(1),
+                              device=torch.device("cpu"), dtype=torch.float32)
+
+    def verify(*args):
+        res = rejection_sample(*args[:3], num_drafts=args[3], bonus_probs=args[4], draws=(args[5], args[6]))
+        return res.token_ids, res.num_tokens, res.recovered, res.bonus
+
+    args = (tokens, draft, target, num_drafts, bonus_probs, *draws)
+    compiled = torch.compile(verify, fullgraph=True, backend="eager")(*args)
+    for a, b in zip(compiled, verify(*args)):
+        assert torch.equal(a, b)
+    eager = rejection_sample(tokens, draft, target, num_drafts=num_drafts, bonus_probs=bonus_probs,
+                             generator=torch.Generator().manual_seed(1))
+    assert torch.equal(compiled[0], eager.token_ids)
 
 
 # -- deterministic cases -----------------------------------------------------------------------------------------

@@ -368,30 +368,77 @@ def draw_exponential(noise: torch.Tensor, generator: Generators, rows: int | Non
 
 
 def draw_uniforms(lengths: torch.Tensor, width: int, generator: Generators, *, device: torch.device,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Uniforms in [0, 1) for `R` rows of up to `width` positions (the rejection test of speculative sampling).
 
     Args:
-        lengths (`torch.Tensor` of shape `(R,)`, int64): positions each row uses (<= `width`).
+        lengths (`torch.Tensor` of shape `(R,)`, int64): positions each row uses (<= `width`); read on the host
+            for per-row generators only.
         width (`int`): L.
         generator (`torch.Generator`, `RowGenerators` or `None`): shared: one `torch.rand(R, L)` call; per row:
             row r draws `lengths[r]` uniforms from its generator (the rest of its row is 1.0, never read).
+        out (`torch.Tensor` of shape `(R', L)`, `R' >= R`, contiguous, *optional*): filled in place (its first `R`
+            rows; the same numbers as a new tensor), e.g. a compiled step's fixed buffer.
 
     Returns:
-        `torch.Tensor` of shape `(R, L)`.
+        `torch.Tensor` of shape `(R, L)` (`out[:R]` when given).
 
     Raises:
         ValueError: if a `RowGenerators` does not have `R` generators.
     """
     rows = lengths.shape[0]
+    out = torch.empty(rows, width, device=device, dtype=dtype) if out is None else out[:rows]
     if not isinstance(generator, RowGenerators):
-        return torch.rand(rows, width, generator=generator, device=device, dtype=dtype)
+        return out.uniform_(0, 1, generator=generator)
     _check_rows(generator, rows, "draw_uniforms")
-    out = torch.ones(rows, width, device=device, dtype=dtype)
+    out.fill_(1.0)
     for r, n in enumerate(lengths.tolist()):
         if n:
-            out[r, :n] = torch.rand(n, generator=generator[r], device=device, dtype=dtype)
+            out[r, :n].uniform_(0, 1, generator=generator[r])
     return out
+
+
+def draw_verification(lengths: torch.Tensor, width: int, vocab: int, generator: Generators, *, device: torch.device,
+                      dtype: torch.dtype, noise: bool = True,
+                      out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every random number one speculative verification of `R` rows uses, drawn before it
+    (:func:`~hf_dllm_spec.maths.verification.rejection_sample`'s `draws`; its module docstring gives the order):
+    the uniforms of the rejection test and, when `noise`, one `Exp(1)` draw per row for its recovered or bonus
+    token, whether or not the row rejects (so the amount drawn never depends on the outcome, and a compiled step
+    gets the eager tokens from the same generators).
+
+    Args:
+        lengths (`torch.Tensor` of shape `(R,)`, int64): drafts per row (<= `width`).
+        width (`int`): L, the drafts' width. vocab (`int`): V.
+        generator (`torch.Generator`, `RowGenerators` or `None`): shared: `torch.rand(R, L)`, then one `(R, V)`
+            exponential draw; per row: row r draws its `lengths[r]` uniforms, then its `V` exponentials.
+        noise (`bool`, defaults to True): False when no recovered or bonus token is drawn
+            (`allow_resample=False` without a bonus).
+        out (`tuple`, *optional*): buffers `(R', L)` and `(R', V)` (or None) with `R' >= R`, filled in place.
+
+    Returns:
+        `(uniforms (R, L), noise (R, V) or None)`, views of `out` when given.
+
+    Raises:
+        ValueError: if a `RowGenerators` does not have `R` generators.
+    """
+    rows = lengths.shape[0]
+    uniforms_out, noise_out = (None, None) if out is None else out
+    if noise and noise_out is None:
+        noise_out = torch.empty(rows, vocab, device=device, dtype=dtype)
+    if not isinstance(generator, RowGenerators):
+        uniforms = draw_uniforms(lengths, width, generator, device=device, dtype=dtype, out=uniforms_out)
+        return uniforms, draw_exponential(noise_out, generator, rows)[:rows] if noise else None
+    _check_rows(generator, rows, "draw_verification")
+    uniforms = (torch.empty(rows, width, device=device, dtype=dtype) if uniforms_out is None
+                else uniforms_out[:rows]).fill_(1.0)
+    for r, n in enumerate(lengths.tolist()):
+        if n:
+            uniforms[r, :n].uniform_(0, 1, generator=generator[r])
+        if noise:
+            noise_out[r].exponential_(1, generator=generator[r])
+    return uniforms, noise_out[:rows] if noise else None
 
 
 @dataclass

@@ -11,12 +11,15 @@ last draft when every draft passed.
 Every function takes batch-leading tensors: `N` rows of `L` drafts over a vocabulary of `V`; rows may have
 fewer drafts than `L` (`num_drafts`).
 
-RNG consumption order of :func:`rejection_sample` (a change to it is a behaviour change): one
-`torch.rand(N, L)` call for the uniforms; then one `torch.multinomial` call drawing the recovered token of
-every row with a rejection (rows in order); then, when `bonus_probs` is given, one call drawing the bonus
-token of every row whose drafts all passed. A row with no draft uses no random number beyond its uniforms.
+RNG consumption order of :func:`rejection_sample` (a change to it is a behaviour change), made by
+:func:`~hf_dllm_spec.maths.sampling.draw_verification` before any decision, so that the amount drawn does not
+depend on which rows reject (a compiled step draws the same numbers beforehand, fixed-shape buffers, no random
+state inside): one `torch.rand(N, L)` call for the uniforms; then, unless `allow_resample=False` without
+`bonus_probs`, one `Exp(1)` draw `(N, V)` for every row, in one call: row i's recovered or bonus token is
+`argmax(dist / noise[i])`, what `torch.multinomial(dist, 1)` draws from the same numbers
+(:func:`~hf_dllm_spec.maths.sampling.categorical_from_noise`); a row that needs neither leaves its noise unused.
 With one generator per row (:class:`~hf_dllm_spec.maths.sampling.RowGenerators`), row i draws from generator i:
-its `num_drafts[i]` uniforms, then its recovered or bonus token if it has one (what it draws verified alone).
+its `num_drafts[i]` uniforms, then its `V` exponentials (what it draws verified alone).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import Generators, draw_categorical, draw_uniforms, rows_of
+from .sampling import Generators, categorical_from_noise, draw_verification
 
 #: The `acceptance` rules of the strategies with a separate drafter (DEER, SimSD).
 ACCEPTANCE_RULES = ("rejection_sampling", "greedy_match")
@@ -157,6 +160,7 @@ def rejection_sample(
     gamma: float = 1.0,
     allow_resample: bool = True,
     generator: Generators = None,
+    draws: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> VerificationResult:
     """Speculative rejection sampling over a batch of drafts, left to right, stopping at the first rejection.
 
@@ -176,6 +180,11 @@ def rejection_sample(
             if False, commit the rejected draft token itself (SDAR reference, `allow_resample=False`).
         generator (`torch.Generator` or `RowGenerators`, *optional*): source of the uniforms and of the residual /
             bonus draws; per-row generators: one per row of `draft_token_ids` (module docstring: the order).
+        draws (`tuple`, *optional*): the random numbers, drawn beforehand by
+            :func:`~hf_dllm_spec.maths.sampling.draw_verification` (`generator` is then not used): uniforms
+            `(R, L)` and `Exp(1)` noise `(R, V)` (None when `allow_resample=False` without `bonus_probs`), `R >= N`
+            (rows past `N` are padding). Given, the function is a pure function of tensors, with no host read (what
+            a compiled step runs).
 
     Returns:
         `VerificationResult`. Lossless (committed tokens follow the target) when the drafts were sampled from
@@ -196,26 +205,27 @@ def rejection_sample(
     ids = draft_token_ids.clamp(min=0)[..., None]
     accept_prob = acceptance_probability(target_probs.gather(-1, ids)[..., 0], draft_probs.gather(-1, ids)[..., 0],
                                          gamma)                                              # (N, L)
-    uniforms = draw_uniforms(lengths, length, generator, device=accept_prob.device, dtype=accept_prob.dtype)
+    if draws is None:
+        draws = draw_verification(lengths, length, target_probs.shape[-1], generator, device=accept_prob.device,
+                                  dtype=accept_prob.dtype, noise=allow_resample or bonus_probs is not None)
+    uniforms, noise = draws[0][:n], None if draws[1] is None else draws[1][:n]
     in_span = torch.arange(length, device=lengths.device)[None] < lengths[:, None]
     rejected = (uniforms >= accept_prob) & in_span
     any_rejected = rejected.any(dim=-1)
     first = _first(rejected, lengths)                                                         # (N,)
     last = torch.full_like(first, -1)
-    recovered = torch.zeros_like(any_rejected)
-    bonus = torch.zeros_like(any_rejected)
+    at_first = first.clamp(max=max(length - 1, 0))[:, None]
     if not allow_resample and length:
-        rejected_draft = draft_token_ids.gather(-1, first.clamp(max=length - 1)[:, None])[:, 0]
-        last = torch.where(any_rejected, rejected_draft, last)
-    elif bool(any_rejected.any()):
-        rows = any_rejected.nonzero()[:, 0]
-        residual = residual_distribution(target_probs[rows, first[rows]], draft_probs[rows, first[rows]])
-        last[rows] = draw_categorical(residual, rows_of(generator, rows))
-        recovered = any_rejected
-    if bonus_probs is not None and bool((~any_rejected).any()):
-        rows = (~any_rejected).nonzero()[:, 0]
-        last[rows] = draw_categorical(bonus_probs[rows], rows_of(generator, rows))
+        last = torch.where(any_rejected, draft_token_ids.gather(-1, at_first)[:, 0], last)
+    elif length:
+        index = at_first[..., None].expand(-1, 1, target_probs.shape[-1])
+        residual = residual_distribution(target_probs.gather(1, index)[:, 0], draft_probs.gather(1, index)[:, 0])
+        last = torch.where(any_rejected, categorical_from_noise(residual, noise), last)
+    recovered = any_rejected if allow_resample else torch.zeros_like(any_rejected)
+    bonus = torch.zeros_like(any_rejected)
+    if bonus_probs is not None:
         bonus = ~any_rejected
+        last = torch.where(bonus, categorical_from_noise(bonus_probs, noise), last)
     token_ids, num_tokens = _commit(draft_token_ids, first, last, last >= 0)
     return VerificationResult(first, token_ids, num_tokens, recovered, bonus)
 
