@@ -22,6 +22,7 @@ import pytest
 import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig
 
+from conftest import cpu_compile_config
 import hf_dllm_spec
 import hf_dllm_spec.integration.plan as plan_module
 import hf_dllm_spec.runtime.graphs as graphs_runtime
@@ -223,7 +224,27 @@ def test_compiled_forward_gives_the_eager_tokens(sdar_model, one_thread):
     eager = sdar_model.generate(prompt, **common)
     compiled = sdar_model.generate(prompt, cache_implementation="static", compile_config=config, **common)
     assert compiled.tolist() == eager.tolist()
-    assert getattr(sdar_model, "_last_compile_config", None) == config      # transformers' compiled call ran
+    steps = static_runtime.static_states(sdar_model)[0].steps
+    assert any(key[0] == "forward" for key in steps.keys)                   # the runtime's compiled forwards ran
+
+
+def test_compiled_forwards_do_not_share_dynamo_recompile_limit(sdar_model, monkeypatch):
+    """Each fixed-shape forward is compiled as its own code object: with dynamo's recompile limit at 1, two
+    prompt widths (different forward shapes) still run one compiled graph each, none falls back to eager (with
+    transformers' `get_compiled_call`, one code object for every model, the second shape would have run eagerly),
+    and the tokens are the eager runtime's."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    clear_static_state(sdar_model)
+    common = dict(decoding_strategy="ar", max_new_tokens=3, eos_token_id=None)
+    for prompt in (torch.tensor([[5, 17, 42, 8]]), torch.tensor([[5, 17, 42, 8, 23, 61, 4, 9, 11, 3]])):
+        eager = sdar_model.generate(prompt, **common)
+        compiled = sdar_model.generate(prompt, cache_implementation="static", compile_config=cpu_compile_config(),
+                                       **common)
+        assert compiled.tolist() == eager.tolist()
+    steps = static_runtime.static_states(sdar_model)[0].steps
+    forwards = [key for key in steps.keys if key[0] == "forward"]
+    assert len({key[2] for key in forwards}) >= 2, forwards                 # two widths at least
+    assert all(steps.graphs(key) == 1 for key in steps.keys), [(key, steps.graphs(key)) for key in steps.keys]
 
 
 #: (bundled model, main-job row, sampled): every strategy x family whose step compiles (issue 34).

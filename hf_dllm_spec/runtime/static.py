@@ -24,8 +24,8 @@ as rows finish replays the graphs of a few bucket sizes instead of capturing one
 `(rows, W, kept logits, P)` is captured once (:class:`~hf_dllm_spec.runtime.graphs.CapturedForwards`: under the
 model's own device, at most `max_graphs` per model and role, least recently used first out, one memory pool, the
 first replay checked against eager, a failed capture cleaned up and retried once on a later call); with
-`compile_config` the forward goes through `model.get_compiled_call(compile_config)` (torch.compile, transformers'
-meaning), and a strategy whose step is a function of tensors runs the whole step, forward and maths, as one
+`compile_config` each fixed-shape forward is compiled once (torch.compile with the config's options, transformers'
+meaning; one code object per shape, so models and shapes never share dynamo's recompile limit), and a strategy whose step is a function of tensors runs the whole step, forward and maths, as one
 compiled function (:meth:`StaticModelRunner.run_step`, :mod:`~hf_dllm_spec.runtime.step`). MoE experts that could not be captured in the model's dtype run transformers' "batched_mm" kernel
 meanwhile (:mod:`~hf_dllm_spec.runtime.experts`). Which mode, and why not another, follows transformers'
 `_valid_auto_compile_criteria` plus the bitsandbytes rules (:func:`compile_plan`).
@@ -123,8 +123,8 @@ def compile_plan(model, generation_config: GenerationConfig) -> tuple[str, str]:
     Returns:
         `(mode, reason)`: mode "eager" (forwards run as they are, over the static cache), "cuda_graph" (each
         fixed-shape forward captured once in a `torch.cuda.CUDAGraph`; the default on CUDA) or "compile"
-        (`model.get_compiled_call(generation_config.compile_config)`, transformers' torch.compile, when a
-        `compile_config` is given); `reason` is one line saying why (empty for the plain default).
+        (`torch.compile` with the `compile_config`'s options, transformers' meaning, each fixed-shape forward and
+        step compiled once, when a `compile_config` is given); `reason` is one line saying why (empty for the plain default).
 
     bitsandbytes: 8-bit (LLM.int8) layers are not capturable, so the forwards stay eager with that reason; 4-bit
     layers are captured, each capture checked against its eager forward on its first replay (bitsandbytes#1308
@@ -153,16 +153,6 @@ def compile_plan(model, generation_config: GenerationConfig) -> tuple[str, str]:
     if bits == 4:
         return "cuda_graph", "bitsandbytes 4-bit: each capture checked against its eager forward"
     return "cuda_graph", ""
-
-
-class _CallProxy:
-    """Stands for the model in `FamilyPatch.forward`, calling a compiled `__call__` instead."""
-
-    def __init__(self, call) -> None:
-        self._call = call
-
-    def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
 
 
 # -- what persists on a model -----------------------------------------------------------------------------------
@@ -347,9 +337,9 @@ class StaticModelRunner(ModelRunner):
         self._experts, experts_reason = capturable_experts(model, compile_mode, device)
         self._experts_note = f"; experts: {self._experts} ({experts_reason})" if self._experts else ""
         self._experts_configs = experts_configs(model) if self._experts else []
-        self._call = (_CallProxy(model.get_compiled_call(compile_config)) if compile_mode == "compile" else model)
-        self._compiled_keys: set = model.__dict__.setdefault("_hf_dllm_spec_compiled_keys", set())
         self._step_options = compile_options(compile_config) if compile_mode == "compile" else None
+        self._forward_options = (compile_options(compile_config, fullgraph=bool(compile_config.fullgraph))
+                                 if compile_mode == "compile" else None)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)     # write position per row
         self._bound = 0                          # host-side upper bound of max(lengths), no sync to keep it
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}
@@ -471,10 +461,15 @@ class StaticModelRunner(ModelRunner):
     def _run(self, inputs: tuple, kept: int, prefix: int) -> torch.Tensor:
         """One forward of the padded query (eager, replayed graph or compiled call); `(rows, kept, V)` float32.
 
-        `inputs` is `(ids, pos, wide, columns, lengths)` (:meth:`_call_model`)."""
+        `inputs` is `(ids, pos, wide, columns, lengths)` (:meth:`_call_model`). Compiled (`compile_config`), the
+        forward is compiled once per fixed shape `(rows, W, kept, P, cache length, cache rows)`, each its own code
+        object (:class:`~hf_dllm_spec.runtime.step.CompiledSteps`, as the steps): the shapes of one model, or of
+        several models in one process, never share dynamo's recompile limit (transformers' `get_compiled_call`
+        compiles `nn.Module.__call__`, one code object for every model, and past the limit runs new shapes eagerly
+        without a word). A call's first forward, before the buffers exist, runs eagerly (it allocates them)."""
 
         def run_forward(ids, pos, wide, columns, lengths):
-            return self._call_model(ids, pos, wide, columns, lengths, call=self._call, kept=kept, prefix=prefix)
+            return self._call_model(ids, pos, wide, columns, lengths, call=self.model, kept=kept, prefix=prefix)
 
         def bind(buffers) -> None:
             self.cache.set_write_columns(buffers[3], prefix)
@@ -489,14 +484,13 @@ class StaticModelRunner(ModelRunner):
             if out is not None:
                 return out
         bind(inputs)
-        if self.compile_mode == "compile":
+        if self.compile_mode == "compile" and self.cache.allocated:
             if torch.cuda.is_available() and ids.is_cuda:
                 torch.compiler.cudagraph_mark_step_begin()
-            key = (*key, self.cache.max_cache_len)
-            first = key not in self._compiled_keys
-            self._compiled_keys.add(key)
-            with self.timer.span("warmup") if first else contextlib.nullcontext():
-                return run_forward(*inputs).clone()
+            key = ("forward", *key, self.cache.max_cache_len, self.cache.batch_capacity)
+            steps = self._state.steps
+            with self.timer.span("warmup") if key not in steps else contextlib.nullcontext():
+                return steps.run(key, compiled_forward, self._forward_options, self, kept, prefix, *inputs).clone()
         return run_forward(*inputs)
 
     # -- compiled steps (runtime/step.py) --------------------------------------------------------------------------
@@ -697,6 +691,14 @@ class StaticModelRunner(ModelRunner):
                 getattr(layer, name)[first:self.batch_size, :, :width] = moved
         self.lengths[first:] = stored.to(self.lengths.device)
         self._bound = max(self._bound, width)
+
+
+def compiled_forward(runner: StaticModelRunner, kept: int, prefix: int, ids: torch.Tensor, pos: torch.Tensor,
+                     wide: torch.Tensor, columns: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The static runtime's plain forward as a function of tensors, what `compile_config` compiles per shape
+    (:meth:`StaticModelRunner._run`): bind the write columns, then the model call; `(rows, kept, V)` float32."""
+    runner.cache.set_write_columns(columns, prefix)
+    return runner._call_model(ids, pos, wide, columns, lengths, call=runner.model, kept=kept, prefix=prefix)
 
 
 def _pad_rows(inputs: tuple, rows: int) -> tuple:

@@ -31,12 +31,12 @@ import torch
 COMPILE_OPTIONS = ("backend", "mode", "dynamic", "options")
 
 
-def compile_options(compile_config) -> dict[str, Any]:
+def compile_options(compile_config, *, fullgraph: bool = True) -> dict[str, Any]:
     """`torch.compile` keyword arguments from a transformers `CompileConfig` (None: torch's defaults), with
-    `fullgraph=True`."""
+    `fullgraph` (True for a decoding step: a graph break is a bug; a plain forward takes the config's own)."""
     options = {name: getattr(compile_config, name) for name in COMPILE_OPTIONS
                if getattr(compile_config, name, None) is not None}
-    return {**options, "fullgraph": True}
+    return {**options, "fullgraph": fullgraph}
 
 
 def _own_code(function: Callable) -> Callable:
