@@ -2,7 +2,7 @@
 # One entry point for a fresh machine (CPU):
 #   ./run.sh main [args]   set up .venv if needed, then run the main job on the bundled model
 #   ./run.sh test [args]   set up .venv if needed, then run the test suite (newest transformers pip resolves), one
-#                          pytest-xdist worker per core (-n auto)
+#                          pytest-xdist worker per core (-n auto, work stealing)
 #   ./run.sh test-oldest [args]  set up .venv-oldest (the oldest transformers pyproject.toml allows), then run
 #                          the fast part of the suite there (-m "not slow"); CI runs both
 #   ./run.sh bench [args]  set up .venv if needed, then run the benchmark sweep
@@ -42,13 +42,13 @@ shift || true
 case "$cmd" in
   test-oldest)
     setup .venv-oldest "transformers==$OLDEST_TRANSFORMERS"
-    exec .venv-oldest/bin/python -m pytest -q -n auto -m "not slow" "$@" ;;
+    exec .venv-oldest/bin/python -m pytest -q -n auto --dist worksteal -m "not slow" "$@" ;;
 esac
 setup .venv
 case "$cmd" in
   setup) ;;
   main|bench|bench-batch) exec .venv/bin/hf-dllm-spec "$cmd" "$@" ;;
   cli) exec .venv/bin/hf-dllm-spec "$@" ;;
-  test) exec .venv/bin/python -m pytest -q -n auto "$@" ;;
+  test) exec .venv/bin/python -m pytest -q -n auto --dist worksteal "$@" ;;
   *) echo "usage: ./run.sh {main|test|test-oldest|bench|bench-batch|cli|setup} [args]" >&2; exit 2 ;;
 esac

@@ -26,7 +26,6 @@ from ..maths.sampling import RowProcessors, row_processors
 from ..outputs import SpecDecodingStats
 from ..strategies.base import DecodingStrategy, JoiningRow, RowAdmission
 from ..validation import invalid
-from .plan import check_row
 from .stopping import row_end
 
 
@@ -153,31 +152,8 @@ class FeedAdmission(RowAdmission):
 
     # -- each row's end -----------------------------------------------------------------------------------------
     def check_request(self, request: RowRequest) -> None:
-        """Raise `ValueError` for a request that cannot join (before any of its forwards)."""
-        ids, budget = request.prompt_ids, request.max_new_tokens
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise invalid("max_new_tokens", budget, "be an integer >= 1", "pass a positive budget")
-        if not ids:
-            raise invalid("prompt_ids", "[]", "hold at least one token", "send a non-empty prompt")
-        if request.ignore_eos and not self.strategy.per_row_stops:
-            raise invalid("ignore_eos", True, f"be set per request only for strategies with per-row stop rules "
-                          f"({self.strategy.name!r} reads the stop ids while it decodes)", "pass eos_token_id=None to "
-                          "the call instead, for every row")
-        own = {k: v for k, v in (("temperature", request.temperature), ("top_k", request.top_k),
-                                 ("top_p", request.top_p)) if v is not None}
-        name = next(iter(own), None)
-        if name is not None and not self.do_sample:
-            raise invalid(name, own[name], "be set only in a sampling call (do_sample=True)", f"drop `{name}` from the "
-                          "request, or decode the call with do_sample=True")
-        if name is not None and not self.strategy.per_row_sampling:
-            raise invalid(name, own[name], f"be set per request only for strategies with per-row sampling "
-                          f"({self.strategy.name!r} does not name the rows of its draws)", "give the call the setting "
-                          "instead, for every row")
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2 ** 62), None)
-        if bad is not None:
-            raise invalid("prompt_ids", bad, "be token ids (non-negative integers)", "send ids of the model's "
-                          "vocabulary")
-        self.check(torch.tensor(ids, dtype=torch.long), budget)
+        """Raise `ValueError` for a request that cannot join (before any of its forwards): :func:`check_request`."""
+        check_request(request, self.strategy, self.do_sample, self.check)
 
     def stop_check(self, prompt_index: int, generated: torch.Tensor, host_ids: list[int] | None) -> bool:
         """The session's `stop_check`: whether row `prompt_index` ends after its final tokens `generated` `(n,)`
@@ -221,39 +197,39 @@ class FeedAdmission(RowAdmission):
             self.report(prompt_index)
 
 
-def feed_admission(plan, feed: RowFeed, stats, streamer=None) -> FeedAdmission:
-    """The admission of a call with `row_feed=feed` (:class:`~hf_dllm_spec.integration.plan.DecodePlan` `plan`,
-    its `BatchStats` `stats`), every initial request checked.
+def check_request(request: RowRequest, strategy: type[DecodingStrategy], do_sample: bool,
+                  check: Callable[[torch.Tensor, int], None]) -> None:
+    """The checks of one request of a continuous batch, before any of its forwards: its budget, its prompt, its own
+    `ignore_eos` and warpers against the call's `strategy` and `do_sample`, then `check` (the call's checks of one
+    row: :func:`~hf_dllm_spec.integration.plan.check_row` of its plan).
 
     Raises:
-        ValueError: a feed whose initial requests do not match the rows of `input_ids`; stopping criteria or stop
-            strings (each row ends at its own budget and stop ids); a streamer; sampling without one generator per
-            row; an initial request that fails the checks of a joining one.
+        ValueError: the first bad field, with the rule and the fix.
     """
-    if not isinstance(feed, RowFeed):
-        raise invalid("row_feed", type(feed).__name__, "be a hf_dllm_spec.integration.continuous.RowFeed",
-                      "subclass RowFeed (take) and pass its instance")
-    if len(feed.initial) != plan.batch_size or any(len(r.prompt_ids) != n for r, n in zip(feed.initial, plan.lengths)):
-        raise invalid("row_feed", f"<{len(feed.initial)} initial requests>", f"hold one request per row of input_ids "
-                      f"({plan.batch_size}), with the row's prompt", "build the feed from the same prompts")
-    if plan.criteria:
-        raise invalid("stopping_criteria", type(plan.criteria[0]).__name__, "not be combined with `row_feed` (each "
-                      "row ends at its own budget and stop ids)", "drop stopping_criteria / stop_strings")
-    if streamer is not None:
-        raise invalid("streamer", type(streamer).__name__, "not be combined with `row_feed` (each request streams "
-                      "through its on_tokens)", "drop `streamer`")
-    if plan.do_sample and not isinstance(plan.generator, (list, tuple)):
-        raise invalid("generator", type(plan.generator).__name__, "be one torch.Generator per row with `row_feed` "
-                      "and do_sample=True (joining rows bring their own)", "pass generator=[g_0, ...]")
+    ids, budget = request.prompt_ids, request.max_new_tokens
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise invalid("max_new_tokens", budget, "be an integer >= 1", "pass a positive budget")
+    if not ids:
+        raise invalid("prompt_ids", "[]", "hold at least one token", "send a non-empty prompt")
+    if request.ignore_eos and not strategy.per_row_stops:
+        raise invalid("ignore_eos", True, f"be set per request only for strategies with per-row stop rules "
+                      f"({strategy.name!r} reads the stop ids while it decodes)", "pass eos_token_id=None to "
+                      "the call instead, for every row")
+    own = {k: v for k, v in (("temperature", request.temperature), ("top_k", request.top_k),
+                             ("top_p", request.top_p)) if v is not None}
+    name = next(iter(own), None)
+    if name is not None and not do_sample:
+        raise invalid(name, own[name], "be set only in a sampling call (do_sample=True)", f"drop `{name}` from the "
+                      "request, or decode the call with do_sample=True")
+    if name is not None and not strategy.per_row_sampling:
+        raise invalid(name, own[name], f"be set per request only for strategies with per-row sampling "
+                      f"({strategy.name!r} does not name the rows of its draws)", "give the call the setting "
+                      "instead, for every row")
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2 ** 62), None)
+    if bad is not None:
+        raise invalid("prompt_ids", bad, "be token ids (non-negative integers)", "send ids of the model's "
+                      "vocabulary")
+    check(torch.tensor(ids, dtype=torch.long), budget)
 
-    def check(ids: torch.Tensor, budget: int) -> None:
-        check_row(plan, ids, budget)
 
-    admission = FeedAdmission(feed, plan.stop_ids, check, lambda prompt_index: stats.per_row[prompt_index],
-                              plan.strategy, plan.do_sample)
-    for request in feed.initial:
-        admission.check_request(request)
-    return admission
-
-
-__all__ = ["FeedAdmission", "RowFeed", "RowRequest", "feed_admission"]
+__all__ = ["FeedAdmission", "RowFeed", "RowRequest", "check_request"]

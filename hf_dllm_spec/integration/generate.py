@@ -48,8 +48,8 @@ from ..strategies.registry import on_register, strategy_parameter_names
 from ..strategies.streaming import TokenStream
 from ..validation import invalid
 from .checks import check_call
-from .continuous import RowFeed, feed_admission
-from .plan import DecodePlan, build_plan
+from .continuous import FeedAdmission, RowFeed
+from .plan import DecodePlan, build_plan, check_row
 from .stopping import RowEnds, criteria_to_scan, stop_strings_as_criteria
 
 _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
@@ -156,8 +156,9 @@ def dllm_generate(
                           overrides=overrides, strategy_config=strategy_config, preset=preset,
                           draft_model=_draft_model(draft_model, assistant_model, call), mask_token_id=mask_token_id,
                           draft_mask_token_id=draft_mask_token_id, generator=generator, streamer=streamer,
-                          stopping_criteria=stopping_criteria, raw_attention_mask=call.get("attention_mask"))
-        return _decode(plan, input_ids, logits_processor, kwargs, streamer, row_feed)
+                          stopping_criteria=stopping_criteria, raw_attention_mask=call.get("attention_mask"),
+                          row_feed=row_feed)
+        return _decode(plan, input_ids, logits_processor, kwargs, streamer)
     finally:
         if streamer is not None:        # always, also when a check or the decoding fails (no hung consumer)
             streamer.end()
@@ -174,12 +175,11 @@ def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
     return assistant_model
 
 
-def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_kwargs: dict[str, Any], streamer,
-            row_feed: RowFeed | None = None):
+def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_kwargs: dict[str, Any], streamer):
     """Session, strategy and output for a checked `plan` (the one static call per model held meanwhile)."""
     ends = RowEnds(plan.max_new_tokens, plan.stop_ids, plan.criteria, input_ids, plan.pad_id)
     with hold_static_runtime(plan.generation_config, plan.model, plan.draft_model):
-        session = _session(plan, input_ids, logits_processor, model_kwargs, streamer, ends, row_feed)
+        session = _session(plan, input_ids, logits_processor, model_kwargs, streamer, ends)
         with session.target.timer.span("wall"):
             generated = plan.strategy(plan.config, session).decode()[:plan.batch_size]
     if session.admission is not None:
@@ -187,13 +187,14 @@ def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_k
     return _output(plan, input_ids, ends.finish(generated), session)
 
 
-def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, streamer, ends: RowEnds,
-             row_feed: RowFeed | None) -> DecodingSession:
+def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, streamer, ends: RowEnds) -> DecodingSession:
     """The strategy's session: the prompts, a runtime per model (the target's forward timer shared by the drafter),
     the counters, the sampler, the stop rule, the stream and the rows that join (continuous batching)."""
     stream = TokenStream(streamer, lambda final: ends.output_tokens(0, final)) if streamer is not None else None
     stats = BatchStats(plan.batch_size)
-    admission = feed_admission(plan, row_feed, stats, streamer) if row_feed is not None else None
+    admission = (FeedAdmission(plan.row_feed, plan.stop_ids, lambda ids, budget: check_row(plan, ids, budget),
+                               lambda prompt_index: stats.per_row[prompt_index], plan.strategy, plan.do_sample)
+                 if plan.row_feed is not None else None)
     runners = dict(stats=stats, batch_size=plan.batch_size, use_cache=plan.use_cache,
                    generation_config=plan.generation_config, max_cache_len=plan.cache_len)
     target = make_runner(plan.model, plan.patch, cache=find_cache(model_kwargs) if plan.use_cache else None, **runners)

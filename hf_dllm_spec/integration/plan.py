@@ -10,7 +10,8 @@ their config and the session :func:`~hf_dllm_spec.integration.generate.dllm_gene
 The checks are this module's own, in the order of the plan: the models (loaded, quantized weights, family, served
 by the strategy), the inputs as given (options, ids, mask, model kwargs, generator), the sizes and the tokens
 resolved, the drafter, then the prompts against the finished plan (:func:`_check_prompts`, which
-:func:`check_row` runs on a row that joins a running call). :mod:`~hf_dllm_spec.integration.checks` reuses them on
+:func:`check_row` runs on a row that joins a running call) and, with continuous batching, the row feed and its
+initial requests (:func:`_check_feed`). :mod:`~hf_dllm_spec.integration.checks` reuses them on
 the raw call, before transformers prepares it; `DeerCandidateGenerator` on its drafter.
 
 Source: issue 33 ("A plan per call").
@@ -40,6 +41,7 @@ from ..runtime.static import drop_prepared_static_cache, static_cache_length
 from ..strategies.base import DecodingStrategy
 from ..strategies.registry import get_strategy, resolve_config
 from ..validation import check_int, invalid
+from .continuous import RowFeed, check_request
 from .stopping import criteria_to_scan
 
 #: Float options of `GenerationConfig` the sampler reads; NaN or infinity is refused.
@@ -76,6 +78,7 @@ class DecodePlan:
         do_sample (`bool`), generator: the sampling mode and the randomness (a generator, a per-row list, None).
         criteria: the stopping criteria the loop must still call (:func:`criteria_to_scan`).
         suppress_ids (`tuple[int, ...]`): token ids never sampled (the target's mask token).
+        row_feed (`RowFeed` or None): continuous batching: the call's rows as requests, checked (:func:`_check_feed`).
     """
 
     strategy: type[DecodingStrategy]
@@ -101,6 +104,7 @@ class DecodePlan:
     generator: Any
     criteria: Any
     suppress_ids: tuple[int, ...]
+    row_feed: RowFeed | None = None
 
     @property
     def batch_size(self) -> int:
@@ -110,7 +114,8 @@ class DecodePlan:
 def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any], *,
                decoding_strategy: str, overrides: dict[str, Any], strategy_config: DecodingConfig | None,
                preset: str | None, draft_model, mask_token_id: int | None, draft_mask_token_id: int | None,
-               generator, streamer, stopping_criteria, raw_attention_mask=None) -> DecodePlan:
+               generator, streamer, stopping_criteria, raw_attention_mask=None,
+               row_feed: RowFeed | None = None) -> DecodePlan:
     """Resolve and check one call (see the module docstring): the models, the inputs as given, the sizes, the
     tokens, the drafter, in that order; `model_kwargs` loses the static cache transformers prepared for
     `cache_implementation="static"` (the static runtime keeps its own).
@@ -146,9 +151,39 @@ def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConf
         cache_len=static_cache_length(input_ids.shape[1], max_new_tokens, max(block_size, draft_block_size or 0)),
         do_sample=do_sample, generator=generator,
         criteria=criteria_to_scan(stopping_criteria, stop_ids, input_ids.shape[1], max_new_tokens),
-        suppress_ids=(mask,) if mask is not None else ())
+        suppress_ids=(mask,) if mask is not None else (), row_feed=row_feed)
     _check_prompts(plan, input_ids, lengths, max_new_tokens)
+    if row_feed is not None:
+        _check_feed(plan, row_feed, streamer)
     return plan
+
+
+def _check_feed(plan: DecodePlan, feed: RowFeed, streamer) -> None:
+    """Continuous batching (`row_feed`), checked against the plan: a :class:`RowFeed` whose initial requests are
+    the rows of `input_ids`, no stopping criteria or stop strings (each row ends at its own budget and stop ids), no
+    streamer (each request streams through its `on_tokens`), one generator per row when sampling (joining rows
+    bring their own), and every initial request as a joining one is checked (:func:`check_request`).
+
+    Raises:
+        ValueError: the first of these that fails.
+    """
+    if not isinstance(feed, RowFeed):
+        raise invalid("row_feed", type(feed).__name__, "be a hf_dllm_spec.integration.continuous.RowFeed",
+                      "subclass RowFeed (take) and pass its instance")
+    if len(feed.initial) != plan.batch_size or any(len(r.prompt_ids) != n for r, n in zip(feed.initial, plan.lengths)):
+        raise invalid("row_feed", f"<{len(feed.initial)} initial requests>", f"hold one request per row of input_ids "
+                      f"({plan.batch_size}), with the row's prompt", "build the feed from the same prompts")
+    if plan.criteria:
+        raise invalid("stopping_criteria", type(plan.criteria[0]).__name__, "not be combined with `row_feed` (each "
+                      "row ends at its own budget and stop ids)", "drop stopping_criteria / stop_strings")
+    if streamer is not None:
+        raise invalid("streamer", type(streamer).__name__, "not be combined with `row_feed` (each request streams "
+                      "through its on_tokens)", "drop `streamer`")
+    if plan.do_sample and not isinstance(plan.generator, (list, tuple)):
+        raise invalid("generator", type(plan.generator).__name__, "be one torch.Generator per row with `row_feed` "
+                      "and do_sample=True (joining rows bring their own)", "pass generator=[g_0, ...]")
+    for request in feed.initial:
+        check_request(request, plan.strategy, plan.do_sample, lambda ids, budget: check_row(plan, ids, budget))
 
 
 def _check_models(strategy, model, draft_model) -> tuple[torch.device, Any, Any]:
