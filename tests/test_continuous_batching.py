@@ -241,3 +241,35 @@ def test_a_long_prompt_joins_rows_that_stored_nothing_yet(case, extra):
     _call(case, ids, (ids != PAD).long(), 12, row_feed=feed, **extra)
     for n in (0, 1, 2, 3):
         assert results[n][0] == _alone(case, n, **extra), (case, n)
+
+
+def test_per_row_processors_in_a_compiled_step_give_the_eager_scores():
+    """`RowProcessors` inside a compiled function (fullgraph): every group's processors on all rows, each row keeps
+    its own group's scores, padding rows after the batch; the scores are the eager per-row ones. The graph depends
+    on the groups, not on which row has which: rows that change places reuse it; a new group changes the key."""
+    from transformers import LogitsProcessorList
+
+    from hf_dllm_spec.maths.sampling import (RowProcessors, Sampler, processors_key, row_processors,
+                                             step_processors)
+
+    call = LogitsProcessorList()
+    lists = [row_processors(call, temperature=0.7), row_processors(call, temperature=1.3, top_p=0.9),
+             row_processors(call, top_k=5)]
+    per_row = RowProcessors([lists[0], lists[1], lists[2], lists[1]])
+    sampler = Sampler(per_row, do_sample=True, suppress_token_ids=[3])
+    assert step_processors(per_row)
+    logits = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(0))
+    eager = sampler.scores(logits)
+    compiled = torch.compile(lambda x: sampler.scores(x), fullgraph=True, backend="eager")
+
+    def bucket(rows):                                                       # a rows bucket of 8, padding last
+        return torch.cat([rows, torch.zeros(8 - rows.shape[0], 3, 16)])
+
+    assert torch.equal(compiled(bucket(logits))[:4], eager)
+    key = processors_key(per_row)
+    per_row.select(torch.tensor([3, 0, 2]))                                 # rows leave and change places
+    assert processors_key(per_row) == key
+    assert torch.equal(compiled(bucket(logits[[3, 0, 2]]))[:3], sampler.scores(logits[[3, 0, 2]]))
+    per_row.extend([row_processors(call, temperature=0.5)])                 # a row joins with new settings
+    assert processors_key(per_row) != key and len(per_row.groups) == 4
+    assert torch.equal(compiled(bucket(logits[[3, 0, 2, 1]]))[:4], sampler.scores(logits[[3, 0, 2, 1]]))

@@ -130,7 +130,7 @@ class FeedAdmission(RowAdmission):
         session.admission, session.stop_check = self, self.stop_check
         if session.sampler.do_sample and self.strategy.per_row_sampling:
             self._call_processors, self._lists = session.sampler.logits_processor, {}
-            self.processors = RowProcessors([self.processors_of(r) for r in self.requests])
+            self.processors = RowProcessors([self.processors_of(r) for r in self.requests], session.sampler.device)
             session.sampler.logits_processor = self.processors
 
     def processors_of(self, request: RowRequest) -> LogitsProcessorList:

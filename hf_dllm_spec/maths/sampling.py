@@ -155,15 +155,29 @@ class RowProcessors:
     of a continuous batch). Rows whose lists are the same object are processed together; each list is applied to
     its rows' positions exactly as a batch-1 call applies it, so a row gets the scores of its own call.
 
+    Inside a compiled step (:func:`torch.compiler.is_compiling`) the rows are named by a tensor instead of Python
+    lists, so the step's graph does not depend on which row has which settings: every distinct list seen so far
+    (:attr:`groups`, in order of first use) is applied to all rows and each row keeps its own list's scores
+    (`torch.where` over :attr:`group_ids`, kept in step with the rows on the host); the step specialises on the
+    groups (:func:`processors_key`), not on the rows. The scores are those of the eager path (each position is
+    processed alone either way).
+
     Args:
         lists (`Sequence[LogitsProcessorList]`): row i's processors at index i (each checked by
             :func:`check_logits_processors`).
+        device (`torch.device`, *optional*): where the scores live (for :attr:`group_ids`); CPU when omitted.
     """
 
-    def __init__(self, lists: Sequence[LogitsProcessorList]) -> None:
+    #: Rows of :attr:`group_ids` at least (a compiled step reads its first `R` rows, its rows bucket).
+    MIN_GROUP_ROWS = 64
+
+    def __init__(self, lists: Sequence[LogitsProcessorList], device: torch.device | str | None = None) -> None:
         self.lists = list(lists)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.groups: list[LogitsProcessorList] = []
         for processors in {id(p): p for p in self.lists}.values():
             check_logits_processors(processors)
+        self._index_groups()
 
     def __len__(self) -> int:
         return len(self.lists)
@@ -171,15 +185,45 @@ class RowProcessors:
     def select(self, index: torch.Tensor | Sequence[int]) -> None:
         """Keep the rows `index` `(M,)`, in that order (in place: every sampler sharing this object follows)."""
         self.lists = [self.lists[i] for i in _as_list(index)]
+        self._index_groups()
 
     def extend(self, lists: Sequence[LogitsProcessorList]) -> None:
         """Append the lists of rows that join the batch."""
         for processors in lists:
             check_logits_processors(processors)
         self.lists.extend(lists)
+        self._index_groups()
+
+    def _index_groups(self) -> None:
+        """Register new distinct lists in :attr:`groups` and write each row's group into :attr:`group_ids`
+        `(R',)` int64 (`R'` a power of two >= the rows and :data:`MIN_GROUP_ROWS`; rows past the batch: group 0)."""
+        known = {id(g): k for k, g in enumerate(self.groups)}
+        for processors in self.lists:
+            if id(processors) not in known:
+                known[id(processors)] = len(self.groups)
+                self.groups.append(processors)
+        rows = max(self.MIN_GROUP_ROWS, 1 << max(0, len(self.lists) - 1).bit_length())
+        ids = [known[id(p)] for p in self.lists] + [0] * (rows - len(self.lists))
+        self.group_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if getattr(self, "_key_groups", None) != len(self.groups):
+            self._key, self._key_groups = tuple(processors_key(g) for g in self.groups), len(self.groups)
+
+    @property
+    def key(self) -> tuple:
+        """What a compiled step applying these lists specialises on: each group's :func:`processors_key` (it
+        changes when a row joins with settings no row had before)."""
+        return self._key
 
     def apply(self, scores: torch.Tensor, rows: torch.Tensor | Sequence[int] | None) -> torch.Tensor:
-        """Process `scores` `(M, L, V)` float32, whose M rows are the batch rows `rows` (all rows when None)."""
+        """Process `scores` `(M, L, V)` float32, whose M rows are the batch rows `rows` (all rows when None; in a
+        compiled step, the step's rows bucket: the batch rows first, then padding)."""
+        if torch.compiler.is_compiling() and rows is None:
+            group_ids = self.group_ids[:scores.shape[0], None, None]
+            out = scores
+            for k, processors in enumerate(self.groups):
+                processed = _apply(processors, scores.reshape(-1, scores.shape[-1])).reshape(scores.shape)
+                out = torch.where(group_ids == k, processed, out)
+            return out
         if rows is None and scores.shape[0] != len(self.lists):
             raise ValueError(f"RowProcessors.apply: {scores.shape[0]} rows of scores for a batch of {len(self.lists)}"
                              " rows; pass `rows`, the batch rows of the scores (Sampler.probs(logits, rows)).")
@@ -199,10 +243,23 @@ class RowProcessors:
         return out
 
 
+def step_processors(processors) -> bool:
+    """Whether a compiled step can apply `processors` (the sampler's `logits_processor`): a plain
+    `LogitsProcessorList` (or list) or a :class:`RowProcessors` of lists whose processors are all of
+    :data:`POSITION_INDEPENDENT_PROCESSORS` (exact classes: their settings are attributes the step's key names,
+    :func:`processors_key`)."""
+    if type(processors) is RowProcessors:
+        return all(step_processors(g) for g in processors.groups)
+    return type(processors) in (LogitsProcessorList, list) and all(
+        type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
+
+
 def processors_key(processors: LogitsProcessorList) -> tuple:
     """A hashable description of `processors`: per processor its class and its attributes' values (tensors as
     tuples of their values; this reads them on the host). Two lists with equal descriptions process scores alike:
     a compiled function that calls them specialises on exactly this."""
+    if isinstance(processors, RowProcessors):
+        return ("per_row", processors.key)
     return tuple((type(proc).__qualname__, tuple(sorted((name, _hashable(v)) for name, v in vars(proc).items())))
                  for proc in processors)
 
