@@ -1,15 +1,19 @@
-"""SimSD's cycle as compiled functions (issue 34, phase 3): under `cache_implementation="static"` with a
-`compile_config` on both models, greedy SimSD (greedy_match) runs each drafter step as one compiled function on the
+"""SimSD's cycle as compiled functions (issue 34, phases 3-4): under `cache_implementation="static"` with a
+`compile_config` on both models, greedy or seeded SimSD runs each drafter step as one compiled function on the
 drafter (forward, the drafter's unmasking rule, the step map) and the verify and commit as one compiled function on
-the target (the paired layout at its full width 2B, or the stacked one at its most copies; greedy_match, the EOS
-gate, the commits, the next blocks), each with one host read.
+the target (the paired layout at its full width 2B, or the stacked one at its most copies; greedy_match or rejection
+sampling, the EOS gate, the commits, the next blocks), each with one host read.
 
 Checked on the CPU with tiny random SDAR models (target and a drafter of other weights, or the target drafting for
 itself: low and high acceptance): the eager runtime's tokens and per-row counters (batch 1, left-padded batches of 2
 and 3 whose rows stop at different cycles, both verification orders, the EOS gate, several reveals per drafter step,
 the dynamic drafter rule, blocks finished by the target alone, the stacked layout, rows that join), fullgraph (a
 graph break raises), one graph per key over a 64-token call and a second call, at most one host read per forward
-there, and sampling on the eager cycle. The full paired layout gives the compacted layout's tokens (eager). Dynamo's
+there. Seeded (rejection sampling, the drafter sampling; a shared generator and one per row): the eager runtime's
+tokens and counters from the same seeds (batch 1, left-padded batches, blocks finished by the target alone, the
+stacked layout, rejection sampling of greedy drafts), one graph per key and one host read per forward over a
+64-token call; sampling with the EOS gate on the eager cycle. The full paired layout gives the compacted layout's
+tokens (eager). Dynamo's
 "eager" backend (the trace and its guards); the slow tests run the other cases and the bundled pair
 (models/sdar-large drafted by models/sdar-tiny-arith).
 """
@@ -145,13 +149,89 @@ def test_a_graph_break_in_the_cycle_raises(sdar_model, drafter, monkeypatch):
     clear(sdar_model, drafter)
 
 
-def test_sampling_runs_the_eager_cycle(sdar_model, drafter, monkeypatch):
-    """Sampling (rejection sampling): today's eager cycle."""
+#: seeded case -> (whether the target drafts for itself, rows, generator: "shared" or "per-row", parameters)
+SEEDED = {
+    "shared": (False, 2, "shared", {}),
+    "per-row": (False, 2, "per-row", {}),
+    "batch-1": (True, 1, "shared", {}),
+    "per-row-self-drafter": (True, 3, "per-row", {}),
+    "min-draft-len": (False, 3, "shared", dict(min_draft_len=3)),     # the target's own draws for short blocks
+    "per-row-min-draft-len": (False, 3, "per-row", dict(min_draft_len=3)),
+    "stacked-dynamic": (True, 3, "per-row", dict(verify_layout="stacked", remasking_strategy="low_confidence_dynamic",
+                                                 confidence_threshold=0.5, steps_per_block=2)),
+    "greedy-rejection": (False, 2, "shared", dict(do_sample=False, acceptance="rejection_sampling")),
+}
+
+
+def seeded(kind: str, rows: int) -> dict:
+    """Fresh generators: one shared, or one per row (seeds 0, 1, ...); sampling at temperature 1 with top-k."""
+    generator = (torch.Generator().manual_seed(0) if kind == "shared"
+                 else [torch.Generator().manual_seed(r) for r in range(rows)])
+    return dict(do_sample=True, top_k=20, generator=generator)
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "shared" else pytest.mark.slow)
+                                  for case in SEEDED])
+def test_seeded_tokens_and_counters_equal_the_eager_runtime(sdar_model, drafter, case):
+    """Sampled SimSD (rejection sampling; the drafter's sampled steps), a shared generator or one per row: a
+    left-padded batch whose rows stop at different cycles (or batch 1) gets the eager runtime's tokens and every
+    per-row counter from the same seeds, and the compiled cycle ran (every random number drawn before the
+    compiled call that uses it, in the eager order)."""
+    own_drafter, rows, kind, params = SEEDED[case]
+    draft = sdar_model if own_drafter else drafter
+    clear(sdar_model, draft)
+    ids, mask = batch()
+    ids, mask = ids[:rows], mask[:rows]
+    free = generate(sdar_model, draft, ids, mask, False, **{**seeded(kind, rows), **params})
+    params = {**params, **({"eos_token_id": free.sequences[-1, ids.shape[1] + 5].item()} if rows > 1 else {})}
+    eager = generate(sdar_model, draft, ids, mask, False, **{**seeded(kind, rows), **params})
+    compiled = generate(sdar_model, draft, ids, mask, True, **{**seeded(kind, rows), **params})
+    assert_same_decode(eager, compiled)
+    if rows > 1:
+        lengths = [int((row[ids.shape[1]:] != 0).sum()) for row in eager.sequences]
+        assert len(set(lengths)) > 1, lengths                       # rows finished at different cycles
+    stats = compiled.spec_stats
+    assert stats.num_accepted_tokens > 0
+    if params.get("verify_layout") != "stacked":     # stacked, own drafts: the exact target accepts them all
+        assert stats.num_recovered_tokens > 0
+    if "min_draft_len" in params:
+        assert stats.num_fallback_tokens > 0
+    assert {key[0] for key in simsd_keys(sdar_model, draft)} == {"simsd-draft", "simsd-verify"}
+    assert one_graph_each(sdar_model, draft)
+    other = dict(seeded(kind, rows), generator=(torch.Generator().manual_seed(7) if kind == "shared" else
+                                                [torch.Generator().manual_seed(7 + r) for r in range(rows)]))
+    assert generate(sdar_model, draft, ids, mask, True, **{**other, **params}).sequences.tolist() != \
+        compiled.sequences.tolist()                                 # the draws matter
+
+
+def test_sampled_cycle_one_graph_per_key_and_one_host_read_per_forward(sdar_model, drafter, step_syncs):
+    """Sampled, batch 1, a 64-token call with a shared generator: one graph per key, fullgraph; a second call
+    reuses them and reads the device at most once per forward (the draws are made on the device before each
+    compiled call, no read)."""
+    clear(sdar_model, drafter)
+    ids, mask = batch()
+    ids, mask, params = ids[:1], mask[:1], dict(max_new_tokens=64, eos_token_id=None)
+    first = generate(sdar_model, drafter, ids, mask, True, **seeded("shared", 1), **params)
+    assert_same_decode(generate(sdar_model, drafter, ids, mask, False, **seeded("shared", 1), **params), first)
+    keys = simsd_keys(sdar_model, drafter)
+    assert {key[0] for key in keys} == {"simsd-draft", "simsd-verify"} and one_graph_each(sdar_model, drafter)
+    with step_syncs.counting() as syncs:
+        second = generate(sdar_model, drafter, ids, mask, True, **seeded("shared", 1), **params)
+    assert simsd_keys(sdar_model, drafter) == keys and one_graph_each(sdar_model, drafter)
+    assert second.sequences.tolist() == first.sequences.tolist()
+    stats = first.spec_stats
+    assert stats.num_verify_forwards > 3 and len(step_syncs.before) == stats.num_forward_calls - 2
+    assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
+
+
+def test_sampling_with_the_eos_gate_runs_the_eager_cycle(sdar_model, drafter, monkeypatch):
+    """Sampling with the EOS gate (`eos_min_prob`): its replacement token is drawn only when it fires (a
+    data-dependent draw), so the eager cycle."""
     monkeypatch.setattr(simsd, "simsd_draft_step", None)                      # would fail if called
     clear(sdar_model, drafter)
     ids, mask = batch()
-    generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=8,
-             generator=torch.Generator().manual_seed(0), do_sample=True, top_k=5)
+    generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=8, eos_token_id=5, eos_min_prob=0.5,
+             **seeded("shared", 1))
     assert simsd_keys(sdar_model, drafter) == []
 
 

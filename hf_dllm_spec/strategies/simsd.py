@@ -41,12 +41,18 @@ Rejection sampling keeps each position's distribution only for left-to-right rev
 positions by their sampled tokens, so the drafter's distribution is not the proposal. Other reveal orders and
 the paired layout on deeper targets are approximations: SimSD is not claimed lossless.
 
-Compiled cycle (issue 34; the static runtime with `compile_config` on both models, greedy with greedy_match, the
-paired layout): each drafter step is one compiled function on the drafter (:func:`simsd_draft_step`: forward,
-unmasking rule, step map; one host read, the rows still drafting) and verify + commit one compiled function on the
-target (:func:`simsd_verify_step`: the paired layout at its full width 2B, which gives the compacted layout's
-logits, greedy_match, the EOS gate, the commits and the next blocks; one host read, the cycle's). The maths are the
-eager cycle's methods (:meth:`SimSDStrategy.reveal`, :meth:`SimSDStrategy.accept`, ...).
+Compiled cycle (issue 34; the static runtime with `compile_config` on both models, greedy or seeded, greedy_match
+or rejection sampling, either layout): each drafter step is one compiled function on the drafter
+(:func:`simsd_draft_step`: forward, unmasking rule, step map, with rejection sampling the drafter's distribution at
+each reveal; one host read, the rows still drafting) and verify + commit one compiled function on the target
+(:func:`simsd_verify_step`: the paired layout at its full width 2B, which gives the compacted layout's logits, or
+the stacked one; the acceptance rule, the EOS gate, the commits and the next blocks; one host read, the cycle's).
+The maths are the eager cycle's methods (:meth:`SimSDStrategy.reveal`, :meth:`SimSDStrategy.accept`, ...). Seeded:
+every random number the eager cycle draws is drawn before the compiled call that uses it, from the same
+generators in the same order, into fixed buffers (the drafter's token draws, :meth:`SimSDStrategy.draft_noise`;
+the verification's uniforms and noise and the target's own draws, :meth:`SimSDStrategy.verify_draws`), and the
+steps choose with pure functions of them (:func:`~hf_dllm_spec.maths.sampling.categorical_from_noise`,
+:func:`~hf_dllm_spec.maths.verification.rejection_sample` with `draws`): the eager tokens from the same seeds.
 """
 
 from __future__ import annotations
@@ -59,12 +65,12 @@ from transformers import LogitsProcessorList
 
 from ..configuration import DrafterConfig, check_int
 from ..maths.masks import full_mask, temporal_verify_mask
-from ..maths.sampling import POSITION_INDEPENDENT_PROCESSORS, Sampler, entropy
+from ..maths.sampling import (POSITION_INDEPENDENT_PROCESSORS, RowGenerators, Sampler, draw_verification, entropy)
 from ..maths.unmasking import first_masked_span, scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
 from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, continuing_rows,
-                              traceable_step_methods)
+                              output_vocab_size, traceable_step_methods)
 
 VERIFY_LAYOUTS = ("paired", "stacked")
 VERIFY_ORDERS = ("position", "temporal")
@@ -296,6 +302,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
                           f"pass min_draft_len={self.block_size} to let the target finish every partial block")
         self.acceptance = s.resolve_acceptance(config.acceptance)
         self.draft_sampler = s.draft_sampler()
+        self._draws: dict[tuple, torch.Tensor] = {}     # the compiled cycle's buffers of random numbers (draw_buffer)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -410,7 +417,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
                       torch.where(target_only, 1, drafts.reveal_step), drafts.probs, drafts.drafting)
 
     def reveal(self, logits: torch.Tensor, tokens: torch.Tensor, undecided: torch.Tensor, reveal_step: torch.Tensor,
-               num_masks: torch.Tensor, step: torch.Tensor, still: torch.Tensor) -> tuple[torch.Tensor, ...]:
+               num_masks: torch.Tensor, step: torch.Tensor, still: torch.Tensor,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """One drafter step's maths (a function of tensors): the drafter's distribution, its choice and the
         drafter's unmasking rule (`remasking_strategy` over the `steps_per_block` schedule of the row's masks).
 
@@ -418,6 +426,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
             logits (`(N, B, V)`): the drafter's logits for the block; tokens, undecided, reveal_step (`(N, B)`): the
                 draft so far, its masks and its step map; num_masks (`(N,)`): masks the draft started with; step
                 (`(N,)`): drafter steps taken; still (`(N,)` bool): rows still drafting (the positions they draw).
+            noise (`(N, B, V)` float32, *optional*): when the drafter samples, the draw made before the step
+                (:meth:`draft_noise`, a compiled step); None draws here.
 
         Returns:
             `(tokens, undecided, reveal_step, transfer, probs)`: the draft, masks and step map after this step
@@ -426,7 +436,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
         """
         cfg = self.config
         probs = self.draft_sampler.probs(logits)
-        chosen, confidence = self.draft_sampler.choose(probs, draw=still[:, None].expand_as(undecided))
+        chosen, confidence = self.draft_sampler.choose(probs, draw=still[:, None].expand_as(undecided), noise=noise)
         transfer = select_transfer(
             cfg.remasking_strategy, masked=undecided, confidence=confidence,
             num_tokens=scheduled_tokens(num_masks.clamp(min=1), self.steps_per_block, step),
@@ -530,9 +540,10 @@ class SimSDStrategy(BlockDiffusionStrategy):
         s.stats.accumulate("num_fallback_tokens", alone.sum(dim=1))
         s.stats.accumulate("num_committed_tokens", result.num_tokens + alone.sum(dim=1))
 
-    def accept(self, tokens: torch.Tensor, undecided: torch.Tensor, drafts: Drafts,
-               target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, VerificationResult, torch.Tensor,
-                                                    torch.Tensor]:
+    def accept(self, tokens: torch.Tensor, undecided: torch.Tensor, drafts: Drafts, target_probs: torch.Tensor,
+               draws: tuple[torch.Tensor, torch.Tensor] | None = None,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, VerificationResult,
+                                                           torch.Tensor, torch.Tensor]:
         """Step 3 as a function of tensors (no host read under greedy_match but the EOS gate's early exit, which a
         compiled cycle skips): the verification in `verify_order`, the EOS gate, the commits.
 
@@ -540,6 +551,10 @@ class SimSDStrategy(BlockDiffusionStrategy):
             tokens, undecided (`(N, B)`): the block before this cycle's commits.
             drafts (`Drafts`): this cycle's drafts; target_probs (`(N, B, V)`): the target's distribution per block
                 position (:meth:`verify`).
+            draws (`tuple`, *optional*): rejection sampling's random numbers, drawn before the step
+                (:meth:`verification_draws`, a compiled step); None draws them here.
+            noise (`(N, B, V)` float32, *optional*): when sampling with `min_draft_len > 1`, the draw of the target's
+                tokens for the rows finished alone, made before the step; None draws here.
 
         Returns:
             `(tokens, undecided, result, num_drafts, alone)`: the block after the commits, the verification (in
@@ -560,7 +575,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
             draft_probs = drafts.probs.expand(-1, -1, vocab) if drafts.probs.shape[-1] == 1 else drafts.probs
             draft_ordered = draft_probs.gather(1, order[..., None].expand(-1, -1, vocab))
             result = rejection_sample(draft_ids, draft_ordered, target_ordered, num_drafts=num_drafts,
-                                      generator=s.sampler.generator)
+                                      generator=s.sampler.generator, draws=draws)
         committed_ids = result.token_ids[:, : order.shape[1]]
         if self.config.eos_min_prob > 0 and s.stop_token_ids:
             committed_ids = gate_stop_tokens(committed_ids, result, target_ordered, s.stop_token_ids,
@@ -571,7 +586,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
         # rows finished by the target alone: its most confident masked position, one token per forward
         alone = torch.zeros_like(commit)
         if self.config.min_draft_len > 1:
-            target_ids, confidence = s.sampler.choose(target_probs)
+            target_ids, confidence = s.sampler.choose(target_probs, noise=noise)
             alone = select_transfer("low_confidence_static", masked=undecided & ~drafts.drafting[:, None],
                                     confidence=confidence, num_tokens=1)
             values = torch.where(alone, target_ids, values)
@@ -587,17 +602,20 @@ class SimSDStrategy(BlockDiffusionStrategy):
     def runs_compiled_step(self) -> bool:
         """Whether each cycle runs as compiled functions (:func:`simsd_draft_step` per drafter step on the
         drafter, then :func:`simsd_verify_step` on the target, through `StaticModelRunner.run_step`; one host read
-        each): the static runtime with `compile_config` for both models on one device, position-aligned; greedy
-        with greedy_match acceptance and transformers' position-independent processors; either layout (the stacked
-        one at its most copies, `steps_per_block`), either verification order, any `min_draft_len`, the EOS gate;
+        each): the static runtime with `compile_config` for both models on one device, position-aligned; greedy or
+        sampled (`do_sample=True`, a shared generator or one per row: every random number the eager cycle draws is
+        drawn before the compiled call that uses it, in the eager order, :meth:`draft_noise` /
+        :meth:`verify_draws`), greedy_match or rejection sampling, with transformers' position-independent
+        processors; either layout (the stacked one at its most copies, `steps_per_block`), either verification
+        order, any `min_draft_len`, the EOS gate (not when sampling: its replacement is drawn only when it fires);
         any drafter schedule; continuous batching; no streamer; a class whose cycle methods are traceable
         (:data:`COMPILED_CYCLE_METHODS`). Else the eager cycle. Called by the block-diffusion constructor (config and
         session only)."""
         s, cfg = self.session, self.config
         processors = s.sampler.logits_processor
         return (getattr(s.target, "runs_compiled_steps", False) and getattr(s.drafter, "runs_compiled_steps", False)
-                and s.drafter.device == s.target.device and not s.sampler.do_sample
-                and cfg.acceptance in (None, "greedy_match") and s.stream is None
+                and s.drafter.device == s.target.device and s.stream is None
+                and not (s.sampler.do_sample and cfg.eos_min_prob > 0 and s.stop_token_ids)
                 and type(processors) in (LogitsProcessorList, list)
                 and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
                 and traceable_step_methods(type(self), self.COMPILED_CYCLE_METHODS))
@@ -605,12 +623,52 @@ class SimSDStrategy(BlockDiffusionStrategy):
     @property
     def step_key(self) -> tuple:
         """What SimSD's compiled functions specialise on besides their shapes: the drafter's rule (the
-        block-diffusion key), the drafter's sampler and mask, the layout, the verification order, `min_draft_len`
-        and the EOS gate."""
+        block-diffusion key), the drafter's sampler and mask, the acceptance rule, the layout, the verification
+        order, `min_draft_len` and the EOS gate."""
         s, cfg = self.session, self.config
-        return (*super().step_key, "simsd", s.draft_mask_token_id, self.draft_sampler.step_key, cfg.verify_layout,
-                cfg.verify_order, cfg.min_draft_len, cfg.eos_min_prob,
+        return (*super().step_key, "simsd", s.draft_mask_token_id, self.draft_sampler.step_key, self.acceptance,
+                cfg.verify_layout, cfg.verify_order, cfg.min_draft_len, cfg.eos_min_prob,
                 tuple(s.stop_token_ids) if cfg.eos_min_prob > 0 else ())
+
+    def draw_buffer(self, name: str, runner, shape: tuple[int, ...]) -> torch.Tensor:
+        """A compiled cycle's fixed buffer `(R, *shape)` float32 for random numbers drawn before a step, `R` the
+        `runner`'s :attr:`step_rows` (rows past the batch are padding); one per name and `R`, kept across cycles (a
+        captured graph reads it at a fixed address), filled in place."""
+        key = (name, runner.step_rows)
+        if key not in self._draws:
+            self._draws[key] = torch.ones(runner.step_rows, *shape, device=runner.device)
+        return self._draws[key]
+
+    def draft_noise(self, rows: list[bool]) -> torch.Tensor | None:
+        """When the drafter samples, one compiled drafter step's random draw, made before it: the `Exp(1)` noise
+        `(R, B, V)` of the multinomial :meth:`reveal` draws over every row's block (a shared generator: every row,
+        one call; per-row generators: the `rows` still drafting, each from its own, as the eager draft draws);
+        :func:`~hf_dllm_spec.maths.sampling.categorical_from_noise` gives its tokens in the step. None when
+        greedy."""
+        s = self.session
+        if not self.draft_sampler.do_sample:
+            return None
+        noise = self.draw_buffer("draft", s.drafter, (self.block_size, output_vocab_size(s.drafter.model)))
+        return _draw_noise_of_rows(self.draft_sampler, noise, rows)
+
+    def verify_draws(self, num_drafts: list[int]) -> tuple:
+        """The compiled verify step's random numbers, drawn before it in the eager order: with rejection sampling
+        the uniforms `(R, B)` and `Exp(1)` noise `(R, V)` of :func:`~hf_dllm_spec.maths.sampling.draw_verification`
+        (`num_drafts`: each row's drafts, known on the host: per-row generators draw that many uniforms), then,
+        when sampling with `min_draft_len > 1`, the noise `(R, B, V)` of the target's token draw for the rows
+        finished alone (:meth:`accept`). Returns `(uniforms, noise, alone noise)`, None where nothing is drawn."""
+        s, B = self.session, self.block_size
+        target = s.target
+        if self.acceptance != "rejection_sampling":
+            return None, None, None
+        vocab = output_vocab_size(target.model)
+        uniforms, noise = self.draw_buffer("uniforms", target, (B,)), self.draw_buffer("verify", target, (vocab,))
+        draw_verification(torch.tensor(num_drafts), B, vocab, s.sampler.generator, device=target.device,
+                          dtype=torch.float32, out=(uniforms, noise))          # filled in place, every row's R
+        alone = None
+        if s.sampler.do_sample and self.config.min_draft_len > 1:
+            alone = s.sampler.draw_noise(self.draw_buffer("alone", target, (B, vocab)), len(num_drafts))
+        return uniforms, noise, alone
 
     def compiled_cycle(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, list, tuple]:
         """One cycle of every row as compiled functions: :func:`simsd_draft_step` until no row has a mask left in
@@ -625,18 +683,24 @@ class SimSDStrategy(BlockDiffusionStrategy):
         """
         s, B = self.session, self.block_size
         drafting = [count >= self.config.min_draft_len for count in self.masks_left]     # on the host
-        flags = None if all(drafting) else torch.tensor(drafting, device=block.tokens.device)
+        # with min_draft_len > 1 always a tensor (a None in some cycles would be a second graph of the verify key)
+        flags = (None if self.config.min_draft_len == 1
+                 else torch.tensor(drafting, device=block.tokens.device))
         store = pending is not None
         stored = pending if store else (None, None, None)
         tokens, step = block.tokens, torch.zeros_like(block.start)
         undecided = block.undecided if flags is None else block.undecided & flags[:, None]
         reveal_step = torch.zeros_like(tokens)
+        sampled = self.acceptance == "rejection_sampling"     # the drafts' distributions are verified too
+        draft_probs = (torch.zeros(*tokens.shape, output_vocab_size(s.drafter.model), device=tokens.device)
+                       if sampled else None)
         still = drafting                       # every block has a mask when a cycle starts
         while any(still):
-            tokens, undecided, reveal_step, step, read = s.drafter.run_step(
+            tokens, undecided, reveal_step, step, read, *probs = s.drafter.run_step(
                 simsd_draft_step, self, ("simsd-draft", *self.step_key),
-                (tokens, undecided, reveal_step, step, block.start, *stored), q=2 * B if store else B,
-                store_len=B if store else 0, logits_to_keep=B, kind="draft", rows=still)
+                (tokens, undecided, reveal_step, step, block.start, *stored, self.draft_noise(still), draft_probs),
+                q=2 * B if store else B, store_len=B if store else 0, logits_to_keep=B, kind="draft", rows=still)
+            draft_probs = probs[0] if sampled else None
             for i in (i for i, flag in enumerate(still) if flag):
                 s.stats.row(i).num_denoising_steps += 1
             still = [bool(flag) for flag in read.tolist()]      # the drafter step's one host read
@@ -647,10 +711,13 @@ class SimSDStrategy(BlockDiffusionStrategy):
         for i in (i for i, d in enumerate(drafting) if not d):    # the verify forward is their denoising step
             s.stats.row(i).count_forward("draft")
             s.stats.row(i).num_denoising_steps += 1
+        if tokens is block.tokens:            # no row drafted: two arguments, one tensor (a guard would fail)
+            tokens = tokens.clone()
+        draws = self.verify_draws([m if d else 0 for m, d in zip(self.masks_left, drafting)])
         tokens, undecided, done, read, *advanced = s.target.run_step(
             simsd_verify_step, self, ("simsd-verify", *self.step_key),
             (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps, tokens,
-             reveal_step, flags, *(pending if pending is not None else (None, None, None))),
+             reveal_step, flags, *(pending if pending is not None else (None, None, None)), draft_probs, *draws),
             q=self.verify_width + (B if pending is not None else 0), store_len=B if pending is not None else 0,
             logits_to_keep=B if self.config.verify_layout == "paired" else self.verify_width, kind="verify",
             rows=None if flags is None else drafting)
@@ -666,10 +733,24 @@ class SimSDStrategy(BlockDiffusionStrategy):
         return done, rows, tuple(advanced)
 
 
+def _draw_noise_of_rows(sampler: Sampler, noise: torch.Tensor, rows: list[bool]) -> torch.Tensor:
+    """:meth:`Sampler.draw_noise` for a choice whose per-row generators draw only for the `rows` flagged (what
+    `Sampler.choose(probs, draw=rows[:, None])` draws over whole rows): a shared generator fills the first
+    `len(rows)` rows of `noise` `(R, *S, V)` in one call, per-row generators row r's `(*S, V)` for each flagged r
+    (the others keep their old numbers, unread). Returns `noise`. (A maths function: to move next to
+    :func:`~hf_dllm_spec.maths.sampling.draw_exponential`.)"""
+    if not isinstance(sampler.generator, RowGenerators):
+        return sampler.draw_noise(noise, len(rows))
+    for r in (r for r, flag in enumerate(rows) if flag):
+        noise[r].exponential_(1, generator=sampler.generator[r])
+    return noise
+
+
 def simsd_draft_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
                      undecided: torch.Tensor, reveal_step: torch.Tensor, step: torch.Tensor, start: torch.Tensor,
                      pending_tokens: torch.Tensor | None = None, pending_positions: torch.Tensor | None = None,
-                     pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                     pending_rows: torch.Tensor | None = None, noise: torch.Tensor | None = None,
+                     draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One drafter step of SimSD's draft (§3.2, step 1) as a function of tensors, what `StaticModelRunner.run_step`
     compiles on the drafter: the drafter's forward over `[draft | MASK where undecided]` (full attention inside
     the block, the cache read-only; the pending finished blocks stored first), then :meth:`SimSDStrategy.reveal`.
@@ -682,10 +763,15 @@ def simsd_draft_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: tor
             this cycle); step (`(N,)`): drafter steps taken this cycle; start (`(N,)`): each block's first position.
         pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
             None.
+        noise (`(N, B, V)` float32, *optional*): when the drafter samples, this step's draw
+            (:meth:`SimSDStrategy.draft_noise`).
+        draft_probs (`(N, B, V)` float32, *optional*): with rejection sampling, the drafter's distribution at each
+            position's reveal step so far (zeros before the first step).
 
     Returns:
-        `(lengths, tokens, undecided, reveal_step, step, still)`: the drafter's new write positions, the draft, its
-        masks and step map after this step, `step + 1`, and the rows with a mask left `(N,)` bool (the read).
+        `(lengths, tokens, undecided, reveal_step, step, still[, draft_probs])`: the drafter's new write positions,
+        the draft, its masks and step map after this step, `step + 1`, the rows with a mask left `(N,)` bool (the
+        read), and with `draft_probs` the distributions updated at the positions this step revealed.
     """
     B = strategy.block_size
     positions = start[:, None] + torch.arange(B, device=start.device)[None]
@@ -697,17 +783,22 @@ def simsd_draft_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: tor
                                                                           pending)
     logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
                                           store_valid=store_valid, logits_to_keep=B)
-    tokens, undecided, reveal_step, _, _ = strategy.reveal(logits, tokens, undecided, reveal_step, num_masks, step,
-                                                           still)
-    return lengths, tokens, undecided, reveal_step, step + 1, undecided.any(dim=1)
+    tokens, undecided, reveal_step, transfer, probs = strategy.reveal(logits, tokens, undecided, reveal_step,
+                                                                      num_masks, step, still, noise)
+    outputs = (lengths, tokens, undecided, reveal_step, step + 1, undecided.any(dim=1))
+    if draft_probs is None:
+        return outputs
+    return (*outputs, torch.where(transfer[..., None], probs, draft_probs))
 
 
 def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
                       undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
                       post_steps: torch.Tensor, draft_tokens: torch.Tensor, reveal_step: torch.Tensor,
                       drafting: torch.Tensor | None = None, pending_tokens: torch.Tensor | None = None,
-                      pending_positions: torch.Tensor | None = None,
-                      pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                      pending_positions: torch.Tensor | None = None, pending_rows: torch.Tensor | None = None,
+                      draft_probs: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
+                      noise: torch.Tensor | None = None,
+                      alone_noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """SimSD's verify and commit (§3.1-3.3, steps 2-3) as a function of tensors, what `StaticModelRunner.run_step`
     compiles on the target: one target forward over the paired layout at its full width 2B (every row's data and
     mask slots, Eq. 1's :func:`~hf_dllm_spec.maths.masks.temporal_verify_mask`; the pending finished blocks stored
@@ -726,6 +817,9 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
             alone (`min_draft_len`).
         pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
             None.
+        draft_probs (`(N, B, V)` float32, *optional*): rejection sampling: the drafter's distributions
+            (:func:`simsd_draft_step`). uniforms (`(N, B)`), noise (`(N, V)`), alone_noise (`(N, B, V)`),
+            *optional*: the random numbers drawn before the step (:meth:`SimSDStrategy.verify_draws`).
 
     Returns:
         `(lengths, tokens, undecided, done, read, *next, positions)`: the target's new write positions; the block
@@ -738,8 +832,8 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
     s = strategy.session
     block = BlockState(tokens, undecided, start, num_fixed, step, post_steps, s.mask_token_id)
     drafting = torch.ones_like(start, dtype=torch.bool) if drafting is None else drafting
-    drafts = strategy.with_target_alone(undecided, Drafts(draft_tokens, reveal_step, torch.zeros(
-        *tokens.shape, 1, device=tokens.device), drafting))
+    probs = torch.zeros(*tokens.shape, 1, device=tokens.device) if draft_probs is None else draft_probs
+    drafts = strategy.with_target_alone(undecided, Drafts(draft_tokens, reveal_step, probs, drafting))
     paired = strategy.config.verify_layout == "paired"
     if paired:
         ids, positions = strategy.paired_query(drafts.tokens, block.positions)
@@ -753,8 +847,9 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
                                           - store_len)            # paired: the mask slots; stacked: every copy
     if not paired:
         logits = strategy.stacked_logits(logits, drafts.reveal_step)
-    tokens, undecided, result, num_drafts, alone = strategy.accept(tokens, undecided, drafts,
-                                                                   s.sampler.probs(logits))
+    tokens, undecided, result, num_drafts, alone = strategy.accept(
+        tokens, undecided, drafts, s.sampler.probs(logits), None if uniforms is None else (uniforms, noise),
+        alone_noise)
     done = ~undecided.any(dim=1)
     after = BlockState(tokens.clone(), undecided.clone(), start.clone(), num_fixed.clone(), step.clone(),
                        post_steps.clone(), block.mask_token_id)
