@@ -1,29 +1,34 @@
-"""DEER's cycle as compiled functions (issue 34, phase 3): under `cache_implementation="static"` with a
-`compile_config`, greedy DEER (greedy_match acceptance) runs the target's prefill as one compiled step and each cycle
+"""DEER's cycle as compiled functions (issue 34, phases 3-4): under `cache_implementation="static"` with a
+`compile_config`, DEER (greedy: greedy_match; seeded: rejection sampling, its random numbers and the drafter's drawn
+before each step from the call's generators) runs the target's prefill as one compiled step and each cycle
 as one compiled drafter step (the drafter stores the new committed tokens, or the prompts, at a fixed width and
-proposes the block) and one compiled verify step (the target forward storing `[x_j | drafts]`, greedy_match with the
-recovered or bonus token, the discard of the rejected drafts, the new carry, the next cycle's inputs), with one host
-read per cycle.
+proposes the block) and one compiled verify step (the target forward storing `[x_j | drafts]`, the acceptance rule
+with the recovered or bonus token, the discard of the rejected drafts, the new carry, the next cycle's inputs), with
+one host read per cycle; a streamer gets the committed tokens and the drafts from that read.
 
 Checked on the CPU with the bundled pair (target qwen2-tiny-ar, drafter deer-drafter-tiny): the eager runtime's
 tokens and per-row counters for batch 1 and a left-padded batch of 2 whose rows stop at different cycles and verify
 fewer drafts near their budget, fullgraph (a graph break raises), one graph per key over 64-token calls (the first
 call's prefill and first cycle eager: a compiled step never allocates a cache), at most one host read per cycle,
-and the cases the compiled cycle does not serve on the eager cycle. Dynamo's "eager" backend (the trace and its
-guards); one slow test runs inductor.
+and the cases the compiled cycle does not serve on the eager cycle; seeded (a shared generator and one per row):
+the eager runtime's tokens and counters; a streamer: the eager runtime's `put` / `put_draft` calls. Dynamo's "eager"
+backend (the trace and its guards); one slow test runs inductor.
 """
 
 from __future__ import annotations
 
+import inspect
 import shutil
+from collections import Counter
 
 import pytest
 import torch
-from conftest import assert_same_decode, cpu_compile_config
+from conftest import assert_same_decode, cpu_compile_config, spec_counters
 
 import hf_dllm_spec
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import deer
+from hf_dllm_spec.strategies.base import DecodingStrategy
 from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
 
 AR_DIR = ROOT / "models" / "qwen2-tiny-ar"
@@ -152,6 +157,134 @@ def test_at_most_one_host_read_per_cycle(pair, step_syncs):
     assert step_syncs.per_step() <= 0.5, syncs.by_site.most_common(4)
 
 
+#: Sampling settings of the seeded tests (they run before the graph-break test, which leaves a key without a graph):
+#: drafts that the target sometimes rejects (recovered tokens) and sometimes accepts whole (bonus tokens).
+SEEDED = dict(do_sample=True, top_k=20, temperature=2.5)
+
+
+def generators(kind: str, rows: int = 2, seed: int = 7):
+    """A fresh shared generator, or one per row (`generator=[g0, g1]`), seeded the same for every call."""
+    if kind == "shared":
+        return torch.Generator().manual_seed(seed)
+    return [torch.Generator().manual_seed(seed + i) for i in range(rows)]
+
+
+def seeded_keys(pair) -> set[str]:
+    """The DEER cycle's step keys compiled for rejection sampling (their key holds the acceptance rule; the prefill's
+    does not depend on it)."""
+    return {key[0] for key in deer_keys(pair) if "rejection_sampling" in key}
+
+
+@pytest.mark.parametrize("kind", ["shared", "per-row"])
+def test_seeded_left_padded_batch_equals_the_eager_runtime(pair, kind):
+    """Seeded rejection sampling, a shared generator or one per row: a left-padded batch of 2 whose second row stops
+    early (a stop id it draws), fewer drafts near the first row's budget: the eager runtime's tokens and every
+    per-row counter, recovered and bonus tokens among them, from the compiled steps (the drafter's noise and the
+    verification's uniforms and noise drawn before them); one graph per key."""
+    prompts = pair[3]
+    eager = generate(pair, prompts, False, generator=generators(kind), **SEEDED)
+    prompt_width = eager.sequences.shape[1] - 16
+    first = eager.sequences[0, prompt_width:].tolist()
+    stop = next(t for t in eager.sequences[1, prompt_width + 4:].tolist() if t not in first)   # the second row's
+    params = dict(eos_token_id=stop, max_new_tokens=14, **SEEDED)
+    eager = generate(pair, prompts, False, generator=generators(kind), **params)
+    lengths = [row.num_committed_tokens for row in eager.spec_stats_per_row]
+    assert min(lengths) < max(lengths)                                    # rows finish at different cycles
+    compiled = generate(pair, prompts, True, generator=generators(kind), **params)
+    assert_same_decode(eager, compiled)
+    rows = compiled.spec_stats_per_row
+    assert any(row.num_drafts_reaching_pos[-1] < row.num_drafts for row in rows)      # fewer drafts near a budget
+    assert sum(row.num_bonus_tokens for row in rows) > 0 and sum(row.num_recovered_tokens for row in rows) > 0
+    assert seeded_keys(pair) >= {"deer-draft", "deer-verify"} and one_graph_each(pair)
+    other = generate(pair, prompts, True, generator=generators(kind, seed=9), **params)
+    assert other.sequences.tolist() != compiled.sequences.tolist()         # the draws come from the generators
+
+
+@pytest.mark.parametrize("kind", ["shared", "per-row"])
+def test_seeded_batch_of_one_equals_the_eager_runtime(pair, kind):
+    """Seeded, batch 1, a drafter-less last cycle (one AR step: the bonus token drawn, no uniform)."""
+    params = dict(max_new_tokens=12, eos_token_id=None, **SEEDED)
+    eager = generate(pair, pair[3][:1], False, generator=generators(kind, 1), **params)
+    compiled = generate(pair, pair[3][:1], True, generator=generators(kind, 1), **params)
+    assert_same_decode(eager, compiled)
+    assert compiled.spec_stats.num_fallback_tokens == 1
+
+
+def test_seeded_64_token_call_one_graph_per_key_one_read_per_cycle(pair, step_syncs):
+    """Seeded, batch 1, 64 tokens: each key compiled once (fullgraph), a second call reuses them, gives the same
+    tokens from the same seed, and reads the device at most once per cycle of two forwards (the draws are made on
+    the host side of the steps and read nothing)."""
+    params = dict(max_new_tokens=64, eos_token_id=None, **SEEDED)
+    first = generate(pair, pair[3][:1], True, generator=generators("shared"), **params)
+    keys = deer_keys(pair)
+    assert seeded_keys(pair) == {"deer-draft", "deer-verify"} and one_graph_each(pair)
+    assert {key[0] for key in keys} == {"deer-prefill", "deer-draft", "deer-verify"}
+    with step_syncs.counting() as syncs:
+        second = generate(pair, pair[3][:1], True, generator=generators("shared"), **params)
+    assert deer_keys(pair) == keys and one_graph_each(pair)
+    assert second.sequences.tolist() == first.sequences.tolist()
+    assert len(step_syncs.before) > 8
+    assert step_syncs.per_step() <= 0.5, syncs.by_site.most_common(4)
+
+
+class Recorder:
+    """A streamer of transformers' `TextDiffusionStreamer` protocol that records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[int] | None]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls.append(("put", value.reshape(-1).tolist()))
+
+    def put_draft(self, value: torch.Tensor) -> None:
+        self.calls.append(("put_draft", value.reshape(-1).tolist()))
+
+    def end(self) -> None:
+        self.calls.append(("end", None))
+
+
+def stream_site(site: tuple[str, int]) -> bool:
+    """Whether a counted read's site is the stream's (its cut, copy and draft check: `TokenStream`, `RowEnds`,
+    `DecodingStrategy.stream_draft`), which the compiled cycle feeds with tensors made on the host from its read."""
+    path, line = site
+    lines, first = inspect.getsourcelines(DecodingStrategy.stream_draft)
+    return (path.endswith(("strategies/streaming.py", "integration/stopping.py"))
+            or (path.endswith("strategies/base.py") and first <= line < first + len(lines)))
+
+
+@pytest.mark.parametrize("params", [dict(), SEEDED], ids=["greedy", "seeded"])
+def test_a_streamer_gets_the_eager_calls(pair, params, step_syncs):
+    """Batch 1 with a streamer: compiled, the same `put` (committed tokens) and `put_draft` (the drafter's proposals
+    before verification) calls in the same order as the eager runtime, taken from each cycle's one read (a
+    drafter-less last cycle sends no draft). The streamer adds no device read: the reads counted with it, but the
+    stream's own (on tensors made on the host from the read) and the test streamer's, are those of the same call
+    without it (at most one per cycle: the other tests)."""
+
+    def call(compiled: bool, streamer=None):
+        seed = dict(generator=generators("shared")) if params else {}
+        out = generate(pair, pair[3][:1], compiled, streamer=streamer, max_new_tokens=14, eos_token_id=None,
+                       **params, **seed)
+        return out.sequences.tolist(), None if streamer is None else streamer.calls
+
+    eager = call(False, Recorder())
+    assert call(True, Recorder()) == eager
+    kinds = [kind for kind, _ in eager[1]]
+    assert kinds.count("put_draft") > 2 and kinds[-1] == "end"
+    assert (seeded_keys(pair) if params else {key[0] for key in deer_keys(pair)}) >= {"deer-draft", "deer-verify"}
+    with step_syncs.counting() as streamed:
+        assert call(True, Recorder()) == eager
+    with step_syncs.counting() as plain:
+        assert call(True)[0] == eager[0]
+    assert device_reads(streamed) == device_reads(plain)
+
+
+def device_reads(syncs) -> Counter:
+    """Counted reads by site, but the stream's sites (:func:`stream_site`; the output's cut uses one of them too) and
+    those outside the library (the test streamer's, transformers' put of the prompt)."""
+    outside = ("<outside>", 0)
+    return +Counter({site: n for site, n in syncs.by_site.items() if not stream_site(site) and site != outside})
+
+
 def test_a_graph_break_in_the_step_raises(pair, monkeypatch):
     """fullgraph=True: a graph break in the verify step's maths (here in greedy_match) raises instead of running
     slowly (k = 2: keys of its own, traced anew; the later tests count no graphs)."""
@@ -166,9 +299,9 @@ def test_a_graph_break_in_the_step_raises(pair, monkeypatch):
         generate(pair, pair[3][:1], True, max_new_tokens=12, block_size=2)
 
 
-@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(draft_attention="full")])
+@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5, draft_attention="full")])
 def test_other_cases_run_the_eager_cycle(pair, params, monkeypatch):
-    """Sampling (rejection sampling), the "full" drafter layout: today's eager prefill and cycle."""
+    """The "full" drafter layout (recomputed context, no cache): today's eager prefill and cycle."""
     for name in ("deer_prefill_step", "deer_draft_step", "deer_verify_step"):
         monkeypatch.setattr(deer, name, None)                            # would fail if called
     generate(pair, pair[3][:1], True, max_new_tokens=2, generator=torch.Generator().manual_seed(0), **params)

@@ -19,12 +19,15 @@ One cycle per row (batched):
    row drops, a validity mask for the rest), so it equals a fresh prefill of the committed tokens; the
    recovered or bonus token is the next cycle's x_j.
 
-Compiled cycle (issue 34; the static runtime with `compile_config`, greedy_match acceptance): a cycle is two
-compiled functions, each one forward: :func:`deer_draft_step` (step 1: the drafter stores each row's new committed
-tokens, left-padded to k + 1 (the first cycle: the prompts, left-padded to a width bucket), and proposes the block)
-and :func:`deer_verify_step` (steps 2-4: the target forward, greedy_match with the recovered or
-bonus token, the discard of the rejected drafts and the new carry, the next cycle's inputs and the cycle's one host
-read). Near the budget a row verifies fewer drafts (`num_drafts` as a mask) over the same width k.
+Compiled cycle (issue 34; the static runtime with `compile_config`): a cycle is two compiled functions, each one
+forward: :func:`deer_draft_step` (step 1: the drafter stores each row's new committed tokens, left-padded to k + 1
+(the first cycle: the prompts, left-padded to a width bucket), and proposes the block) and :func:`deer_verify_step`
+(steps 2-4: the target forward, the acceptance rule with the recovered or bonus token, the discard of the rejected
+drafts and the new carry, the next cycle's inputs and the cycle's one host read). Near the budget a row verifies
+fewer drafts (`num_drafts` as a mask) over the same width k. Seeded, every random number the eager cycle draws is
+drawn before the step that uses it, in the eager order, from the call's generators (shared or per row) into fixed
+buffers (the drafter's `Exp(1)` noise, then the verification's uniforms and noise), and the steps choose with pure
+functions: the eager tokens. A streamer (batch 1) gets the committed tokens and the drafts from the cycle's read.
 
 Greedy DEER reproduces the target's greedy `generate` token for token; with sampling the output follows the
 target's distribution exactly (Leviathan et al. 2023; DEER App. E), for any drafter. The drafter only sets the
@@ -44,8 +47,10 @@ from .drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter, draft_blo
 from ..maths.masks import causal_mask, left_pad
 from ..runtime.static import width_bucket
 from ..validation import check_choice, invalid
+from ..maths.sampling import RowGenerators, draw_exponential, draw_verification
 from ..maths.verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
 from .base import DecodingStrategy
+from .block_diffusion import output_vocab_size
 
 
 @dataclass
@@ -137,6 +142,7 @@ class DeerStrategy(DecodingStrategy):
         self.compiled = self.runs_compiled_cycle()
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None   # compiled cycle: the drafter's next input
         self._host_tensors: dict[tuple, torch.Tensor] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}      # the compiled steps' random draws, per rows bucket
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def decode(self) -> list[torch.Tensor]:
@@ -266,21 +272,22 @@ class DeerStrategy(DecodingStrategy):
     def runs_compiled_cycle(self) -> bool:
         """Whether cycles run as compiled functions (:func:`deer_draft_step`, then
         :func:`deer_verify_step`, through `StaticModelRunner.run_step`): the static runtime with `compile_config` on
-        both models (a right-shifted target, a position-aligned drafter), greedy with greedy_match acceptance,
-        the "causal_prefix" drafter layout, no logits processors beyond transformers' list, no streamer, no rows
-        joining (continuous batching), a subclass that keeps the cycle's methods. Else the eager cycle."""
+        both models (a right-shifted target, a position-aligned drafter), either acceptance rule (greedy or seeded:
+        the random numbers are drawn before each step, :meth:`draft_noise`, :meth:`verification_draws`), the
+        "causal_prefix" drafter layout, no logits processors beyond transformers' list (one for every row), a
+        streamer or none, no rows joining (continuous batching), a subclass that keeps the cycle's methods. Else
+        the eager cycle."""
         s = self.session
         plain = all(type(sampler.logits_processor) in (LogitsProcessorList, list)
                     for sampler in (s.sampler, self.draft_sampler))
         return (getattr(s.target, "runs_compiled_carry_steps", False)
                 and getattr(s.drafter, "runs_compiled_steps", False)
-                and not s.sampler.do_sample and self.acceptance == "greedy_match"
                 and self.config.draft_attention == "causal_prefix" and plain
-                and s.stream is None and s.admission is None and type(self.drafter) is OneStepDrafter
+                and s.admission is None and type(self.drafter) is OneStepDrafter
                 and all(getattr(type(self), name) is getattr(DeerStrategy, name) for name in self.COMPILED_METHODS))
 
     #: The methods the compiled cycle replaces or relies on; a subclass that overrides one runs the eager cycle.
-    COMPILED_METHODS = ("cycle", "compiled_cycle", "host_drafts", "num_drafts")
+    COMPILED_METHODS = ("cycle", "compiled_cycle", "host_drafts", "num_drafts", "draft_noise", "verification_draws")
 
     @property
     def step_key(self) -> tuple:
@@ -312,9 +319,65 @@ class DeerStrategy(DecodingStrategy):
         target.run_step(deer_prefill_step, self, ("deer-prefill", width), (ids, valid, positions, no_carry),
                         q=width, store_len=width, logits_to_keep=1, kind="prefill", rows=rows, sets_carry=True)
 
+    def buffer(self, name: str, shape: tuple[int, ...], device: torch.device, fill: float = 1.0) -> torch.Tensor:
+        """A compiled step's fixed input buffer `shape` (float32, filled with `fill` when made), kept across cycles and
+        filled in place (a captured graph reads it at a fixed address); one per name and shape, never a view of a
+        larger one (the compiled step would guard on its base)."""
+        key = (name, shape, device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.full(shape, fill, device=device)
+        return self._buffers[key]
+
+    def draft_noise(self, drafts: list[int]) -> torch.Tensor | None:
+        """When the drafter samples, the random draw of the eager cycle's draft choice, made before the compiled
+        drafter step (:func:`~hf_dllm_spec.maths.sampling.categorical_from_noise` then gives its tokens, the
+        generators left at the same state): `Exp(1)` noise `(R, k, V)` float32 (`R`: the drafter's
+        :attr:`step_rows`). The eager cycle draws the first `max(drafts)` positions of every row with a shared
+        generator (one multinomial, :meth:`Sampler.draw_noise`), row r's first `drafts[r]` positions from its own
+        generator with per-row generators; the other positions keep older noise (their drafts are masked). None
+        when greedy.
+
+        Args:
+            drafts (`list[int]`): drafts per row this cycle (:meth:`host_drafts`), on the host.
+        """
+        sampler, runner = self.draft_sampler, self.session.drafter
+        if not sampler.do_sample:
+            return None
+        noise = self.buffer("draft-noise", (runner.step_rows, self.config.block_size, output_vocab_size(runner.model)),
+                            runner.device)
+        if isinstance(sampler.generator, RowGenerators):
+            for r, count in enumerate(drafts):
+                draw_exponential(noise[r, :count], sampler.generator[r])
+        else:
+            sampler.draw_noise(noise[:, :max(drafts)], len(drafts))
+        return noise
+
+    def verification_draws(self, drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """With rejection sampling, every random number the eager cycle's verification draws, drawn before the
+        compiled verify step (:func:`~hf_dllm_spec.maths.sampling.draw_verification` with the eager cycle's lengths
+        and width `max(drafts)`): uniforms `(R, k)` and `Exp(1)` noise `(R, V)` float32 for the recovered or bonus
+        token (`R`: the target's :attr:`step_rows`; columns past `max(drafts)` are unread). `(None, None)` with
+        greedy_match.
+
+        Args:
+            drafts (`list[int]`): drafts per row this cycle, on the host (read there for per-row generators).
+        """
+        if self.acceptance != "rejection_sampling":
+            return None, None
+        s = self.session
+        target = s.target
+        rows, vocab = target.step_rows, output_vocab_size(target.model)
+        uniforms = self.buffer("uniforms", (rows, self.config.block_size), target.device)
+        noise = self.buffer("verify-noise", (rows, vocab), target.device)
+        draw_verification(self.host_tensor(drafts, torch.device("cpu")), max(drafts), vocab, s.sampler.generator,
+                          device=target.device, dtype=torch.float32, out=(uniforms[:, :max(drafts)], noise))
+        return uniforms, noise
+
     def compiled_cycle(self) -> tuple[list[torch.Tensor], list[list[int]]]:
         """One draft/verify cycle as compiled functions: :func:`deer_draft_step` on the drafter (skipped when no
-        row drafts), :func:`deer_verify_step` on the target, one host read; counters as the eager :meth:`cycle`.
+        row drafts), :func:`deer_verify_step` on the target, one host read; the random numbers drawn before each
+        step, in the eager cycle's order (:meth:`draft_noise`, :meth:`verification_draws`); counters and the
+        streamer's drafts (from the read) as the eager :meth:`cycle`.
 
         Returns:
             as :meth:`cycle`.
@@ -324,31 +387,40 @@ class DeerStrategy(DecodingStrategy):
         device = self.last.device
         per_row = self.host_tensor(drafts, device)
         new_ids, new_valid = self.pending
+        sampled = self.acceptance == "rejection_sampling"
         if max(drafts):
             layout = draft_block_layout(k, self.drafter.mask_token_id, self.drafter.sep_token_id,
                                         self.drafter.sep_position)[0]
             m = new_ids.shape[1]                  # k + 1 (the first cycle: the prompts' width bucket)
-            seen, draft_ids = s.drafter.run_step(
-                deer_draft_step, self, ("deer-draft", m, *self.step_key), (self.drafter.lengths, new_ids, new_valid),
+            seen, draft_ids, *draft_probs = s.drafter.run_step(
+                deer_draft_step, self, ("deer-draft", m, *self.step_key),
+                (self.drafter.lengths, new_ids, new_valid, self.draft_noise(drafts)),
                 q=m + len(layout), store_len=m, logits_to_keep=len(layout), kind="draft")
             self.drafter.lengths = seen
             draft_ids = _on(draft_ids, device)
+            draft_probs = _on(draft_probs[0], device) if sampled else None
         else:                             # every row one token short of its budget: one AR step, no drafter
             draft_ids = self.last.new_zeros(self.last.shape[0], k)
+            draft_probs = (self.buffer("no-draft-probs", (s.target.step_rows, k, output_vocab_size(s.target.model)),
+                                       device, fill=0.0) if sampled else None)
         self.last, self.next_pos, new_ids, new_valid, read = s.target.run_step(
             deer_verify_step, self, ("deer-verify", *self.step_key),
-            (self.last, self.next_pos, draft_ids, per_row, s.target.carry),
+            (self.last, self.next_pos, draft_ids, per_row, s.target.carry, draft_probs,
+             *self.verification_draws(drafts)),
             q=k + 1, store_len=k + 1, logits_to_keep=k + 1, kind="verify", sets_carry=True)
         self.pending = (_on(new_ids, self.drafter.runner.device), _on(new_valid, self.drafter.runner.device))
         values = read.tolist()                                                   # the cycle's one host read
+        if s.stream is not None:          # the drafter's proposals (batch 1), from the read, before the commit
+            final = torch.tensor(self.host_generated[s.stats.active[0]], dtype=torch.long)
+            self.stream_draft(final, torch.tensor(values[0][5 + k:5 + k + drafts[0]], dtype=torch.long))
         committed, committed_ids = [], []
         for i, (row, drafted) in enumerate(zip(values, drafts)):
-            num_tokens, accepted, recovered, bonus, *ids = row
+            num_tokens, accepted, recovered, bonus = row[:4]
             stats = s.stats.row(i)
             stats.observe_verification(drafted, accepted, bool(recovered), bool(bonus) and drafted > 0)
             stats.num_fallback_tokens += int(drafted == 0)      # a row without drafts took one plain AR step
             stats.num_committed_tokens += num_tokens
-            committed_ids.append(ids[:num_tokens])
+            committed_ids.append(row[4:4 + num_tokens])
             committed.append(new_ids[i, k + 1 - num_tokens:])
         self.new_tokens = committed
         return committed, committed_ids
@@ -363,8 +435,8 @@ class DeerStrategy(DecodingStrategy):
             self.generated[prompt_index] = torch.cat([self.generated[prompt_index], tokens])
             self.host_generated[prompt_index].extend(committed_ids[i])
             done.append(self.should_stop(prompt_index, self.generated[prompt_index], self.host_generated[prompt_index]))
-        if s.stream is not None:
-            s.stream.push(self.generated[s.stats.active[0]])
+        if s.stream is not None:          # batch 1: the tokens read on the host (no device read)
+            s.stream.push(torch.tensor(self.host_generated[s.stats.active[0]], dtype=torch.long))
         if any(done):
             self.keep_rows([i for i, d in enumerate(done) if not d])
 
@@ -405,12 +477,13 @@ def deer_prefill_step(strategy: DeerStrategy, runner, shape: tuple, lengths: tor
 
 
 def deer_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch.Tensor, seen: torch.Tensor,
-                    new_ids: torch.Tensor, new_valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                    new_ids: torch.Tensor, new_valid: torch.Tensor,
+                    noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Step 1 of a DEER cycle (§3.2, Eq. 5) as a function of tensors, what `StaticModelRunner.run_step` compiles on
     the drafter: one drafter forward stores each row's new committed tokens (left-padded to the fixed width k + 1)
     and reads the block of k masks (:meth:`~hf_dllm_spec.strategies.drafting.OneStepDrafter.block_query`), then the
-    drafts y_1..y_k (the draft sampler's choice: the argmax of q_theta at T = 0, the drafter's MASK suppressed).
-    Nothing here reads the host or changes Python state.
+    drafts y_1..y_k ~ q_theta (the draft sampler's choice: the argmax at T = 0, else the draw from `noise`; the
+    drafter's MASK suppressed). Nothing here reads the host or changes Python state.
 
     Args:
         strategy (`DeerStrategy`), runner (`StaticModelRunner`, the drafter's), shape (`tuple`): as `run_step` passes
@@ -418,27 +491,35 @@ def deer_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch
         seen (`(N,)` int64): committed tokens the drafter stored before this cycle.
         new_ids (`(N, m)` int64), new_valid (`(N, m)` bool): the tokens committed by the last cycle, left-padded to
             m = k + 1 (from :func:`deer_verify_step`); the first cycle: the prompts, left-padded to a width bucket.
+        noise (`(N, k, V)` float32, *optional*): when sampling, the draw made beforehand
+            (:meth:`DeerStrategy.draft_noise`).
 
     Returns:
         `(lengths, seen, draft_ids)`: the drafter's new write positions and committed tokens seen `(N,)`, and the
-        drafts `(N, k)` int64.
+        drafts `(N, k)` int64; with rejection sampling also q_theta, the draft distributions `(N, k, V)` float32.
     """
     drafter, k = strategy.drafter, strategy.config.block_size
     ids, _, slots = draft_block_layout(k, drafter.mask_token_id, drafter.sep_token_id, drafter.sep_position)
     query, positions, intra = drafter.block_query(new_ids, new_valid, seen, k)
     logits, lengths = runner.step_forward(shape, query, positions, intra, lengths, store_len=new_ids.shape[1],
                                           store_valid=new_valid, logits_to_keep=len(ids))
-    draft_ids, _ = strategy.draft_sampler.choose(strategy.draft_sampler.probs(logits[:, slots]))
-    return lengths, seen + new_valid.sum(dim=1), draft_ids
+    draft_probs = strategy.draft_sampler.probs(logits[:, slots])
+    draft_ids, _ = strategy.draft_sampler.choose(draft_probs, noise=noise)
+    seen = seen + new_valid.sum(dim=1)
+    if strategy.acceptance == "rejection_sampling":
+        return lengths, seen, draft_ids, draft_probs
+    return lengths, seen, draft_ids
 
 
 def deer_verify_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch.Tensor, last: torch.Tensor,
-                     next_pos: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
-                     carry: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                     next_pos: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor, carry: torch.Tensor,
+                     draft_probs: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Steps 2-4 of a DEER cycle as a function of tensors, what `StaticModelRunner.run_step` compiles on the target
     (`sets_carry`): one target forward over `[x_j | y_1 .. y_k]` stores all k + 1 tokens and gives p_AR at every
-    draft position and the bonus position (the aligned logits after x_j, then the new carry); greedy_match over each
-    row's `num_drafts` drafts with the recovered or bonus token; the rejected drafts are discarded (the write
+    draft position and the bonus position (the aligned logits after x_j, then the new carry); the acceptance rule
+    (greedy_match, or rejection sampling from the draws made beforehand) over each row's `num_drafts` drafts with
+    the recovered or bonus token; the rejected drafts are discarded (the write
     positions move back by k - accepted) and the carry becomes the logits of the last kept token; then the next
     cycle's x_j, positions and the drafter's input, and the cycle's read. Nothing here reads the host.
 
@@ -448,6 +529,8 @@ def deer_verify_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torc
         draft_ids (`(N, k)` int64): the drafts (any value past a row's `num_drafts`).
         num_drafts (`(N,)` int64): drafts each row verifies (k; fewer near its budget).
         carry (`(N, V)`): the target's carry (the logits of each row's last stored token).
+        draft_probs (`(N, k, V)` float32), uniforms (`(N, k)`), noise (`(N, V)`), *optional*: rejection sampling's
+            draft distributions and its random numbers (:meth:`DeerStrategy.verification_draws`).
 
     Returns:
         `(lengths, carry, last, next_pos, new_ids, new_valid, read)`: the target's write positions after the discard
@@ -465,7 +548,11 @@ def deer_verify_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torc
     target_logits = torch.cat([aligned[:, 1:], stored_carry[:, None]], dim=1)                # (N, k + 1, V)
     target_probs = strategy.session.sampler.probs(target_logits)                             # (N, k + 1, V)
     bonus_probs = target_probs.gather(1, num_drafts[:, None, None].expand(-1, 1, target_probs.shape[-1]))[:, 0]
-    result = greedy_match(draft_ids, target_probs[:, :k], num_drafts=num_drafts, bonus_probs=bonus_probs)
+    if strategy.acceptance == "greedy_match":
+        result = greedy_match(draft_ids, target_probs[:, :k], num_drafts=num_drafts, bonus_probs=bonus_probs)
+    else:
+        result = rejection_sample(draft_ids, draft_probs, target_probs[:, :k], num_drafts=num_drafts,
+                                  bonus_probs=bonus_probs, draws=(uniforms, noise))
     accepted, num_tokens = result.num_accepted, result.num_tokens
     lengths = lengths - (k - accepted)                                     # the rejected drafts' columns go
     vocab = target_logits.shape[-1]
@@ -474,6 +561,6 @@ def deer_verify_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torc
     new_valid = source >= 0
     new_ids = torch.where(new_valid, result.token_ids.gather(1, source.clamp(min=0)), 0)
     read = torch.cat([torch.stack([num_tokens, accepted, result.recovered.long(), result.bonus.long()], dim=1),
-                      result.token_ids], dim=1)
+                      result.token_ids, draft_ids], dim=1)
     last = result.token_ids.gather(1, (num_tokens - 1)[:, None])[:, 0]        # the next x_j (stride 1: a guard)
     return lengths, carry, last, next_pos + num_tokens, new_ids, new_valid, read
