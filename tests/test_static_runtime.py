@@ -276,12 +276,15 @@ def test_compiled_steps_on_cuda_graphs_give_the_eager_tokens(name, row, sampled,
     compiled = _generate(model, tokenizer, texts, spec, max_new_tokens=16, cache_implementation="static",
                          compile_config=config, **sample())
     _assert_same(eager, compiled, f"{spec.label} sampled={sampled}, compiled step")
-    keys = [key for state in static_states(model) for key in state.steps.keys]
+    def step_keys():       # the decoding steps (the second call compiles its prefill: the first one allocated)
+        return [key for state in static_states(model) for key in state.steps.keys if key[0] != "forward"]
+
+    keys = step_keys()
     assert keys, "no decoding step was compiled"
     again = _generate(model, tokenizer, texts, spec, max_new_tokens=16, cache_implementation="static",
                       compile_config=config, **sample())
     _assert_same(eager, again, f"{spec.label} sampled={sampled}, compiled step replayed")
-    assert [key for state in static_states(model) for key in state.steps.keys] == keys
+    assert step_keys() == keys
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
