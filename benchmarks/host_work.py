@@ -94,7 +94,8 @@ def measure(model, ids: torch.Tensor, spec, max_new_tokens: int) -> dict:
 COMPILED_CASES = {"sdar-tiny-arith": ["ar", "static", "dynamic", "s2d2"], "llada2-tiny": ["llada2", "s2d2-llada2"],
                   "fast-dllm-v2-tiny": ["fast_dllm_v2", "s2d2"], "sdar-large": ["simsd"], "qwen2-tiny-ar": ["deer"]}
 #: rows measured sampled as well (transformers' warpers; torch's global RNG, seeded before each call).
-SAMPLED_ROWS = {"sdar-tiny-arith": ["dynamic"], "llada2-tiny": ["llada2"]}
+SAMPLED_ROWS = {"sdar-tiny-arith": ["dynamic", "s2d2"], "llada2-tiny": ["llada2"], "sdar-large": ["simsd"],
+                "qwen2-tiny-ar": ["deer"]}
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.95}
 #: The stock transformers baseline under `compile_config`: an AR model's own `generate`.
 STOCK_MODEL = "qwen2-tiny-ar"
@@ -157,7 +158,7 @@ def measure_compiled(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) ->
     return operations, forwards
 
 
-def main_compiled(max_new_tokens: int) -> None:
+def main_compiled(max_new_tokens: int, only: list[str] | None = None) -> None:
     torch._dynamo.reset()
     tokenizer, stock = load(MODELS / STOCK_MODEL)
     ids = tokenizer(arithmetic_prompts(MODELS / STOCK_MODEL, 1)[0].text, return_tensors="pt").input_ids
@@ -169,6 +170,8 @@ def main_compiled(max_new_tokens: int) -> None:
           "token | with the step eager (model call compiled only) |")
     print("|---|---|---|---|---|---|")
     for name, rows in COMPILED_CASES.items():
+        if only and name not in only:
+            continue
         tokenizer, model = load(MODELS / name)
         drafter_name = CASES[name][1]
         drafter = load(MODELS / drafter_name)[1] if drafter_name else None
@@ -196,11 +199,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="24 (64 with --compiled)")
     ap.add_argument("--compiled", action="store_true", help="count around compiled code under compile_config")
+    ap.add_argument("--only", nargs="+", metavar="MODEL", choices=list(COMPILED_CASES),
+                    help="with --compiled: these bundled models' rows only (the stock baseline always runs)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     if args.compiled:
-        main_compiled(args.max_new_tokens or 64)
+        main_compiled(args.max_new_tokens or 64, args.only)
         return
     args.max_new_tokens = args.max_new_tokens or 24
     print("| model | strategy | forwards | host syncs / forward (call) | (between decoding forwards) | "
