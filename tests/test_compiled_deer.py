@@ -210,6 +210,17 @@ def test_seeded_batch_of_one_equals_the_eager_runtime(pair, kind):
     assert compiled.spec_stats.num_fallback_tokens == 1
 
 
+@pytest.mark.slow
+def test_argmax_drafts_with_rejection_sampling_equal_the_eager_runtime(pair):
+    """do_sample=False with acceptance="rejection_sampling" and a generator (the reference code's random acceptance
+    of argmax drafts): greedy drafts, the verification's draws made before the verify step; the eager runtime's
+    tokens and counters (keys of their own: slow tier)."""
+    params = dict(acceptance="rejection_sampling", max_new_tokens=14, eos_token_id=None)
+    eager = generate(pair, pair[3], False, generator=generators("shared"), **params)
+    assert_same_decode(eager, generate(pair, pair[3], True, generator=generators("shared"), **params))
+    assert sum(row.num_recovered_tokens for row in eager.spec_stats_per_row) > 0
+
+
 def test_seeded_64_token_call_one_graph_per_key_one_read_per_cycle(pair, step_syncs):
     """Seeded, batch 1, 64 tokens: each key compiled once (fullgraph), a second call reuses them, gives the same
     tokens from the same seed, and reads the device at most once per cycle of two forwards (the draws are made on
