@@ -202,12 +202,16 @@ def test_seeded_left_padded_batch_equals_the_eager_runtime(pair, kind):
 
 @pytest.mark.parametrize("kind", ["shared", "per-row"])
 def test_seeded_batch_of_one_equals_the_eager_runtime(pair, kind):
-    """Seeded, batch 1, a drafter-less last cycle (one AR step: the bonus token drawn, no uniform)."""
+    """Seeded, batch 1, a drafter-less last cycle (one AR step: the bonus token drawn, no uniform); the generators
+    end in the eager runtime's state (the same amount drawn)."""
     params = dict(max_new_tokens=12, eos_token_id=None, **SEEDED)
-    eager = generate(pair, pair[3][:1], False, generator=generators(kind, 1), **params)
-    compiled = generate(pair, pair[3][:1], True, generator=generators(kind, 1), **params)
+    used = {compiled: generators(kind, 1) for compiled in (False, True)}
+    eager = generate(pair, pair[3][:1], False, generator=used[False], **params)
+    compiled = generate(pair, pair[3][:1], True, generator=used[True], **params)
     assert_same_decode(eager, compiled)
     assert compiled.spec_stats.num_fallback_tokens == 1
+    states = {c: [g.get_state() for g in (used[c] if isinstance(used[c], list) else [used[c]])] for c in used}
+    assert all(torch.equal(a, b) for a, b in zip(states[False], states[True]))
 
 
 @pytest.mark.slow
