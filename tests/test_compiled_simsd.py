@@ -12,13 +12,17 @@ graph break raises), one graph per key over a 64-token call and a second call, a
 there. Seeded (rejection sampling, the drafter sampling; a shared generator and one per row): the eager runtime's
 tokens and counters from the same seeds (batch 1, left-padded batches, blocks finished by the target alone, the
 stacked layout, rejection sampling of greedy drafts), one graph per key and one host read per forward over a
-64-token call; sampling with the EOS gate on the eager cycle. The full paired layout gives the compacted layout's
-tokens (eager). Dynamo's
+64-token call; sampling with the EOS gate on the eager cycle. Streaming (batch 1, greedy and seeded): the eager
+runtime's `put` / `put_draft` / `end` calls, no host read added outside the streamer's own code. The full paired
+layout gives the compacted layout's tokens (eager). Dynamo's
 "eager" backend (the trace and its guards); the slow tests run the other cases and the bundled pair
 (models/sdar-large drafted by models/sdar-tiny-arith).
 """
 
 from __future__ import annotations
+
+import contextlib
+import inspect
 
 import pytest
 import torch
@@ -131,6 +135,75 @@ def test_one_graph_per_key_and_one_host_read_per_forward_over_a_64_token_call(sd
     assert stats.num_forward_calls == 2 + stats.num_draft_forwards + stats.num_verify_forwards   # 2 prefills
     assert stats.num_verify_forwards > 3 and len(step_syncs.before) == stats.num_forward_calls - 2
     assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
+
+
+class Recorder:
+    """A streamer of transformers' `TextDiffusionStreamer` protocol recording its calls in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, list[int] | None]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.events.append(("put", value.reshape(-1).tolist()))
+
+    def put_draft(self, value: torch.Tensor) -> None:
+        self.events.append(("draft", value.reshape(-1).tolist()))
+
+    def end(self) -> None:
+        self.events.append(("end", None))
+
+
+def loop_syncs(syncs) -> int:
+    """Host reads counted in the decoding loop (strategies/, runtime/) outside the streamer's own code (TokenStream,
+    `stream_draft`), which a compiled cycle hands CPU tensors built from its read (on the CPU the counter cannot tell
+    them from device reads); the call's setup (integration/) is not counted either."""
+    from hf_dllm_spec.strategies.base import DecodingStrategy
+
+    lines, first = inspect.getsourcelines(DecodingStrategy.stream_draft)
+    stream_draft = range(first, first + len(lines))
+    return sum(n for (file, line), n in syncs.by_site.items()
+               if file.startswith(("hf_dllm_spec/strategies/", "hf_dllm_spec/runtime/"))
+               and not file.endswith("streaming.py") and not (file.endswith("base.py") and line in stream_draft))
+
+
+#: streamed case -> parameters (batch 1)
+STREAMED = {
+    "greedy": dict(min_draft_len=2),
+    "seeded": dict(do_sample=True, top_k=20),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "greedy" else pytest.mark.slow)
+                                  for case in STREAMED])
+def test_a_streamer_gets_the_eager_calls_from_the_cycle_read(sdar_model, drafter, step_syncs, case):
+    """Batch 1 with a `put_draft` streamer: the compiled cycle runs (the key says a streamer reads) and the
+    streamer receives exactly the eager runtime's `put` / `put_draft` / `end` calls, with its tokens and counters;
+    the loop of a second call reads the device exactly as often as without a streamer outside the streamer's own
+    code (the drafts come with the verify step's read; without a streamer: at most once per forward, the test
+    above)."""
+    params = dict(STREAMED[case], max_new_tokens=24, eos_token_id=None)
+    fresh = (lambda: dict(generator=torch.Generator().manual_seed(0))) if "do_sample" in params else dict
+    clear(sdar_model, drafter)
+    ids, mask = batch()
+    ids, mask = ids[:1], mask[:1]
+    runs, syncs = [], []
+    for compiled, streamer in ((False, Recorder()), (True, Recorder()), (True, Recorder()), (True, None)):
+        with step_syncs.counting() if len(runs) >= 2 else contextlib.nullcontext() as counter:
+            runs.append(generate(sdar_model, drafter, ids, mask, compiled, streamer=streamer, **params, **fresh()))
+        runs[-1].events = None if streamer is None else streamer.events
+        syncs.append(counter)
+        if len(runs) == 3:
+            streamed = set(simsd_keys(sdar_model, drafter))
+    eager, compiled, again, quiet = runs
+    assert_same_decode(eager, compiled)
+    assert compiled.events == eager.events == again.events
+    assert again.sequences.tolist() == quiet.sequences.tolist() == eager.sequences.tolist()
+    assert [kind for kind, _ in eager.events].count("draft") > 3 and eager.events[-1] == ("end", None)
+    assert {key[0] for key in streamed} == {"simsd-draft", "simsd-verify"}
+    assert streamed < set(simsd_keys(sdar_model, drafter))       # without a streamer: other keys (a narrower read)
+    assert one_graph_each(sdar_model, drafter)
+    assert loop_syncs(syncs[2]) == loop_syncs(syncs[3]), (sorted(syncs[2].by_site.items()),
+                                                          sorted(syncs[3].by_site.items()))
 
 
 def test_a_graph_break_in_the_cycle_raises(sdar_model, drafter, monkeypatch):

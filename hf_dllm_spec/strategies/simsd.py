@@ -327,8 +327,13 @@ class SimSDStrategy(BlockDiffusionStrategy):
                 break
             if self.compiled_step:
                 # 1-3 as compiled functions (the static runtime with `compile_config`), which also prepare step 4's
-                # next blocks; the cycle's read comes back from the last one
-                done, read, advanced = self.compiled_cycle(block, pending)
+                # next blocks; the cycle's read comes back from the last one (with a streamer, the drafts too)
+                done, read, advanced, proposal = self.compiled_cycle(block, pending)
+                if proposal is not None:    # streamed after the read, in the eager cycle's order of calls
+                    first_masked, drafts = proposal
+                    fixed = read[0][1]
+                    known = host_done[s.stats.active[0]] + drafts[fixed:max(first_masked, fixed)]
+                    self.stream_draft(_host_tensor(known), _host_tensor(drafts[first_masked:]))
             else:
                 drafts = self.draft(block, pending)
                 if s.stream is not None:       # the drafter's proposal for the undecided positions, before verify
@@ -340,17 +345,19 @@ class SimSDStrategy(BlockDiffusionStrategy):
                 # the cycle's one host read: which rows finished, each block's committed prefix and its tokens
                 read = torch.cat([done[:, None].long(), block.num_fixed[:, None], block.first_masked[:, None],
                                   block.tokens], dim=1).tolist()
-            done_rows, finished = [bool(row[0]) for row in read], []
+            done_rows, finished, streamed = [bool(row[0]) for row in read], [], []
             for i, (is_done, fixed, first_masked, *tokens) in enumerate(read):
                 prompt_index, end = s.stats.active[i], max(first_masked, fixed)
                 generated[prompt_index] = torch.cat([blocks_done[prompt_index], block.tokens[i, fixed:end]])
                 host_ids = host_done[prompt_index] + tokens[fixed:end]
+                if i == 0:
+                    streamed = host_ids                         # a streamer's row (batch 1), as read on the host
                 if is_done:
                     blocks_done[prompt_index], host_done[prompt_index] = generated[prompt_index], host_ids
                 if self.should_stop(prompt_index, generated[prompt_index], host_ids):
                     finished.append(i)
             if s.stream is not None:
-                s.stream.push(generated[s.stats.active[0]])
+                s.stream.push(_host_tensor(streamed) if self.compiled_step else generated[s.stats.active[0]])
             if self.compiled_step:
                 pending = self.take_next_blocks(block, advanced, done, done_rows, finished)
             else:
@@ -608,13 +615,14 @@ class SimSDStrategy(BlockDiffusionStrategy):
         :meth:`verify_draws`), greedy_match or rejection sampling, with transformers' position-independent
         processors; either layout (the stacked one at its most copies, `steps_per_block`), either verification
         order, any `min_draft_len`, the EOS gate (not when sampling: its replacement is drawn only when it fires);
-        any drafter schedule; continuous batching; no streamer; a class whose cycle methods are traceable
+        any drafter schedule; continuous batching; a streamer (batch 1: the committed tokens and the drafter's
+        proposal from the cycle's read, :meth:`stream_cycle`); a class whose cycle methods are traceable
         (:data:`COMPILED_CYCLE_METHODS`). Else the eager cycle. Called by the block-diffusion constructor (config and
         session only)."""
         s, cfg = self.session, self.config
         processors = s.sampler.logits_processor
         return (getattr(s.target, "runs_compiled_steps", False) and getattr(s.drafter, "runs_compiled_steps", False)
-                and s.drafter.device == s.target.device and s.stream is None
+                and s.drafter.device == s.target.device
                 and not (s.sampler.do_sample and cfg.eos_min_prob > 0 and s.stop_token_ids)
                 and type(processors) in (LogitsProcessorList, list)
                 and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
@@ -624,10 +632,10 @@ class SimSDStrategy(BlockDiffusionStrategy):
     def step_key(self) -> tuple:
         """What SimSD's compiled functions specialise on besides their shapes: the drafter's rule (the
         block-diffusion key), the drafter's sampler and mask, the acceptance rule, the layout, the verification
-        order, `min_draft_len` and the EOS gate."""
+        order, `min_draft_len`, the EOS gate and whether a streamer reads the drafts (a wider read)."""
         s, cfg = self.session, self.config
         return (*super().step_key, "simsd", s.draft_mask_token_id, self.draft_sampler.step_key, self.acceptance,
-                cfg.verify_layout, cfg.verify_order, cfg.min_draft_len, cfg.eos_min_prob,
+                cfg.verify_layout, cfg.verify_order, s.stream is not None, cfg.min_draft_len, cfg.eos_min_prob,
                 tuple(s.stop_token_ids) if cfg.eos_min_prob > 0 else ())
 
     def draw_buffer(self, name: str, runner, shape: tuple[int, ...]) -> torch.Tensor:
@@ -678,8 +686,9 @@ class SimSDStrategy(BlockDiffusionStrategy):
         counters as the eager cycle does.
 
         Returns:
-            `(done, read, advanced)`: `(N,)` bool; per row `[done, num_fixed, first_masked, *block tokens]`; the
-            next blocks for :meth:`take_next_blocks`.
+            `(done, read, advanced, proposal)`: `(N,)` bool; per row `[done, num_fixed, first_masked, *block
+            tokens]`; the next blocks for :meth:`take_next_blocks`; with a streamer (batch 1) `(first masked
+            position before the commits, the drafted block's tokens)` from the same read, else None.
         """
         s, B = self.session, self.block_size
         drafting = [count >= self.config.min_draft_len for count in self.masks_left]     # on the host
@@ -722,6 +731,11 @@ class SimSDStrategy(BlockDiffusionStrategy):
             logits_to_keep=B if self.config.verify_layout == "paired" else self.verify_width, kind="verify",
             rows=None if flags is None else drafting)
         rows = read.tolist()                                    # the verify step's one host read
+        proposal = None
+        if s.stream is not None:                       # its last columns: the drafts the eager cycle streams
+            proposal = rows[0][-(B + 1)], rows[0][-B:]
+            for row in rows:
+                del row[-(B + 1):]
         for i, row in enumerate(rows):
             num_drafts, accepted, recovered, committed, alone, self.masks_left[i] = row[-6:]
             stats = s.stats.row(i)
@@ -730,7 +744,12 @@ class SimSDStrategy(BlockDiffusionStrategy):
             stats.num_committed_tokens += committed + alone
             del row[-6:]
         block.tokens, block.undecided = tokens, undecided
-        return done, rows, tuple(advanced)
+        return done, rows, tuple(advanced), proposal
+
+
+def _host_tensor(ids: list[int]) -> torch.Tensor:
+    """Token ids read on the host as a CPU int64 tensor `(n,)` (what a streamer is given, no device read)."""
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def _draw_noise_of_rows(sampler: Sampler, noise: torch.Tensor, rows: list[bool]) -> torch.Tensor:
@@ -825,7 +844,8 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
         `(lengths, tokens, undecided, done, read, *next, positions)`: the target's new write positions; the block
         after the commits `(N, B)`; the finished rows `(N,)`; the read `(N, 9 + B)` int64, per row `[done,
         num_fixed, first_masked, *block tokens, drafts, accepted, recovered, committed, committed by the target
-        alone, masks of the next cycle's block]`; the next blocks (every
+        alone, masks of the next cycle's block]` (with a streamer then `[first masked position before the commits,
+        *drafted block]`); the next blocks (every
         :attr:`BlockState.FIELDS`, finished blocks restarted) and this cycle's block positions `(N, B)`.
     """
     B = strategy.block_size
@@ -856,7 +876,9 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
     after.restart(done)
     counters = [num_drafts, result.num_accepted, result.recovered.long(), result.num_tokens, alone.sum(dim=1),
                 after.undecided.sum(dim=1)]
+    # with a streamer, also the drafts it is shown: the first masked position before the commits, the drafted block
+    streamed = [block.first_masked[:, None], drafts.tokens] if s.stream is not None else []
     read = torch.cat([done[:, None].long(), num_fixed[:, None], first_masked_span(undecided)[0][:, None], tokens,
-                      torch.stack(counters, dim=1)], dim=1)
+                      torch.stack(counters, dim=1), *streamed], dim=1)
     return (lengths, tokens, undecided, done, read, *(getattr(after, name) for name in BlockState.FIELDS),
             block.positions)
