@@ -559,7 +559,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
             drafts (`Drafts`): this cycle's drafts; target_probs (`(N, B, V)`): the target's distribution per block
                 position (:meth:`verify`).
             draws (`tuple`, *optional*): rejection sampling's random numbers, drawn before the step
-                (:meth:`verification_draws`, a compiled step); None draws them here.
+                (:meth:`verify_draws`, a compiled step); None draws them here.
             noise (`(N, B, V)` float32, *optional*): when sampling with `min_draft_len > 1`, the draw of the target's
                 tokens for the rows finished alone, made before the step; None draws here.
 
@@ -616,7 +616,7 @@ class SimSDStrategy(BlockDiffusionStrategy):
         processors; either layout (the stacked one at its most copies, `steps_per_block`), either verification
         order, any `min_draft_len`, the EOS gate (not when sampling: its replacement is drawn only when it fires);
         any drafter schedule; continuous batching; a streamer (batch 1: the committed tokens and the drafter's
-        proposal from the cycle's read, :meth:`stream_cycle`); a class whose cycle methods are traceable
+        proposal from the cycle's read, :meth:`compiled_cycle`); a class whose cycle methods are traceable
         (:data:`COMPILED_CYCLE_METHODS`). Else the eager cycle. Called by the block-diffusion constructor (config and
         session only)."""
         s, cfg = self.session, self.config
@@ -672,13 +672,14 @@ class SimSDStrategy(BlockDiffusionStrategy):
         vocab = output_vocab_size(target.model)
         uniforms, noise = self.draw_buffer("uniforms", target, (B,)), self.draw_buffer("verify", target, (vocab,))
         draw_verification(torch.tensor(num_drafts), B, vocab, s.sampler.generator, device=target.device,
-                          dtype=torch.float32, out=(uniforms, noise))          # filled in place, every row's R
+                          dtype=torch.float32, out=(uniforms, noise))          # their first N rows, in place
         alone = None
         if s.sampler.do_sample and self.config.min_draft_len > 1:
             alone = s.sampler.draw_noise(self.draw_buffer("alone", target, (B, vocab)), len(num_drafts))
         return uniforms, noise, alone
 
-    def compiled_cycle(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, list, tuple]:
+    def compiled_cycle(self, block: BlockState,
+                       pending: tuple | None) -> tuple[torch.Tensor, list, tuple, tuple | None]:
         """One cycle of every row as compiled functions: :func:`simsd_draft_step` until no row has a mask left in
         its draft (the first call also stores `pending` in the drafter's cache; each call's read is its rows still
         drafting), then :func:`simsd_verify_step` (the verify forward, storing `pending` in the target's cache,
