@@ -6,8 +6,9 @@ one compiled verify step (verifier forward, greedy_match, the verifying rows' co
 Checked on the CPU with the bundled sdar-tiny-arith: the eager runtime's tokens and per-row counters for every
 routing policy and with sub-blocks (batch 1 and a left-padded batch of 2 whose rows stop at different steps),
 fullgraph (a graph break raises), one graph per key over a 64-token call and a second call, at most one host read
-per forward, and the cases the compiled step does not serve on the eager step. Dynamo's "eager" backend (the trace
-and its guards); one slow test runs inductor.
+per forward, and the cases the compiled step does not serve on the eager step. Seeded (phase 4): sampled drafts,
+stochastic and greedy_match acceptance, shared and per-row generators (the generators end where the eager ones end),
+on SDAR, Fast-dLLM v2 and LLaDA2.1. Dynamo's "eager" backend (the trace and its guards); one slow test runs inductor.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 import pytest
 import torch
 from conftest import assert_same_decode, cpu_compile_config, fast_first
+from test_compiled_step import Recorder, stream_on_the_host
 
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import s2d2
@@ -200,9 +202,11 @@ def test_at_most_one_host_read_per_forward(arith, step_syncs):
     assert one_graph_each(arith[1])
 
 
-@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5), dict(remasking_strategy="sequential")])
+@pytest.mark.parametrize("params", [dict(do_sample=True, sequence_bias={(5,): 1.0}),
+                                    dict(remasking_strategy="sequential")])
 def test_other_cases_run_the_eager_step(arith, params, monkeypatch):
-    """Sampling (stochastic acceptance), a fallback rule other than the confidence ones: today's eager S2D2 step."""
+    """Sampling with a processor outside transformers' position-independent warpers, a fallback rule other than the
+    confidence ones: today's eager S2D2 step."""
     monkeypatch.setattr(s2d2, "s2d2_draft_step", None)                      # would fail if called
     clear_static_state(arith[1])
     generate(arith, PROMPTS[:1], True, max_new_tokens=8, generator=torch.Generator().manual_seed(0), **params)
@@ -219,3 +223,166 @@ def test_inductor_compiled_steps_give_the_eager_tokens(arith):
     assert_same_decode(generate(arith, PROMPTS, False, **MAIN_JOB), generate(arith, PROMPTS, "inductor", **MAIN_JOB))
     assert {key[0] for key in s2d2_keys(arith[1])} == {"draft", "verify"}
     clear_static_state(arith[1])
+
+
+# -- seeded (issue 34, phase 4): sampled drafts, stochastic acceptance --------------------------------------------
+SAMPLED = dict(do_sample=True, temperature=1.5, top_k=20)
+SEEDED = {
+    "stochastic-shared": dict(SAMPLED, s2d2_acceptance="stochastic", generator="shared"),
+    "stochastic-rows": dict(SAMPLED, s2d2_acceptance="stochastic", generator="rows", min_ssd_span_length=2),
+    "greedy-match-rows": dict(SAMPLED, s2d2_acceptance="greedy_match", generator="rows"),
+    "no-resample-shared": dict(SAMPLED, allow_resample=False, generator="shared", **MAIN_JOB),
+    "stochastic-greedy-drafts": dict(s2d2_acceptance="stochastic", generator="rows"),
+}
+
+
+def seeded(params: dict, rows: int) -> dict:
+    """`params` with fresh seeded generators: `generator="shared"` one for the batch, `"rows"` one per row."""
+    kind = params.get("generator")
+    if kind == "shared":
+        return {**params, "generator": torch.Generator().manual_seed(1234)}
+    if kind == "rows":
+        return {**params, "generator": [torch.Generator().manual_seed(100 + r) for r in range(rows)]}
+    return params
+
+
+def generator_states(params: dict) -> list[torch.Tensor]:
+    generators = params.get("generator")
+    generators = generators if isinstance(generators, list) else [generators] if generators is not None else []
+    return [g.get_state() for g in generators]
+
+
+def assert_same_seeded_decode(model_and_tokenizer, prompts, params: dict, **kwargs):
+    """The eager runtime and the compiled steps, each with its own generators seeded alike: the same tokens, per-row
+    counters and forwards, and the generators left in the same states (the steps drew what the eager step drew)."""
+    eager_params, compiled_params = seeded(params, len(prompts)), seeded(params, len(prompts))
+    eager = generate(model_and_tokenizer, prompts, False, **eager_params, **kwargs)
+    compiled = generate(model_and_tokenizer, prompts, True, **compiled_params, **kwargs)
+    assert_same_decode(eager, compiled)
+    assert all(torch.equal(a, b) for a, b in zip(generator_states(eager_params), generator_states(compiled_params)))
+    return eager, compiled
+
+
+@pytest.mark.parametrize("case", fast_first(list(SEEDED)))
+def test_seeded_steps_equal_the_eager_runtime(arith, case):
+    """Seeded S2D2 compiled: the draft step draws its tokens with the noise drawn before it (block diffusion's
+    `step_noise`), the verify step rejection-samples with the uniforms and recovered-token noise that the eager
+    verification draws for the verifying rows, drawn on the host between the two calls (`verify_draws`). A
+    left-padded batch of 2 whose second row stops early and batch 1, one generator for the batch and one per row,
+    stochastic and greedy_match acceptance over sampled drafts, `allow_resample=False`, stochastic acceptance of
+    greedy drafts: the eager runtime's tokens, per-row counters and generator states; drafts are rejected."""
+    clear_static_state(arith[1])
+    params = SEEDED[case]
+    eager = generate(arith, PROMPTS, False, **seeded(params, 2))
+    stop = eager.sequences[1, eager.sequences.shape[1] - 16 + 5].item()
+    eager, compiled = assert_same_seeded_decode(arith, PROMPTS, params, eos_token_id=stop)
+    assert compiled.spec_stats.num_verify_forwards > 0
+    stats = eager.spec_stats
+    if params.get("s2d2_acceptance") != "greedy_match":       # the rejection test ran and rejected
+        assert stats.num_draft_tokens > stats.num_accepted_tokens
+    assert_same_seeded_decode(arith, PROMPTS[1:], params)
+    assert {key[0] for key in s2d2_keys(arith[1])} == {"draft", "verify"}
+    assert one_graph_each(arith[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["fast", "llada2"])
+def test_seeded_steps_on_other_families(fast, llada2, family):
+    """Seeded S2D2 on Fast-dLLM v2 (right-shifted; the sampled carry commits of the separate writes stay eager) and on
+    the bundled LLaDA2.1 with the paper's preset (token editing; verifying at every step): per-row and shared
+    generators, a left-padded batch of 2 and batch 1: the eager runtime's tokens, counters and generator states."""
+    model_and_tokenizer = fast if family == "fast" else llada2
+    extra = (dict(max_new_tokens=24) if family == "fast"
+             else dict(preset="llada2.1-mini-quality", do_verify_policy="mask_span_length"))
+    clear_static_state(model_and_tokenizer[1])
+    for kind in ("rows", "shared"):
+        params = dict(SAMPLED, s2d2_acceptance="stochastic", generator=kind, **extra)
+        for prompts in (PROMPTS, PROMPTS[1:]):
+            eager, _ = assert_same_seeded_decode(model_and_tokenizer, prompts, params)
+            assert eager.spec_stats.num_verify_forwards > 0
+    assert "draft" in {key[0] for key in s2d2_keys(model_and_tokenizer[1])}
+    assert one_graph_each(model_and_tokenizer[1])
+
+
+def test_seeded_one_graph_per_key_over_a_64_token_call(arith):
+    """Seeded (per-row generator, stochastic acceptance), a 64-token call: each key compiled once; a second call with
+    a generator seeded alike reuses them all and gives the same tokens."""
+    clear_static_state(arith[1])
+    params = dict(SEEDED["stochastic-rows"], max_new_tokens=64, eos_token_id=None)
+    first = generate(arith, PROMPTS[:1], True, **seeded(params, 1))
+    keys = s2d2_keys(arith[1])
+    assert {key[0] for key in keys} == {"draft", "verify"} and one_graph_each(arith[1])
+    second = generate(arith, PROMPTS[:1], True, **seeded(params, 1))
+    assert s2d2_keys(arith[1]) == keys and one_graph_each(arith[1])
+    assert second.sequences.tolist() == first.sequences.tolist()
+
+
+@pytest.mark.parametrize("kind", ["shared", "rows"])
+def test_seeded_at_most_one_host_read_per_forward(arith, step_syncs, monkeypatch, kind):
+    """Seeded, batch 1: at most one host read per compiled forward. The draws read nothing from the device: the
+    verifying rows and their span lengths come from the draft step's read (with per-row generators
+    `draw_verification` lists the lengths of a host tensor, checked here and left out of the count, which sees every
+    `tolist`)."""
+    draw = s2d2.draw_verification
+
+    def on_the_host(lengths, *args, **kwargs):
+        assert lengths.device.type == "cpu"
+        syncs = step_syncs.syncs
+        if syncs is None:
+            return draw(lengths, *args, **kwargs)
+        syncs.__exit__(None, None, None)
+        try:
+            return draw(lengths, *args, **kwargs)
+        finally:
+            syncs.__enter__()
+
+    monkeypatch.setattr(s2d2, "draw_verification", on_the_host)
+    clear_static_state(arith[1])
+    params = dict(SEEDED["stochastic-rows"], generator=kind, max_new_tokens=24, eos_token_id=None)
+    generate(arith, PROMPTS[:1], True, **seeded(params, 1))
+    with step_syncs.counting() as syncs:
+        out = generate(arith, PROMPTS[:1], True, **seeded(params, 1))
+    assert out.spec_stats.num_verify_forwards > 0 and len(step_syncs.before) > 4
+    assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
+    assert one_graph_each(arith[1])
+
+
+# -- streaming (issue 34, phase 4) ----------------------------------------------------------------------------------
+STREAMED = {
+    "span-2": dict(POLICIES["span-2"]),
+    "main-job-no-drafts": dict(MAIN_JOB, drafts=False),
+    "seeded-stochastic": dict(SEEDED["stochastic-rows"]),
+}
+
+
+@pytest.mark.parametrize("case", fast_first(list(STREAMED)))
+def test_streaming_equals_the_eager_runtime(arith, case):
+    """Batch 1 with a streamer, compiled S2D2: the streamer receives exactly the eager runtime's `put` / `put_draft` /
+    `end` calls (the draft canvas from the draft step's read, the final prefix after the step's last read, the
+    verify step's when a row verified); tokens and counters equal too."""
+    clear_static_state(arith[1])
+    params = dict(STREAMED[case])
+    drafts = params.pop("drafts", True)
+    eager_streamer, compiled_streamer = Recorder(drafts), Recorder(drafts)
+    eager = generate(arith, PROMPTS[1:], False, streamer=eager_streamer, **seeded(params, 1))
+    compiled = generate(arith, PROMPTS[1:], True, streamer=compiled_streamer, **seeded(params, 1))
+    assert_same_decode(eager, compiled)
+    assert compiled_streamer.events == eager_streamer.events
+    kinds = [event[0] for event in eager_streamer.events]
+    assert kinds[-1] == "end" and kinds.count("put") > 2 and ("draft" in kinds) == drafts
+    assert compiled.spec_stats.num_verify_forwards > 0
+    assert {key[0] for key in s2d2_keys(arith[1])} == {"draft", "verify"} and one_graph_each(arith[1])
+
+
+def test_streaming_at_most_one_host_read_per_forward(arith, step_syncs, monkeypatch):
+    """Batch 1 with a streamer taking drafts: at most one host read per compiled forward; the stream gets host
+    tensors built from the reads (:func:`test_compiled_step.stream_on_the_host`)."""
+    stream_on_the_host(monkeypatch, step_syncs)
+    clear_static_state(arith[1])
+    params = dict(max_new_tokens=24, eos_token_id=None, **POLICIES["span-2"])
+    generate(arith, PROMPTS[:1], True, streamer=Recorder(), **params)
+    with step_syncs.counting() as syncs:
+        out = generate(arith, PROMPTS[:1], True, streamer=Recorder(), **params)
+    assert out.spec_stats.num_verify_forwards > 0 and len(step_syncs.before) > 4
+    assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(6)
+    assert one_graph_each(arith[1])

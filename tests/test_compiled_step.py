@@ -9,7 +9,8 @@ Checked on the CPU: the noise draw equals `torch.multinomial` (tokens, generator
 generator and per-row generators; the step compiles without a graph break (fullgraph), one graph per key and no
 recompilation over a 64-token call and a second call, the eager runtime's tokens and per-row counters (greedy and
 seeded, shared and per-row generators, batches with left padding, rows that finish at different steps and leave
-the batch), one host read per step, and every other case on today's path.
+the batch), one host read per step, and every other case on today's path. Streaming (batch 1, phase 4): a
+streamer gets the eager runtime's `put` / `put_draft` / `end` calls, from the step's one read.
 Most tests compile with dynamo's "eager" backend (the trace and its guards, fast); one slow test runs inductor.
 """
 
@@ -51,7 +52,8 @@ def generate(model, prompts, **kwargs):
 
 
 def step_keys(model) -> list[tuple]:
-    return [key for state in static_states(model) for key in state.steps.keys]
+    """The compiled steps' keys (not the plain compiled forwards', `("forward", ...)`: the prefill's)."""
+    return [key for state in static_states(model) for key in state.steps.keys if key[0] != "forward"]
 
 
 def seeded(params: dict, rows: int) -> dict:
@@ -124,12 +126,12 @@ def test_the_step_compiles_in_one_graph_without_recompiling(sdar_model, params):
     first = generate(sdar_model, PROMPTS[:1], max_new_tokens=64, cache_implementation="static",
                      compile_config=config, **seeded(params, 1))
     (state,) = static_states(sdar_model)
-    keys = state.steps.keys
+    keys = step_keys(sdar_model)
     assert len(keys) == 2 * len({key[-3] for key in keys})   # with and without a pending block, per prefix
     assert all(state.steps.graphs(key) == 1 for key in keys)
     second = generate(sdar_model, PROMPTS[:1], max_new_tokens=64, cache_implementation="static",
                       compile_config=config, **seeded(params, 1))
-    assert state.steps.keys == keys and all(state.steps.graphs(key) == 1 for key in keys)
+    assert step_keys(sdar_model) == keys and all(state.steps.graphs(key) == 1 for key in state.steps.keys)
     assert second.sequences.tolist() == first.sequences.tolist()
     assert first.spec_stats.num_forward_calls == 1 + first.spec_stats.num_denoising_steps   # prefill + steps
 
@@ -312,3 +314,111 @@ def test_inductor_compiled_step_gives_the_eager_tokens():
     compiled = model.generate(enc.input_ids, cache_implementation="static", compile_config=inductor,
                               generator=rows(), **sampled)
     assert_same_decode(eager, compiled)
+
+
+# -- streaming (issue 34, phase 4): batch 1 with a streamer, the step's read carries what it shows ------------------
+class Recorder:
+    """A streamer that records its calls: `put` (committed tokens), `put_draft` (transformers'
+    `TextDiffusionStreamer` protocol; left out with `drafts=False`, a plain `TextStreamer`), `end`."""
+
+    def __init__(self, drafts: bool = True) -> None:
+        self.events: list[tuple] = []
+        if not drafts:
+            self.put_draft = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.events.append(("put", value.reshape(-1).tolist()))
+
+    def put_draft(self, value: torch.Tensor) -> None:
+        assert value.dim() == 2 and value.shape[0] == 1
+        self.events.append(("draft", value[0].tolist()))
+
+    def end(self) -> None:
+        self.events.append(("end",))
+
+
+def stream_on_the_host(monkeypatch, step_syncs) -> None:
+    """The stream's own work (a `TokenStream` cutting and copying the final tokens it is given, `stream_draft`
+    checking a draft for a stop id) is done on host tensors that the strategy builds from the step's read: checked
+    here (every tensor a strategy hands to the stream is on the CPU), and left out of `step_syncs`' count (the counter
+    sees every `tolist` / `cpu` / `bool`, of host tensors too)."""
+    from hf_dllm_spec.strategies.base import DecodingStrategy
+    from hf_dllm_spec.strategies.streaming import TokenStream
+
+    def paused(method):
+        def call(self, *tensors):
+            assert all(t.device.type == "cpu" for t in tensors)
+            syncs = step_syncs.syncs
+            if syncs is None:
+                return method(self, *tensors)
+            syncs.__exit__(None, None, None)
+            try:
+                return method(self, *tensors)
+            finally:
+                syncs.__enter__()
+        return call
+
+    monkeypatch.setattr(TokenStream, "push", paused(TokenStream.push))
+    monkeypatch.setattr(DecodingStrategy, "stream_draft", paused(DecodingStrategy.stream_draft))
+
+
+STREAMED = {
+    "drafts": dict(),
+    "no-drafts": dict(drafts=False),
+    "seeded-drafts": dict(SAMPLED, generator="rows"),
+    "sub-blocks": dict(sub_block_size=2, confidence_threshold=0.5, generator="shared", do_sample=True, top_k=5),
+    "ar": dict(decoding_strategy="ar", block_size=1, max_new_tokens=8),
+}
+
+
+@pytest.mark.parametrize("case", fast_first(list(STREAMED)))
+def test_streaming_equals_the_eager_runtime(sdar_model, case):
+    """Batch 1 with a streamer, compiled: the streamer receives exactly the eager runtime's calls (`put` of the final
+    tokens after each step and each finished block, `put_draft` of the argmax canvas before each commit, `end`), the
+    draft canvas and the block's first mask coming from the step's one read; tokens and counters equal too. A
+    streamer with and without `put_draft`, greedy and seeded, sub-blocks, AR (no drafts)."""
+    clear_static_state(sdar_model)
+    params = {"max_new_tokens": 16, **STREAMED[case]}
+    drafts = params.pop("drafts", True)
+    eager_streamer, compiled_streamer = Recorder(drafts), Recorder(drafts)
+    eager = generate(sdar_model, PROMPTS[:1], streamer=eager_streamer, **seeded(params, 1))
+    compiled = generate(sdar_model, PROMPTS[:1], streamer=compiled_streamer,
+                        cache_implementation="static", compile_config=cpu_compile_config(), **seeded(params, 1))
+    assert_same_decode(eager, compiled)
+    assert compiled_streamer.events == eager_streamer.events
+    kinds = [event[0] for event in eager_streamer.events]
+    assert kinds[-1] == "end" and kinds.count("put") > 2
+    assert ("draft" in kinds) == (drafts and case != "ar")
+    assert step_keys(sdar_model)
+    assert all(state.steps.graphs(key) == 1 for state in static_states(sdar_model) for key in state.steps.keys)
+
+
+@pytest.mark.slow
+def test_streaming_with_token_editing_and_right_shifted_models(llada2_model, fast_model):
+    """LLaDA2.1 token editing (final tokens only when a block ends, drafts before each step) and Fast-dLLM v2
+    (right-shifted, separate writes, sub-blocks): the eager runtime's streamer calls, tokens and counters."""
+    cases = [(llada2_model, dict(decoding_strategy="llada2", confidence_threshold=0.5, editing_threshold=0.3)),
+             (fast_model, dict(decoding_strategy="fast_dllm_v2", block_size=8, sub_block_size=2, max_new_tokens=20))]
+    for model, params in cases:
+        clear_static_state(model)
+        eager_streamer, compiled_streamer = Recorder(), Recorder()
+        eager = generate(model, PROMPTS[:1], streamer=eager_streamer, **params)
+        compiled = generate(model, PROMPTS[:1], streamer=compiled_streamer, cache_implementation="static",
+                            compile_config=cpu_compile_config(), **params)
+        assert_same_decode(eager, compiled)
+        assert compiled_streamer.events == eager_streamer.events
+        assert "draft" in [event[0] for event in eager_streamer.events]
+        assert step_keys(model)
+
+
+def test_streaming_one_host_read_per_step(sdar_model, step_syncs, monkeypatch):
+    """Batch 1 with a streamer taking drafts: still one host read per step (the step's read, widened by the first
+    mask and the draft canvas), none for the stream (it gets host tensors built from that read)."""
+    stream_on_the_host(monkeypatch, step_syncs)
+    clear_static_state(sdar_model)
+    common = dict(max_new_tokens=16, cache_implementation="static", compile_config=cpu_compile_config())
+    generate(sdar_model, PROMPTS[:1], streamer=Recorder(), **common)
+    with step_syncs.counting() as syncs:
+        generate(sdar_model, PROMPTS[:1], streamer=Recorder(), **common)
+    assert len(step_syncs.before) > 4
+    assert step_syncs.per_step() == 1.0, syncs.by_site.most_common(6)

@@ -231,6 +231,11 @@ class BlockDiffusionStrategy(DecodingStrategy):
                            or self.edit_rule is not None)
         self._step_key: tuple | None = None                     # step_key, built once
         self._noise: dict[int, torch.Tensor] = {}               # step_noise's buffers, per rows bucket
+        # Batch 1 with a streamer: what a compiled step's read adds for it (:meth:`stream_read`): the first masked
+        # position after the step, then the draft canvas when the streamer takes drafts.
+        stream = session.stream
+        self.streams_drafts = stream is not None and stream.takes_drafts and self.block_size > 1
+        self.stream_columns = 0 if stream is None else 1 + self.block_size * self.streams_drafts
         self.compiled_step = self.runs_compiled_step()
         # Separate cache writes as compiled calls too: the write, the next blocks and (right-shifted models,
         # greedy) the carry's commits (:func:`cache_write_step`). A sampled carry commit draws for the restarted
@@ -254,30 +259,38 @@ class BlockDiffusionStrategy(DecodingStrategy):
                 block, pending = self.admit(block, pending, generated, host)
             if not block.tokens.shape[0]:
                 break
+            first_masked = None           # batch 1 with a streamer: the block's first mask after the step
             if self.first_from_carry and self.block_size == 1:
                 # the carry decided every block (a block of B > 1 always keeps a mask after the carry's commit:
                 # a prompt tail fills fewer than B positions, and an unfinished block is not restarted)
                 done = torch.ones_like(block.start, dtype=torch.bool)
                 read = step_read(done, block.num_fixed, block.tokens).tolist()
+                first_masked = self.block_size
             elif self.compiled_step:
                 # 1-2 as one compiled function (the static runtime with `compile_config`), which also prepares
-                # step 3's next blocks
-                done, read, advanced = self.compiled_denoise(block, pending)
+                # step 3's next blocks; with a streamer its read carries what the stream shows
+                done, read, advanced, streamed = self.compiled_denoise(block, pending)
+                if streamed is not None:
+                    first_masked = streamed[0]
+                    if self.streams_drafts:
+                        self.stream_canvas(streamed[1:], read[0][1], host[s.stats.active[0]])
             else:
                 # 1. one denoising forward for every row, storing last step's finished blocks on the way
                 began_full = ~block.masked.any(dim=1) if self.edit_rule is not None else None
                 logits = self.draft_forward(block, pending)
                 if s.stream is not None:
-                    self.stream_proposal(block, logits, generated[s.stats.active[0]])
+                    self.stream_proposal(block, logits, host[s.stats.active[0]])
                 # 2. edit and commit tokens; which rows finished their block
                 self.denoise_step(block, logits)
                 done = self.finish_step(block, began_full)
                 block.step += 1
                 # the step's one host read: which rows finished, where their new tokens start, the block's tokens
                 read = step_read(done, block.num_fixed, block.tokens).tolist()
+                if s.stream is not None:
+                    first_masked = int(block.first_masked[0])
             done_rows = [bool(row[0]) for row in read]
             if s.stream is not None:
-                self.stream_step(block, generated[s.stats.active[0]])
+                self.stream_step(read[0], first_masked, host[s.stats.active[0]])
             pending = None
             if not any(done_rows):
                 continue
@@ -332,26 +345,48 @@ class BlockDiffusionStrategy(DecodingStrategy):
                        torch.cat([flags, flags.new_zeros(len(rows))]))
         return block, pending
 
-    def stream_step(self, block: BlockState, generated: torch.Tensor) -> None:
+    def stream_step(self, read: list[int], first_masked: int, generated: list[int]) -> None:
         """Batch 1, after a denoising step: the block's committed prefix left of its first mask as final tokens
-        (not with token editing, which may still change them); `generated` `(n,)`: the row's finished blocks."""
+        (not with token editing, which may still change them), from the step's read (host values only, no device
+        read): `read` the row's `[done, num_fixed, *block tokens]` (:func:`step_read`), `first_masked` its block's
+        first masked position after the step (B when none), `generated` the row's finished blocks as read."""
         if self.edit_rule is None:
-            self.session.stream.push(torch.cat([generated, self.final_prefix(block, 0)]))
+            fixed = read[1]
+            prefix = read[2 + fixed:2 + max(first_masked, fixed)]
+            self.session.stream.push(torch.tensor(generated + prefix, dtype=torch.long))
 
-    def stream_proposal(self, block: BlockState, logits: torch.Tensor, generated: torch.Tensor) -> None:
-        """Batch 1, before a denoising step commits: the block after the streamed tokens as a draft, its undecided
-        positions filled with the model's most likely token (argmax of the step's logits `(1, B, V)`, MASK
-        excluded: the "argmax canvas" of transformers' diffusion models; nothing is drawn, so decoding is
-        unchanged). `generated` `(n,)`: the row's finished blocks. No drafts at block size 1 (AR)."""
-        s = self.session
-        if not s.stream.takes_drafts or self.block_size == 1:
-            return
-        scores = logits[0].clone()
-        scores[:, s.mask_token_id] = float("-inf")
-        canvas = torch.where(block.masked[0], scores.argmax(dim=-1), block.tokens[0])
-        fixed = int(block.num_fixed[0])
-        start = fixed + max(s.stream.sent - generated.shape[0], 0)        # this block's tokens already streamed
-        self.stream_draft(torch.cat([generated, canvas[fixed:start]]), canvas[start:])
+    def stream_proposal(self, block: BlockState, logits: torch.Tensor, generated: list[int]) -> None:
+        """Batch 1, before a denoising step commits (the eager step): :meth:`stream_canvas` of
+        :meth:`draft_canvas` over the step's logits `(1, B, V)`; `generated`: the row's finished blocks as read.
+        No drafts at block size 1 (AR)."""
+        if self.streams_drafts:
+            self.stream_canvas(self.draft_canvas(block, logits)[0].tolist(), int(block.num_fixed[0]), generated)
+
+    def draft_canvas(self, block: BlockState, logits: torch.Tensor) -> torch.Tensor:
+        """`(N, B)` int64, each row's block before the step commits with its undecided positions filled with the
+        model's most likely token (argmax of the step's logits `(N, B, V)`, MASK excluded: the "argmax canvas" of
+        transformers' diffusion models; nothing is drawn, so decoding is unchanged). A function of tensors (a
+        compiled step returns it in its read)."""
+        scores = logits.clone()
+        scores[..., self.session.mask_token_id] = float("-inf")
+        return torch.where(block.masked, scores.argmax(dim=-1), block.tokens)
+
+    def stream_canvas(self, canvas: list[int], fixed: int, generated: list[int]) -> None:
+        """Batch 1: show the row's block `canvas` (:meth:`draft_canvas`, read on the host; `fixed` its prompt tail)
+        after the streamed tokens as a draft (`stream_draft`); `generated`: the row's finished blocks as read."""
+        start = fixed + max(self.session.stream.sent - len(generated), 0)   # this block's tokens already streamed
+        self.stream_draft(torch.tensor(generated + canvas[fixed:start], dtype=torch.long),
+                          torch.tensor(canvas[start:], dtype=torch.long))
+
+    def stream_read(self, block: BlockState, undecided: torch.Tensor,
+                    logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The columns a compiled step's read adds for a streamer (:attr:`stream_columns`; none without one), `(N, k)`
+        int64: the first masked position after the step (`undecided` `(N, B)`, B when none), then with `logits` (a
+        streamer that takes drafts) the :meth:`draft_canvas` of `block` as the step began."""
+        columns = [first_masked_span(undecided)[0][:, None]] if self.stream_columns else []
+        if self.streams_drafts and logits is not None:
+            columns.append(self.draft_canvas(block, logits))
+        return torch.cat(columns, dim=1) if columns else undecided.new_zeros(undecided.shape[0], 0, dtype=torch.long)
 
     def collect_finished_blocks(self, block: BlockState, done_rows: list[bool], generated: list[torch.Tensor],
                                 read: list[list[int]], host: list[list[int]]) -> list[int]:
@@ -370,7 +405,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
             generated[prompt_index] = torch.cat([generated[prompt_index], new_tokens])
             host[prompt_index].extend(read[i][2 + fixed:])
             if s.stream is not None:
-                s.stream.push(generated[prompt_index])
+                s.stream.push(torch.tensor(host[prompt_index], dtype=torch.long))
             if self.should_stop(prompt_index, generated[prompt_index], host[prompt_index]):
                 finished.append(i)
         return finished
@@ -652,7 +687,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
     COMPILED_STEP_METHODS = ("draft_forward", "forward_with_pending", "with_pending", "draft_mask", "store_mask",
                              "denoise_step", "propose", "apply_edits", "edits", "commit_by_rule", "transfer",
                              "decodable", "current_sub_block", "tokens_per_step", "scheduled_masks", "finish_step",
-                             "block_complete")
+                             "block_complete", "stream_read", "draft_canvas")
     traceable_step = True
 
     def runs_compiled_step(self) -> bool:
@@ -663,7 +698,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
         sampling with transformers' position-independent warpers in a plain `LogitsProcessorList` (the random draw
         made before the step, :meth:`step_noise`; per-row processors, `RowProcessors`, keep the eager step); any
         remasking rule, whole blocks or sub-blocks; LLaDA2.1 token editing (`ThresholdEditRule`) and
-        `num_to_transfer`; no `cache_ver` / `draft_ver`, no streamer; a class whose step methods are traceable
+        `num_to_transfer`; a streamer (batch 1: the read carries what it shows, :meth:`stream_read`); no
+        `cache_ver` / `draft_ver`; a class whose step methods are traceable
         (:data:`COMPILED_STEP_METHODS`). Else the eager step."""
         s, cfg = self.session, self.config
         processors = s.sampler.logits_processor
@@ -672,7 +708,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         return (served and type(processors) in (LogitsProcessorList, list)
                 and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
                 and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule)
-                and not cfg.cache_ver and not cfg.draft_ver and s.stream is None
+                and not cfg.cache_ver and not cfg.draft_ver
                 and traceable_step_methods(type(self), self.COMPILED_STEP_METHODS))
 
     @property
@@ -685,7 +721,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
                               cfg.remasking_strategy, cfg.confidence_threshold, cfg.eb_threshold,
                               self.num_to_transfer, None if rule is None else (rule.editing_threshold,
                                                                                rule.max_post_steps),
-                              self.session.mask_token_id, self.session.sampler.step_key)
+                              self.session.mask_token_id, self.session.sampler.step_key, self.stream_columns)
         return self._step_key
 
     @property
@@ -726,9 +762,10 @@ class BlockDiffusionStrategy(DecodingStrategy):
         and the counters as the eager step does.
 
         Returns:
-            `(done, read, advanced)`: `(N,)` bool; the step's one host read, per row `[done, num_fixed, *block
-            tokens]` (:func:`step_read`; the counters each row adds, :attr:`step_counters`, are read with it,
-            straight into its counters); the next blocks for :meth:`take_next_blocks`.
+            `(done, read, advanced, streamed)`: `(N,)` bool; the step's one host read, per row `[done, num_fixed,
+            *block tokens]` (:func:`step_read`; the counters each row adds, :attr:`step_counters`, are read with it,
+            straight into its counters); the next blocks for :meth:`take_next_blocks`; with a streamer, row 0's
+            :meth:`stream_read` columns as read (`[first masked, *draft canvas]`), else None.
         """
         s, B = self.session, self.block_size
         n = block.tokens.shape[0]
@@ -742,12 +779,23 @@ class BlockDiffusionStrategy(DecodingStrategy):
             denoising_step, self, self.step_key, tensors, q=B if pending is None else 2 * B,
             store_len=0 if pending is None else B, logits_to_keep=B, kind="draft", sets_carry=carry is not None)
         rows, names = read.tolist(), self.step_counters
+        streamed = self.take_stream_columns(rows)
         for i, row in enumerate(rows):
             stats = s.stats.row(i)
             for name, value in zip(names, row[-len(names):]):
                 setattr(stats, name, getattr(stats, name) + value)
             del row[-len(names):]
-        return done, rows, tuple(advanced)
+        return done, rows, tuple(advanced), streamed
+
+    def take_stream_columns(self, rows: list[list]) -> list[int] | None:
+        """Cut the :meth:`stream_read` columns off the end of each row of a step's read (in place); return row 0's
+        as ints, or None without a streamer."""
+        if not self.stream_columns:
+            return None
+        streamed = [int(v) for v in rows[0][-self.stream_columns:]]
+        for row in rows:
+            del row[-self.stream_columns:]
+        return streamed
 
 
     def compiled_cache_write(self, block: BlockState, done: torch.Tensor, done_rows: list[bool],
@@ -849,7 +897,8 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
         `(lengths, [carry,] tokens, undecided, step, post_steps, done, read, *next)`: the new write positions
         `(N,)`, the carry after the step (right-shifted models only: changed where the step stored a block), the
         block's new tokens and masks `(N, B)`, the steps and post steps taken `(N,)`, the finished rows `(N,)` bool,
-        :func:`step_read` with the counters of :attr:`~BlockDiffusionStrategy.step_counters` as last columns; `next`:
+        :func:`step_read` with the counters of :attr:`~BlockDiffusionStrategy.step_counters`, then a streamer's
+        columns (:meth:`~BlockDiffusionStrategy.stream_read`); `next`:
         the next step's `tokens, undecided, start, num_fixed, step, post_steps` (finished blocks restarted) and the
         positions `(N, B)` of this step's blocks.
     """
@@ -862,6 +911,7 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
                                                  store_valid=store_valid, logits_to_keep=strategy.block_size,
                                                  carry=carry, return_carry=True)
     probs, proposal, confidence = strategy.propose(logits, noise)
+    began = BlockState(tokens, undecided, start, num_fixed, step, post_steps, block.mask_token_id)
     counts, edited = [], None
     if strategy.edit_rule is not None:
         edits = strategy.edits(block, probs, proposal, confidence)
@@ -871,8 +921,8 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
     block.tokens = torch.where(transfer, proposal, block.tokens)
     block.undecided = block.undecided & ~transfer
     done = strategy.block_complete(block, began_full, edited)
-    read = torch.cat([step_read(done, num_fixed, block.tokens), torch.stack([transfer.sum(dim=1), *counts], dim=1)],
-                     dim=1)
+    read = torch.cat([step_read(done, num_fixed, block.tokens), torch.stack([transfer.sum(dim=1), *counts], dim=1),
+                      strategy.stream_read(began, block.undecided, logits)], dim=1)
     after = BlockState(block.tokens.clone(), block.undecided.clone(), start.clone(), num_fixed.clone(), step + 1,
                        block.post_steps.clone(), block.mask_token_id)
     after.restart(done)

@@ -15,14 +15,27 @@ Verifier layout by alignment: a position-aligned model reads the AR-mode predict
 the MASK copy of r in `[x~ | MASK x B]` with the Eq. 3 mask and duplicated positions; a right-shifted model
 reads it at row r - 1 of `[x~]` under a causal mask (the runner's shift gives row r the prediction for r).
 
-Compiled step (issue 34; the static runtime with `compile_config`, greedy_match acceptance): a step is
+Compiled step (issue 34; the static runtime with `compile_config`, greedy or seeded): a step is
 one or two compiled functions, each one forward and one host read. :func:`s2d2_draft_step` drafts, computes the
 routing numbers and commits every row by the block-diffusion rule as if no row verified; the host reads that with
 the routing numbers and the policies decide; if some row verifies, :func:`s2d2_verify_step` runs the verifier
 forward (the full `[x~ | MASK x B]` layout of Eq. 3: one width per key; `x~` under a causal mask on a
-right-shifted model, whose carry both steps take), greedy_match over each verifying row's span and its commits,
+right-shifted model, whose carry both steps take), the acceptance over each verifying row's span and its commits,
 keeping the first call's commits for the other rows. LLaDA2.1's token edits are applied in the draft step, before
 C_t and the routing numbers, so the verifier reads the edited block.
+
+Random numbers (a change to their order is a behaviour change), the same in the eager and the compiled step, per
+step: first the draft's tokens, one draw for all N x B positions (`Sampler.choose`; per-row generators: row r
+draws its B positions); then, when some row verifies with stochastic acceptance, the verification's numbers for the
+verifying rows only, in row order (`rejection_sample` over them, `rows_of(generator, rows)`;
+:func:`~hf_dllm_spec.maths.sampling.draw_verification`: uniforms `(M, L)` with L the longest verified span, then one
+`Exp(1)` row of V per verifying row for its recovered token, whether it rejects or not, none with
+`allow_resample=False`). Which rows verify and their span lengths are decided on the host from the draft step's read,
+so the compiled step draws everything before each call: the draft's noise into a fixed buffer
+(:meth:`~S2D2Strategy.step_noise`, as block diffusion) before :func:`s2d2_draft_step`, the verification's numbers
+(:meth:`~S2D2Strategy.verify_draws`) before :func:`s2d2_verify_step`; given them, both are pure functions of tensors.
+Between steps, a right-shifted model's separate cache writes draw each new block's first token from the carry
+(eager when sampling, as block diffusion).
 """
 
 from __future__ import annotations
@@ -53,11 +66,12 @@ from ..maths.routing import (
     ucb_context_buckets,
     verify_score,
 )
-from ..maths.sampling import entropy, rows_of
+from ..maths.sampling import POSITION_INDEPENDENT_PROCESSORS, draw_verification, entropy, rows_of
 from ..maths.unmasking import first_masked_span
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import greedy_match, rejection_sample, span_writes
-from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, step_read
+from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, output_vocab_size,
+                             step_read)
 
 _SDAR_AR_CACHING = {"cache_ver": True, "draft_ver": True, "token_acceptance_estimator": "soft_entropy_negexp"}
 _FAST_DLLM_V2 = {"block_size": 32, "confidence_threshold": 0.9, "fuse_cache_write": False,
@@ -224,7 +238,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
     (q - p)+ on the first rejection) or "greedy_match" (accept iff the draft is the verifier argmax, commit the
     argmax at the first mismatch; deterministic, a documented deviation from the paper). Each row has its own
     routing policy state. The RNG order per step is: the sampler's draft draw for all N x B positions, then
-    the verifier's uniforms and residual draws for the verifying rows (verification.py).
+    the verifier's uniforms and residual draws for the verifying rows (the module docstring).
     """
 
     name = "s2d2"
@@ -244,6 +258,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
         self.policies = [self._new_policy() for _ in range(session.batch_size)]
         session.follow(self._select_policies, self._add_policies)
         self._verify_masks: dict[tuple[int, int], torch.Tensor] = {}     # Eq. 3 patterns by (span end, start)
+        self._draws: dict[int, tuple] = {}                                # verify_draws' buffers, per rows bucket
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
         # What every row's policy needs from a step (the same for all rows; it never decides): which routing
         # numbers to compute, and their layout in the step's read (`routing_columns`, `read_contexts`).
@@ -446,19 +461,22 @@ class S2D2Strategy(BlockDiffusionStrategy):
         """Whether each denoising step runs as compiled functions (:func:`s2d2_draft_step`, then
         :func:`s2d2_verify_step` when a row verifies, through `StaticModelRunner.run_step`): the static runtime
         with `compile_config`, on a position-aligned model or a right-shifted one (Fast-dLLM v2: the steps take the
-        carry), greedy with greedy_match acceptance, any routing policy, `low_confidence_dynamic` /
+        carry), greedy or sampled (transformers' position-independent warpers in a plain `LogitsProcessorList`; the
+        draft noise and the verification's draws made before each call, :meth:`step_noise`, :meth:`verify_draws`),
+        greedy_match or stochastic acceptance, any routing policy, `low_confidence_dynamic` /
         `low_confidence_static` fallback, whole blocks or sub-blocks, fused or separate cache writes (compiled too),
         `cache_ver` and `draft_ver`, LLaDA2.1's token editing (`ThresholdEditRule`, post steps) and
-        `num_to_transfer`, no streamer, a subclass that keeps the step's methods. Else the
+        `num_to_transfer`, a streamer (batch 1: the reads carry what it shows), a subclass that keeps the step's
+        methods. Else the
         eager step. Called by the block-diffusion constructor (config and session only)."""
         s, cfg = self.session, self.config
         served = (getattr(s.target, "runs_compiled_carry_steps", False) if s.target.alignment == "right_shift"
                   else getattr(s.target, "runs_compiled_steps", False))
-        return (served and not s.sampler.do_sample
-                and cfg.s2d2_acceptance in (None, "greedy_match")
-                and type(s.sampler.logits_processor) in (LogitsProcessorList, list)
+        processors = s.sampler.logits_processor
+        return (served and type(processors) in (LogitsProcessorList, list)
+                and (not s.sampler.do_sample or all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors))
                 and cfg.remasking_strategy in ("low_confidence_dynamic", "low_confidence_static")
-                and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule) and s.stream is None
+                and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule)
                 and all(getattr(type(self), name) is getattr(BlockDiffusionStrategy, name)
                         for name in BlockDiffusionStrategy.COMPILED_STEP_METHODS if name != "denoise_step")
                 and all(getattr(type(self), name) is getattr(S2D2Strategy, name)
@@ -466,10 +484,11 @@ class S2D2Strategy(BlockDiffusionStrategy):
 
     @property
     def step_key(self) -> tuple:
-        """What S2D2's compiled steps specialise on besides their shapes: the fallback rule, the caching masks and
-        the routing parameters."""
+        """What S2D2's compiled steps specialise on besides their shapes: the fallback rule, the caching masks, the
+        routing and the acceptance parameters."""
         cfg = self.config
-        return (*super().step_key, "s2d2", cfg.cache_ver, cfg.draft_ver, self.ucb_counts_prompt_tail,
+        return (*super().step_key, "s2d2", cfg.cache_ver, cfg.draft_ver, self.ucb_counts_prompt_tail, self.acceptance,
+                cfg.allow_resample, cfg.ssd_ratio_tempering_factor,
                 *(getattr(cfg, name) for name in ROUTING_PARAMETERS))
 
     def compiled_denoise(self, block: BlockState, pending: tuple | None) -> tuple[torch.Tensor, list, tuple]:
@@ -479,8 +498,10 @@ class S2D2Strategy(BlockDiffusionStrategy):
         and the counters as the eager step does.
 
         Returns:
-            `(done, read, advanced)` as :meth:`BlockDiffusionStrategy.compiled_denoise`: `(N,)` bool; per row
-            `[done, num_fixed, *block tokens]`; the next blocks for :meth:`take_next_blocks`.
+            `(done, read, advanced, streamed)` as :meth:`BlockDiffusionStrategy.compiled_denoise`: `(N,)` bool; per
+            row `[done, num_fixed, *block tokens]`; the next blocks for :meth:`take_next_blocks`; with a streamer,
+            row 0's `[first masked, *draft canvas]` (the canvas of the draft step's read, the first mask of the
+            step's last read), else None.
         """
         s, B = self.session, self.block_size
         stats = [s.stats.row(i) for i in range(block.tokens.shape[0])]
@@ -490,13 +511,16 @@ class S2D2Strategy(BlockDiffusionStrategy):
             self.draft_mask(block)                        # built once, outside the compiled code
         before = (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps)
         carry = self.step_carry(len(stats))
-        (tokens, undecided, step, post_steps, done, read, *advanced, draft_tokens, start, end, edited_tokens,
-         flags) = s.target.run_step(
+        outputs = s.target.run_step(
             s2d2_draft_step, self, ("draft", *self.step_key),
-            (*before, *(pending if pending is not None else (None, None, None)), carry),
+            (*before, *(pending if pending is not None else (None, None, None)), self.step_noise(len(stats)), carry),
             q=B if pending is None else 2 * B, store_len=0 if pending is None else B, logits_to_keep=B, kind="draft",
             sets_carry=carry is not None)
+        nxt = 6 + len(BlockState.FIELDS) + 1                # the step's outputs, the next blocks, then the draft's
+        tokens, undecided, step, post_steps, done, read = outputs[:6]
+        advanced, (draft_tokens, start, end, edited_tokens, flags, *draft_probs) = outputs[6:nxt], outputs[nxt:]
         values = read.tolist()                            # the draft forward's one read
+        streamed = self.take_stream_columns(values)
         rows = [[int(v) for v in row[:2 + B]] for row in values]
         committed = [int(row[2 + B]) for row in values]
         counters = len(self.step_counters)                # the rule's commits, then the edits (token editing)
@@ -508,12 +532,17 @@ class S2D2Strategy(BlockDiffusionStrategy):
         decisions = [r and policy.decide(ctx) for policy, ctx, r in zip(self.policies, contexts, routed)]
         if any(decisions):
             verify = torch.tensor(decisions, device=block.tokens.device)
+            draws = (self.verify_draws(decisions, [ctx.span_length for ctx in contexts])
+                     if self.acceptance == "stochastic" else (None, None))
             tokens, undecided, step, post_steps, done, read, *advanced = s.target.run_step(
                 s2d2_verify_step, self, ("verify", *self.step_key),
                 (*before, draft_tokens, start, end, verify, tokens, undecided, edited_tokens, flags,
-                 self.step_carry(len(stats))),
+                 *(draft_probs or (None,)), *draws, self.step_carry(len(stats))),
                 q=2 * B if carry is None else B, store_len=0, logits_to_keep=B, kind="verify", rows=decisions)
-            for i, row in enumerate(read.tolist()):       # the verifier forward's one read
+            values = read.tolist()                        # the verifier forward's one read
+            if streamed is not None:                      # its first mask after the verifying rows' commits
+                streamed[0] = int(values[0].pop())
+            for i, row in enumerate(values):
                 rows[i] = row[:2 + B]
                 if decisions[i]:
                     num_tokens, accepted, recovered, bonus = row[2 + B:]
@@ -528,7 +557,41 @@ class S2D2Strategy(BlockDiffusionStrategy):
                 if r:
                     policy.observe(count, decided)
         block.tokens, block.undecided, block.step, block.post_steps = tokens, undecided, step, post_steps
-        return done, rows, tuple(advanced)
+        return done, rows, tuple(advanced), streamed
+
+    def verify_draws(self, decisions: list[bool], span_lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stochastic acceptance in a compiled step: every random number the eager verification of this step draws
+        (:meth:`verify_spans`: `rejection_sample` over the verifying rows, `rows_of(generator, rows)`, drafts of the
+        longest span's width), drawn before :func:`s2d2_verify_step` by
+        :func:`~hf_dllm_spec.maths.sampling.draw_verification` from the same generators in the same order and amount
+        (the rows and their span lengths are known on the host from the draft step's read), into buffers kept per
+        rows bucket (a captured graph reads them at fixed addresses).
+
+        Args:
+            decisions (`list[bool]`): per batch row, whether its policy verifies (some does).
+            span_lengths (`list[int]`): per batch row, |C_t|.
+
+        Returns:
+            `(uniforms, noise)`: `(R, B)` float32, the verifying rows' uniforms in their order (row k of the buffer is
+            the k-th verifying row's, its first `width` columns drawn), and `(R, V)` float32 `Exp(1)` noise for their
+            recovered tokens (None with `allow_resample=False`); `R` the runner's `step_rows`.
+        """
+        s = self.session
+        target, resample = s.target, self.config.allow_resample
+        bucket = target.step_rows
+        if bucket not in self._draws:
+            self._draws[bucket] = (torch.ones(bucket, self.block_size, device=target.device),
+                                   torch.ones(bucket, output_vocab_size(target.model), device=target.device)
+                                   if resample else None)
+        uniforms, noise = self._draws[bucket]
+        rows = [i for i, d in enumerate(decisions) if d]
+        width = max(span_lengths[i] for i in rows)
+        lengths = torch.tensor([span_lengths[i] for i in rows])                  # on the host: no read to draw
+        drawn, _ = draw_verification(lengths, width, 0 if noise is None else noise.shape[1],
+                                     rows_of(s.sampler.generator, rows), device=target.device, dtype=torch.float32,
+                                     noise=resample, out=(None, noise))
+        uniforms[:len(rows), :width].copy_(drawn)
+        return uniforms, noise
 
 
 #: The S2D2 parameters that shape a step (its compiled steps' key).
@@ -576,7 +639,7 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
                     undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor, step: torch.Tensor,
                     post_steps: torch.Tensor, pending_tokens: torch.Tensor | None = None,
                     pending_positions: torch.Tensor | None = None, pending_rows: torch.Tensor | None = None,
-                    carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                    noise: torch.Tensor | None = None, carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The first half of one S2D2 step (Algorithm 3) as a function of tensors, what `StaticModelRunner.run_step`
     compiles: the draft forward of each row's block (storing the pending finished blocks first), the draft
     (:meth:`~S2D2Strategy.propose`), the span C_t and the routing numbers (:meth:`~S2D2Strategy.routing_columns`),
@@ -589,15 +652,19 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
         tokens, undecided, start, num_fixed, step, post_steps: the :class:`BlockState` fields, `(N, B)` / `(N,)`.
         pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
             None.
+        noise (`torch.Tensor` of shape `(N, B, V)`, float32, *optional*): when sampling, the draft's random draw made
+            before the step (:meth:`~BlockDiffusionStrategy.step_noise`).
         carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (None: position-aligned).
 
     Returns:
         `(lengths, [carry,] tokens, undecided, step, post_steps, done, read, *next, positions, draft_tokens,
-        span_start, span_end, edited_tokens, flags)` (the carry after the forward on a right-shifted model; the block
-        after LLaDA2.1's token edits, which the verifier reads, and :func:`step_outputs`' flags):
+        span_start, span_end, edited_tokens, flags[, draft_probs])` (the carry after the forward on a right-shifted
+        model; the block after LLaDA2.1's token edits, which the verifier reads, and :func:`step_outputs`' flags):
         :func:`step_outputs` of the rule's commits, whose read `(N, 3 + B + K)` float64 has the committed count and
-        then the :func:`pack_columns` of the routing columns after the block's tokens; the drafts `(N, B)` and
-        C_t `[span_start, span_end)` `(N,)` for :func:`s2d2_verify_step`.
+        then the :func:`pack_columns` of the routing columns after the block's tokens (then a streamer's columns,
+        :meth:`~BlockDiffusionStrategy.stream_read`, with the draft canvas of the block as the step began); the
+        drafts `(N, B)` and C_t `[span_start, span_end)` `(N,)` for :func:`s2d2_verify_step`, and with stochastic
+        acceptance the draft distribution `(N, B, V)` float32 (p of Algorithm 3).
     """
     block = BlockState(tokens, undecided, start, num_fixed, step, post_steps, strategy.session.mask_token_id)
     began_full = ~block.masked.any(dim=1)
@@ -607,7 +674,7 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
     logits, lengths, carry = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
                                                  store_valid=store_valid, logits_to_keep=strategy.block_size,
                                                  carry=carry, return_carry=True)
-    draft_probs, draft_tokens, confidence = strategy.propose(logits)
+    draft_probs, draft_tokens, confidence = strategy.propose(logits, noise)
     edits = torch.zeros_like(block.undecided)
     if strategy.edit_rule is not None:                                      # LLaDA2.1: the verifier sees edits
         edits = strategy.edits(block, draft_probs, draft_tokens, confidence)
@@ -619,9 +686,11 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
     flags = torch.stack([began_full, edits.any(dim=1)], dim=1)
     out = step_outputs(strategy, block, torch.where(transfer, draft_tokens, block.tokens), undecided & ~transfer,
                        torch.stack(counts, dim=1), flags)
-    return (lengths, *(() if carry is None else (carry,)), *out[:5],
-            torch.cat([out[5].double(), pack_columns(columns)], dim=1), *out[6:], draft_tokens, span_start, span_end,
-            block.tokens, flags)
+    began = BlockState(tokens, undecided, start, num_fixed, step, post_steps, block.mask_token_id)
+    read = torch.cat([out[5].double(), pack_columns(columns),
+                      strategy.stream_read(began, undecided & ~transfer, logits).double()], dim=1)
+    return (lengths, *(() if carry is None else (carry,)), *out[:5], read, *out[6:], draft_tokens, span_start, span_end,
+            block.tokens, flags, *((draft_probs,) if strategy.acceptance == "stochastic" else ()))
 
 
 def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
@@ -629,13 +698,15 @@ def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torc
                      post_steps: torch.Tensor, draft_tokens: torch.Tensor, span_start: torch.Tensor,
                      span_end: torch.Tensor, verify: torch.Tensor, fallback_tokens: torch.Tensor,
                      fallback_undecided: torch.Tensor, edited_tokens: torch.Tensor, flags: torch.Tensor,
-                     carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                     draft_probs: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None, carry: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The second half of one S2D2 step, run when some row verifies: the verifier forward over `x~` (the full
     `[x~ | MASK x B]` layout with the Eq. 3 mask on a position-aligned model, `x~` under a causal mask on a
     right-shifted one, whose `carry` predicts the block's first position; read-only), greedy_match of each row's
-    drafted span C_t against the verifier's argmax, and the commits of the verifying rows (accepted prefix, then the
-    verifier's token at the first mismatch); the other rows keep :func:`s2d2_draft_step`'s commits. A function of
-    tensors, what `StaticModelRunner.run_step` compiles.
+    drafted span C_t against the verifier's argmax (or stochastic acceptance: `rejection_sample` with the draws made
+    before the step, :meth:`~S2D2Strategy.verify_draws`), and the commits of the verifying rows (accepted prefix, then
+    the verifier's token at the first mismatch, or the recovered token); the other rows keep
+    :func:`s2d2_draft_step`'s commits. A function of tensors, what `StaticModelRunner.run_step` compiles.
 
     Args:
         tokens, undecided, start, num_fixed, step, post_steps: the block before this step, as
@@ -645,12 +716,16 @@ def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torc
         fallback_tokens, fallback_undecided (`(N, B)`): the block after :func:`s2d2_draft_step`'s commits.
         edited_tokens (`(N, B)`), flags (`(N, 2)` bool): the block after the draft's token edits and
             :func:`step_outputs`' flags, from :func:`s2d2_draft_step`.
+        draft_probs (`(N, B, V)`), uniforms (`(R, B)`), noise (`(R, V)` or None): stochastic acceptance only (None
+            with greedy_match): the draft distribution from :func:`s2d2_draft_step` and
+            :meth:`~S2D2Strategy.verify_draws` (row k of the draws belongs to the k-th verifying row).
         carry (`torch.Tensor` of shape `(N, V)`, *optional*): a right-shifted model's carry (None: position-aligned).
 
     Returns:
         `(lengths, tokens, undecided, step, post_steps, done, read, *next, positions)`: :func:`step_outputs`, whose read
         `(N, 6 + B)` int64 ends with each row's committed tokens, accepted drafts, and whether the last committed
-        token was recovered or a bonus (greedy_match: never a bonus).
+        token was recovered or a bonus (S2D2: never a bonus), then with a streamer the block's first mask after the
+        step (:meth:`~BlockDiffusionStrategy.stream_read` without the canvas).
     """
     B = strategy.block_size
     block = BlockState(edited_tokens, undecided, start, num_fixed, step, post_steps, strategy.session.mask_token_id)
@@ -658,13 +733,22 @@ def s2d2_verify_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torc
     logits, lengths = runner.step_forward(shape, ids, positions, intra, lengths, logits_to_keep=B, carry=carry)
     idx = span_index(span_start, B, B)                                                      # (N, B)
     target_logits = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))       # (N, B, V)
-    result = greedy_match(draft_tokens.gather(1, idx), strategy.session.sampler.scores(target_logits),
-                          num_drafts=span_end - span_start)
+    span_drafts, num_drafts, sampler = draft_tokens.gather(1, idx), span_end - span_start, strategy.session.sampler
+    if strategy.acceptance == "greedy_match":
+        result = greedy_match(span_drafts, sampler.scores(target_logits), num_drafts=num_drafts)
+    else:
+        slot = (verify.long().cumsum(0) - 1).clamp(min=0)                   # the draws of the k-th verifying row
+        cfg = strategy.config
+        result = rejection_sample(span_drafts, draft_probs.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])),
+                                  sampler.probs(target_logits), num_drafts=num_drafts,
+                                  gamma=cfg.ssd_ratio_tempering_factor, allow_resample=cfg.allow_resample,
+                                  draws=(uniforms[slot], None if noise is None else noise[slot]))
     write, committed = span_writes(result, span_start, B)
     write = write & verify[:, None]
     rows = verify[:, None]
-    counters = torch.stack([result.num_tokens, result.num_accepted, result.recovered.long(), result.bonus.long()],
-                           dim=1)
+    after = torch.where(rows, undecided & ~write, fallback_undecided)
+    counters = torch.stack([result.num_tokens, result.num_accepted, result.recovered.long(), result.bonus.long(),
+                            *strategy.stream_read(block, after).unbind(dim=1)], dim=1)
     return (lengths, *step_outputs(strategy, block,
                                    torch.where(write, committed, torch.where(rows, edited_tokens, fallback_tokens)),
-                                   torch.where(rows, undecided & ~write, fallback_undecided), counters, flags))
+                                   after, counters, flags))
