@@ -351,6 +351,37 @@ def test_rows_that_join_get_the_eager_runtime_tokens(sdar_model):
 
 
 @pytest.mark.slow
+def test_sampled_rows_that_join_get_the_eager_runtime_tokens(sdar_model, drafter):
+    """Continuous batching, sampled (rejection sampling, every row its own generator; a joining row with its own
+    temperature and top-k: per-row processors): two rows start, two join before the third cycle (the static buffers
+    and the draw buffers double); every row's tokens, end and counters equal the eager runtime's from the same
+    seeds."""
+    prompts = [[5, 17, 42, 8, 23, 61, 4], [9, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19], [7]]
+
+    def run(compiled: bool) -> dict:
+        results: dict = {}
+
+        def request(n: int) -> RowRequest:
+            return RowRequest(prompts[n], 10, generator=torch.Generator().manual_seed(n),
+                              **(dict(temperature=0.7, top_k=5) if n == 2 else {}),     # its own settings
+                              on_done=lambda tokens, reason, stats: results.__setitem__(
+                                  n, (tokens, reason, spec_counters(stats))))
+
+        initial = [request(0), request(1)]
+        ids = torch.tensor([prompts[0], [0] * 5 + prompts[1]])
+        generate(sdar_model, drafter, ids, (ids != 0).long(), compiled, max_new_tokens=10, do_sample=True,
+                 generator=[r.generator for r in initial],
+                 row_feed=ScriptedFeed(initial, {3: [request(2), request(3)]}))
+        return results
+
+    clear(sdar_model, drafter)
+    eager = run(False)
+    assert sorted(eager) == [0, 1, 2, 3] and run(True) == eager
+    assert {key[0] for key in simsd_keys(sdar_model, drafter)} == {"simsd-draft", "simsd-verify"}
+    clear(sdar_model, drafter)
+
+
+@pytest.mark.slow
 def test_the_bundled_pair_gives_the_eager_tokens():
     """models/sdar-large drafted by models/sdar-tiny-arith (benchmarks/host_work.py's pair), a left-padded batch of
     2: the eager runtime's tokens and counters."""
@@ -367,3 +398,28 @@ def test_the_bundled_pair_gives_the_eager_tokens():
     assert_same_decode(eager, compiled)
     assert {key[0] for key in simsd_keys(target, drafter)} == {"simsd-draft", "simsd-verify"}
     clear(target, drafter)
+
+
+def test_sampled_rows_shorter_than_a_block_with_their_own_settings(sdar_model, drafter):
+    """Continuous batching, sampled: three rows whose prompts are all shorter than a block (the prefill stores
+    nothing, so the first cycle runs eagerly at the rows bucket of 4 on fresh caches), one with its own
+    temperature: the per-row processors take the padded bucket (they raised before), and every row's tokens, end and
+    counters equal the eager runtime's."""
+    prompts = [[5, 17], [9, 3, 4], [11]]
+
+    def run(compiled: bool) -> dict:
+        results: dict = {}
+        requests = [RowRequest(p, 6, generator=torch.Generator().manual_seed(n),
+                               **(dict(temperature=0.7) if n == 1 else {}),
+                               on_done=lambda tokens, reason, stats, n=n: results.__setitem__(
+                                   n, (tokens, reason, spec_counters(stats))))
+                    for n, p in enumerate(prompts)]
+        ids = torch.tensor([[0, 5, 17], [9, 3, 4], [0, 0, 11]])
+        generate(sdar_model, drafter, ids, (ids != 0).long(), compiled, max_new_tokens=6, do_sample=True,
+                 generator=[r.generator for r in requests], row_feed=ScriptedFeed(requests, {}))
+        return results
+
+    clear(sdar_model, drafter)
+    eager = run(False)
+    assert sorted(eager) == [0, 1, 2] and run(True) == eager
+    clear(sdar_model, drafter)

@@ -266,6 +266,7 @@ def test_per_row_processors_in_a_compiled_step_give_the_eager_scores():
         return torch.cat([rows, torch.zeros(8 - rows.shape[0], 3, 16)])
 
     assert torch.equal(compiled(bucket(logits))[:4], eager)
+    assert torch.equal(sampler.scores(bucket(logits))[:4], eager)           # a step run eagerly at its bucket
     key = processors_key(per_row)
     per_row.select(torch.tensor([3, 0, 2]))                                 # rows leave and change places
     assert processors_key(per_row) == key
@@ -273,3 +274,42 @@ def test_per_row_processors_in_a_compiled_step_give_the_eager_scores():
     per_row.extend([row_processors(call, temperature=0.5)])                 # a row joins with new settings
     assert processors_key(per_row) != key and len(per_row.groups) == 4
     assert torch.equal(compiled(bucket(logits[[3, 0, 2, 1]]))[:4], sampler.scores(logits[[3, 0, 2, 1]]))
+
+
+@pytest.mark.parametrize("case", ["block_diffusion", "fast_dllm_v2"])
+def test_own_sampling_settings_in_compiled_steps(case, monkeypatch):
+    """Static runtime with `compile_config`: a sampled continuous batch whose rows (initial and joining) have their
+    own temperature / top-k / top-p runs compiled steps (per-row processors traced, `RowProcessors`), and every row's
+    tokens equal the eager runtime's from the same seeds."""
+    from conftest import cpu_compile_config
+
+    from hf_dllm_spec.runtime.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "check_layouts", False)       # as users run it (the checks read the device)
+    settings = [dict(temperature=0.7), dict(temperature=1.3, top_p=0.9), dict(top_k=5), dict()]
+    seeds = [31, 32, 33, 34]
+
+    def run(**extra) -> dict:
+        results: dict = {}
+
+        def request(n):
+            return RowRequest(PROMPTS[n], BUDGETS[n], generator=torch.Generator().manual_seed(seeds[n]),
+                              on_done=lambda tokens, reason, stats: results.__setitem__(n, tokens), **settings[n])
+
+        initial = [request(0), request(1)]
+        feed = ScriptedFeed(initial, {2: [request(2), request(3)]})
+        width = len(PROMPTS[0])
+        ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
+        _call(case, ids, (ids != PAD).long(), 12, row_feed=feed, do_sample=True, temperature=0.9,
+              generator=[r.generator for r in initial], **extra)
+        return results
+
+    model = MODELS[CASES[case][0]]
+    hf_dllm_spec.clear_static_state(model)
+    eager = run()
+    compiled = run(cache_implementation="static", compile_config=cpu_compile_config())
+    assert sorted(eager) == [0, 1, 2, 3] and compiled == eager
+    steps = [key for state in hf_dllm_spec.runtime.static.static_states(model) for key in state.steps.keys
+             if key[0] != "forward"]
+    assert steps, "no decoding step was compiled"
+    hf_dllm_spec.clear_static_state(model)

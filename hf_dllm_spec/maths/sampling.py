@@ -216,8 +216,8 @@ class RowProcessors:
 
     def apply(self, scores: torch.Tensor, rows: torch.Tensor | Sequence[int] | None) -> torch.Tensor:
         """Process `scores` `(M, L, V)` float32, whose M rows are the batch rows `rows` (all rows when None; in a
-        compiled step, the step's rows bucket: the batch rows first, then padding)."""
-        if torch.compiler.is_compiling() and rows is None:
+        compiled step, or a step run eagerly at its rows bucket: the batch rows first, then padding)."""
+        if rows is None and (torch.compiler.is_compiling() or scores.shape[0] > len(self.lists)):
             group_ids = self.group_ids[:scores.shape[0], None, None]
             out = scores
             for k, processors in enumerate(self.groups):

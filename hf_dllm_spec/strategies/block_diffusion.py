@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers import LogitsProcessorList
 
 from ..configuration import DecodingConfig, check_bool, check_int
 from ..maths.editing import EditingConfig, EditRule, ThresholdEditRule
 from ..maths.masks import block_causal_mask, concat_segments, full_mask, left_pad, partially_causal_draft_mask
-from ..maths.sampling import POSITION_INDEPENDENT_PROCESSORS, entropy
+from ..maths.sampling import entropy, step_processors
 from ..maths.unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
 from .base import DecodingStrategy
@@ -695,8 +694,9 @@ class BlockDiffusionStrategy(DecodingStrategy):
         `StaticModelRunner.run_step`): the static runtime with `compile_config`, fused or separate cache writes (the
         writes compiled too, :attr:`compiled_write`), on a position-aligned model or a right-shifted one (Fast-dLLM
         v2, AR on an AR checkpoint: the step takes the carry as a tensor and returns it after storing); greedy, or
-        sampling with transformers' position-independent warpers in a plain `LogitsProcessorList` (the random draw
-        made before the step, :meth:`step_noise`; per-row processors, `RowProcessors`, keep the eager step); any
+        sampling with transformers' position-independent warpers, the call's or each row's in a continuous batch
+        (:func:`~hf_dllm_spec.maths.sampling.step_processors`; the random draw made before the step,
+        :meth:`step_noise`); any
         remasking rule, whole blocks or sub-blocks; LLaDA2.1 token editing (`ThresholdEditRule`) and
         `num_to_transfer`; a streamer (batch 1: the read carries what it shows, :meth:`stream_read`); no
         `cache_ver` / `draft_ver`; a class whose step methods are traceable
@@ -705,8 +705,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         processors = s.sampler.logits_processor
         served = (getattr(s.target, "runs_compiled_carry_steps", False) if s.target.alignment == "right_shift"
                   else getattr(s.target, "runs_compiled_steps", False))
-        return (served and type(processors) in (LogitsProcessorList, list)
-                and all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors)
+        return (served and step_processors(processors)
                 and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule)
                 and not cfg.cache_ver and not cfg.draft_ver
                 and traceable_step_methods(type(self), self.COMPILED_STEP_METHODS))

@@ -61,7 +61,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from transformers import LogitsProcessorList
 
 from ..configuration import DrafterConfig, check_int
 from ..maths.masks import full_mask, temporal_verify_mask
@@ -613,9 +612,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
         sampled (`do_sample=True`, a shared generator or one per row: every random number the eager cycle draws is
         drawn before the compiled call that uses it, in the eager order, :meth:`draft_noise` /
         :meth:`verify_draws`), greedy_match or rejection sampling, with transformers' position-independent
-        processors in a plain list (per-request ones of a continuous batch, `RowProcessors`, keep the eager cycle:
-        a step's first call on fresh caches runs eagerly at the rows bucket, which `RowProcessors` refuses);
-        either layout (the stacked one at its most copies, `steps_per_block`), either verification
+        processors (per-request ones of a continuous batch too, :func:`~hf_dllm_spec.maths.sampling.
+        step_processors`); either layout (the stacked one at its most copies, `steps_per_block`), either verification
         order, any `min_draft_len`, the EOS gate (not when sampling: its replacement is drawn only when it fires);
         any drafter schedule; continuous batching; a streamer (batch 1: the committed tokens and the drafter's
         proposal from the cycle's read, :meth:`compiled_cycle`); a class whose cycle methods are traceable
@@ -625,7 +623,6 @@ class SimSDStrategy(BlockDiffusionStrategy):
         return (getattr(s.target, "runs_compiled_steps", False) and getattr(s.drafter, "runs_compiled_steps", False)
                 and s.drafter.device == s.target.device
                 and not (s.sampler.do_sample and cfg.eos_min_prob > 0 and s.stop_token_ids)
-                and type(s.sampler.logits_processor) in (LogitsProcessorList, list)
                 and step_processors(s.sampler.logits_processor)
                 and traceable_step_methods(type(self), self.COMPILED_CYCLE_METHODS))
 
