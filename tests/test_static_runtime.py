@@ -38,6 +38,7 @@ from hf_dllm_spec.runtime.runner import ModelRunner
 from hf_dllm_spec.runtime.graphs import CapturedForwards
 from hf_dllm_spec.runtime.static import (STATE_ATTRIBUTE, StaticModelRunner, clear_static_state, compile_plan,
                                          static_states, width_bucket)
+from hf_dllm_spec.runtime.step import compile_options
 from hf_dllm_spec.runtime.syncs import count_host_syncs
 from hf_dllm_spec.runtime.trace import trace_forwards
 
@@ -228,23 +229,41 @@ def test_compiled_forward_gives_the_eager_tokens(sdar_model, one_thread):
     assert any(key[0] == "forward" for key in steps.keys)                   # the runtime's compiled forwards ran
 
 
-def test_compiled_forwards_do_not_share_dynamo_recompile_limit(sdar_model, monkeypatch):
+def test_compiled_forwards_do_not_share_dynamo_recompile_limit(sdar_model):
     """Each fixed-shape forward is compiled as its own code object: with dynamo's recompile limit at 1, two
     prompt widths (different forward shapes) still run one compiled graph each, none falls back to eager (with
     transformers' `get_compiled_call`, one code object for every model, the second shape would have run eagerly),
     and the tokens are the eager runtime's."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     clear_static_state(sdar_model)
     common = dict(decoding_strategy="ar", max_new_tokens=3, eos_token_id=None)
-    for prompt in (torch.tensor([[5, 17, 42, 8]]), torch.tensor([[5, 17, 42, 8, 23, 61, 4, 9, 11, 3]])):
-        eager = sdar_model.generate(prompt, **common)
-        compiled = sdar_model.generate(prompt, cache_implementation="static", compile_config=cpu_compile_config(),
-                                       **common)
-        assert compiled.tolist() == eager.tolist()
+    with torch._dynamo.config.patch(recompile_limit=1):     # (pytest's monkeypatch breaks dynamo's config module)
+        for prompt in (torch.tensor([[5, 17, 42, 8]]), torch.tensor([[5, 17, 42, 8, 23, 61, 4, 9, 11, 3]])):
+            eager = sdar_model.generate(prompt, **common)
+            compiled = sdar_model.generate(prompt, cache_implementation="static",
+                                           compile_config=cpu_compile_config(), **common)
+            assert compiled.tolist() == eager.tolist()
     steps = static_runtime.static_states(sdar_model)[0].steps
     forwards = [key for key in steps.keys if key[0] == "forward"]
     assert len({key[2] for key in forwards}) >= 2, forwards                 # two widths at least
     assert all(steps.graphs(key) == 1 for key in steps.keys), [(key, steps.graphs(key)) for key in steps.keys]
+    clear_static_state(sdar_model)
+
+
+def test_another_compile_config_compiles_its_own_functions(sdar_model, monkeypatch):
+    """Compiled forwards and steps are kept on the model across calls, per compile options: a later call with
+    another `compile_config` (here another backend) compiles its own instead of running the first call's."""
+    monkeypatch.setattr(ModelRunner, "check_layouts", False)       # as users run it (the checks read the device)
+    clear_static_state(sdar_model)
+    prompt, common = torch.tensor([[5, 17, 42, 8]]), dict(decoding_strategy="ar", max_new_tokens=3,
+                                                          eos_token_id=None, cache_implementation="static")
+    eager = sdar_model.generate(prompt, decoding_strategy="ar", max_new_tokens=3, eos_token_id=None)
+    for backend in ("eager", "eager", "aot_eager"):
+        out = sdar_model.generate(prompt, compile_config=cpu_compile_config(backend), **common)
+        assert out.tolist() == eager.tolist()
+    keys = static_runtime.static_states(sdar_model)[0].steps.keys
+    assert {key[-1] for key in keys} == {repr(sorted(compile_options(cpu_compile_config(backend), fullgraph=False)
+                                                     .items())) for backend in ("eager", "aot_eager")}, keys
+    clear_static_state(sdar_model)
 
 
 #: (bundled model, main-job row, sampled): every strategy x family whose step compiles (issue 34).

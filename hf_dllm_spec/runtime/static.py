@@ -340,6 +340,8 @@ class StaticModelRunner(ModelRunner):
         self._step_options = compile_options(compile_config) if compile_mode == "compile" else None
         self._forward_options = (compile_options(compile_config, fullgraph=bool(compile_config.fullgraph))
                                  if compile_mode == "compile" else None)
+        # Compiled functions are kept on the model across calls: a call with other options compiles its own.
+        self._options_key = repr(sorted(self._forward_options.items())) if compile_mode == "compile" else None
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)     # write position per row
         self._bound = 0                          # host-side upper bound of max(lengths), no sync to keep it
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}
@@ -487,7 +489,7 @@ class StaticModelRunner(ModelRunner):
         if self.compile_mode == "compile" and self.cache.allocated:
             if torch.cuda.is_available() and ids.is_cuda:
                 torch.compiler.cudagraph_mark_step_begin()
-            key = ("forward", *key, self.cache.max_cache_len, self.cache.batch_capacity)
+            key = ("forward", *key, self.cache.max_cache_len, self.cache.batch_capacity, self._options_key)
             steps = self._state.steps
             with self.timer.span("warmup") if key not in steps else contextlib.nullcontext():
                 return steps.run(key, compiled_forward, self._forward_options, self, kept, prefix, *inputs).clone()
@@ -544,7 +546,8 @@ class StaticModelRunner(ModelRunner):
         if bucket > n:
             lengths, *tensors = (t if t is None or t.shape[0] == bucket else
                                  torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])]) for t in (lengths, *tensors))
-        key = (*key, bucket, width, kept, prefix, self.cache.max_cache_len, self.cache.batch_capacity)
+        key = (*key, bucket, width, kept, prefix, self.cache.max_cache_len, self.cache.batch_capacity,
+               self._options_key)
         steps = self._state.steps
         if torch.cuda.is_available() and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
