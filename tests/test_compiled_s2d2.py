@@ -217,10 +217,12 @@ def test_other_cases_run_the_eager_step(arith, params, monkeypatch):
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None,
                     reason="torch.compile (inductor) needs a C++ compiler on the CPU")
 def test_inductor_compiled_steps_give_the_eager_tokens(arith):
-    """Inductor (transformers' default backend), the main job's S2D2 row, a left-padded batch of 2: the eager
-    runtime's tokens and counters."""
+    """Inductor (transformers' default backend), the main job's S2D2 row, one prompt, two blocks (few keys: the
+    inductor compilation is the cost; batches and padding are checked with dynamo's "eager" backend above): the
+    eager runtime's tokens and counters."""
     clear_static_state(arith[1])
-    assert_same_decode(generate(arith, PROMPTS, False, **MAIN_JOB), generate(arith, PROMPTS, "inductor", **MAIN_JOB))
+    params = dict(MAIN_JOB, max_new_tokens=8)
+    assert_same_decode(generate(arith, PROMPTS[:1], False, **params), generate(arith, PROMPTS[:1], "inductor", **params))
     assert {key[0] for key in s2d2_keys(arith[1])} == {"draft", "verify"}
     clear_static_state(arith[1])
 
