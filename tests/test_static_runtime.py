@@ -270,8 +270,9 @@ def test_another_compile_config_compiles_its_own_functions(sdar_model, monkeypat
 COMPILED_STEP_ROWS = [("sdar-tiny-arith", "ar", False), ("sdar-tiny-arith", "dynamic", False),
                       ("sdar-tiny-arith", "dynamic", True), ("sdar-tiny-arith", "s2d2", False),
                       ("fast-dllm-v2-tiny", "fast_dllm_v2", False), ("fast-dllm-v2-tiny", "s2d2", False),
-                      ("llada2-tiny", "llada2", False), ("sdar-large", "simsd", False),
-                      ("qwen2-tiny-ar", "deer", False)]
+                      ("sdar-tiny-arith", "s2d2", True), ("llada2-tiny", "llada2", False),
+                      ("sdar-large", "simsd", False), ("sdar-large", "simsd", True), ("qwen2-tiny-ar", "deer", False),
+                      ("qwen2-tiny-ar", "deer", True)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
