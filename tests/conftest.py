@@ -249,3 +249,58 @@ def crash_report(done: subprocess.CompletedProcess, tail: int = 3000) -> str:
     error" to its list of extension modules) and the last `tail` characters of the job's standard error."""
     stacks = [block.split("\nExtension modules")[0][:4000] for block in done.stderr.split("Fatal Python error")[1:]]
     return "".join(f"Fatal Python error{stack}\n---\n" for stack in stacks) + (done.stderr[-tail:] if tail else "")
+
+
+class Recorder:
+    """A streamer that records its calls: `put` (committed tokens), `put_draft` (transformers'
+    `TextDiffusionStreamer` protocol; left out with `drafts=False`, a plain `TextStreamer`), `end`."""
+
+    def __init__(self, drafts: bool = True) -> None:
+        self.events: list[tuple] = []
+        if not drafts:
+            self.put_draft = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.events.append(("put", value.reshape(-1).tolist()))
+
+    def put_draft(self, value: torch.Tensor) -> None:
+        assert value.dim() == 2 and value.shape[0] == 1
+        self.events.append(("draft", value[0].tolist()))
+
+    def end(self) -> None:
+        self.events.append(("end", None))
+
+
+def stream_on_the_host(monkeypatch, step_syncs) -> None:
+    """The stream's own work (a `TokenStream` cutting and copying the final tokens it is given, `stream_draft`
+    checking a draft for a stop id) is done on host tensors that the strategy builds from the step's read: checked
+    here (every tensor a strategy hands to the stream is on the CPU), and left out of `step_syncs`' count (the counter
+    sees every `tolist` / `cpu` / `bool`, of host tensors too)."""
+    from hf_dllm_spec.strategies.base import DecodingStrategy
+    from hf_dllm_spec.strategies.streaming import TokenStream
+
+    def paused(method):
+        def call(self, *tensors):
+            assert all(t.device.type == "cpu" for t in tensors)
+            syncs = step_syncs.syncs
+            if syncs is None:
+                return method(self, *tensors)
+            syncs.__exit__(None, None, None)
+            try:
+                return method(self, *tensors)
+            finally:
+                syncs.__enter__()
+        return call
+
+    monkeypatch.setattr(TokenStream, "push", paused(TokenStream.push))
+    monkeypatch.setattr(DecodingStrategy, "stream_draft", paused(DecodingStrategy.stream_draft))
+
+
+def seeded(params: dict, rows: int) -> dict:
+    """`params` with fresh seeded generators: `generator="shared"` one for the batch, `"rows"` one per row."""
+    kind = params.get("generator")
+    if kind == "shared":
+        return {**params, "generator": torch.Generator().manual_seed(1234)}
+    if kind == "rows":
+        return {**params, "generator": [torch.Generator().manual_seed(100 + r) for r in range(rows)]}
+    return params

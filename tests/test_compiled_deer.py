@@ -23,7 +23,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import assert_same_decode, cpu_compile_config, spec_counters
+from conftest import Recorder, assert_same_decode, cpu_compile_config, spec_counters
 
 import hf_dllm_spec
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
@@ -245,20 +245,7 @@ def test_seeded_64_token_call_one_graph_per_key_one_read_per_cycle(pair, step_sy
     assert step_syncs.per_step() <= 0.5, syncs.by_site.most_common(4)
 
 
-class Recorder:
-    """A streamer of transformers' `TextDiffusionStreamer` protocol that records its calls."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, list[int] | None]] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.calls.append(("put", value.reshape(-1).tolist()))
-
-    def put_draft(self, value: torch.Tensor) -> None:
-        self.calls.append(("put_draft", value.reshape(-1).tolist()))
-
-    def end(self) -> None:
-        self.calls.append(("end", None))
 
 
 def stream_site(site: tuple[str, int]) -> bool:
@@ -282,12 +269,12 @@ def test_a_streamer_gets_the_eager_calls(pair, params, step_syncs):
         seed = dict(generator=generators("shared")) if params else {}
         out = generate(pair, pair[3][:1], compiled, streamer=streamer, max_new_tokens=14, eos_token_id=None,
                        **params, **seed)
-        return out.sequences.tolist(), None if streamer is None else streamer.calls
+        return out.sequences.tolist(), None if streamer is None else streamer.events
 
     eager = call(False, Recorder())
     assert call(True, Recorder()) == eager
     kinds = [kind for kind, _ in eager[1]]
-    assert kinds.count("put_draft") > 2 and kinds[-1] == "end"
+    assert kinds.count("draft") > 2 and kinds[-1] == "end"
     assert (seeded_keys(pair) if params else {key[0] for key in deer_keys(pair)}) >= {"deer-draft", "deer-verify"}
     with step_syncs.counting() as streamed:
         assert call(True, Recorder()) == eager

@@ -17,8 +17,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_same_decode, cpu_compile_config, fast_first
-from test_compiled_step import Recorder, stream_on_the_host
+from conftest import Recorder, assert_same_decode, cpu_compile_config, fast_first, seeded, stream_on_the_host
 
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import s2d2
@@ -222,7 +221,8 @@ def test_inductor_compiled_steps_give_the_eager_tokens(arith):
     eager runtime's tokens and counters."""
     clear_static_state(arith[1])
     params = dict(MAIN_JOB, max_new_tokens=8)
-    assert_same_decode(generate(arith, PROMPTS[:1], False, **params), generate(arith, PROMPTS[:1], "inductor", **params))
+    eager = generate(arith, PROMPTS[:1], False, **params)
+    assert_same_decode(eager, generate(arith, PROMPTS[:1], "inductor", **params))
     assert {key[0] for key in s2d2_keys(arith[1])} == {"draft", "verify"}
     clear_static_state(arith[1])
 
@@ -238,14 +238,7 @@ SEEDED = {
 }
 
 
-def seeded(params: dict, rows: int) -> dict:
-    """`params` with fresh seeded generators: `generator="shared"` one for the batch, `"rows"` one per row."""
-    kind = params.get("generator")
-    if kind == "shared":
-        return {**params, "generator": torch.Generator().manual_seed(1234)}
-    if kind == "rows":
-        return {**params, "generator": [torch.Generator().manual_seed(100 + r) for r in range(rows)]}
-    return params
+
 
 
 def generator_states(params: dict) -> list[torch.Tensor]:
@@ -378,7 +371,7 @@ def test_streaming_equals_the_eager_runtime(arith, case):
 
 def test_streaming_at_most_one_host_read_per_forward(arith, step_syncs, monkeypatch):
     """Batch 1 with a streamer taking drafts: at most one host read per compiled forward; the stream gets host
-    tensors built from the reads (:func:`test_compiled_step.stream_on_the_host`)."""
+    tensors built from the reads (:func:`conftest.stream_on_the_host`)."""
     stream_on_the_host(monkeypatch, step_syncs)
     clear_static_state(arith[1])
     params = dict(max_new_tokens=24, eos_token_id=None, **POLICIES["span-2"])

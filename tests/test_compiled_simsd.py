@@ -26,7 +26,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import (MASK_ID, TINY, ScriptedFeed, assert_same_decode, cpu_compile_config, left_padded_batch,
+from conftest import (MASK_ID, TINY, Recorder, ScriptedFeed, assert_same_decode, cpu_compile_config, left_padded_batch,
                       spec_counters)
 
 from hf_dllm_spec.integration.continuous import RowRequest
@@ -137,20 +137,7 @@ def test_one_graph_per_key_and_one_host_read_per_forward_over_a_64_token_call(sd
     assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
 
 
-class Recorder:
-    """A streamer of transformers' `TextDiffusionStreamer` protocol recording its calls in order."""
 
-    def __init__(self) -> None:
-        self.events: list[tuple[str, list[int] | None]] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.events.append(("put", value.reshape(-1).tolist()))
-
-    def put_draft(self, value: torch.Tensor) -> None:
-        self.events.append(("draft", value.reshape(-1).tolist()))
-
-    def end(self) -> None:
-        self.events.append(("end", None))
 
 
 def loop_syncs(syncs) -> int:

@@ -20,7 +20,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import MASK_ID, TINY, assert_same_decode, cpu_compile_config, fast_first
+from conftest import (MASK_ID, TINY, Recorder, assert_same_decode, cpu_compile_config, fast_first, seeded,
+                      stream_on_the_host)
 from transformers import CompileConfig
 
 from hf_dllm_spec.maths.sampling import (RowGenerators, Sampler, categorical_from_noise, draw_categorical,
@@ -54,16 +55,6 @@ def generate(model, prompts, **kwargs):
 def step_keys(model) -> list[tuple]:
     """The compiled steps' keys (not the plain compiled forwards', `("forward", ...)`: the prefill's)."""
     return [key for state in static_states(model) for key in state.steps.keys if key[0] != "forward"]
-
-
-def seeded(params: dict, rows: int) -> dict:
-    """`params` with fresh seeded generators: `generator="shared"` one for the batch, `"rows"` one per row."""
-    kind = params.get("generator")
-    if kind == "shared":
-        return {**params, "generator": torch.Generator().manual_seed(1234)}
-    if kind == "rows":
-        return {**params, "generator": [torch.Generator().manual_seed(100 + r) for r in range(rows)]}
-    return params
 
 
 @pytest.mark.parametrize("per_row", [False, True])
@@ -317,51 +308,6 @@ def test_inductor_compiled_step_gives_the_eager_tokens():
 
 
 # -- streaming (issue 34, phase 4): batch 1 with a streamer, the step's read carries what it shows ------------------
-class Recorder:
-    """A streamer that records its calls: `put` (committed tokens), `put_draft` (transformers'
-    `TextDiffusionStreamer` protocol; left out with `drafts=False`, a plain `TextStreamer`), `end`."""
-
-    def __init__(self, drafts: bool = True) -> None:
-        self.events: list[tuple] = []
-        if not drafts:
-            self.put_draft = None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.events.append(("put", value.reshape(-1).tolist()))
-
-    def put_draft(self, value: torch.Tensor) -> None:
-        assert value.dim() == 2 and value.shape[0] == 1
-        self.events.append(("draft", value[0].tolist()))
-
-    def end(self) -> None:
-        self.events.append(("end",))
-
-
-def stream_on_the_host(monkeypatch, step_syncs) -> None:
-    """The stream's own work (a `TokenStream` cutting and copying the final tokens it is given, `stream_draft`
-    checking a draft for a stop id) is done on host tensors that the strategy builds from the step's read: checked
-    here (every tensor a strategy hands to the stream is on the CPU), and left out of `step_syncs`' count (the counter
-    sees every `tolist` / `cpu` / `bool`, of host tensors too)."""
-    from hf_dllm_spec.strategies.base import DecodingStrategy
-    from hf_dllm_spec.strategies.streaming import TokenStream
-
-    def paused(method):
-        def call(self, *tensors):
-            assert all(t.device.type == "cpu" for t in tensors)
-            syncs = step_syncs.syncs
-            if syncs is None:
-                return method(self, *tensors)
-            syncs.__exit__(None, None, None)
-            try:
-                return method(self, *tensors)
-            finally:
-                syncs.__enter__()
-        return call
-
-    monkeypatch.setattr(TokenStream, "push", paused(TokenStream.push))
-    monkeypatch.setattr(DecodingStrategy, "stream_draft", paused(DecodingStrategy.stream_draft))
-
-
 STREAMED = {
     "drafts": dict(),
     "no-drafts": dict(drafts=False),

@@ -15,6 +15,8 @@ import pytest
 import torch
 from transformers import TextDiffusionStreamer
 
+from conftest import Recorder
+
 import model_patches
 from hf_dllm_spec.tools.jobs.evaluation import load
 from hf_dllm_spec.integration.generate import dllm_generate
@@ -25,21 +27,7 @@ MODELS = pathlib.Path(__file__).resolve().parents[1] / "models"
 PROMPT = "Question: Tom has 12 apples. Tom gets 7 more apples. How many apples does Tom have now?\nAnswer:"
 
 
-class Recorder:
-    """A streamer of the `TextDiffusionStreamer` protocol that records what it receives."""
 
-    def __init__(self) -> None:
-        self.events: list[tuple[str, list[int] | None]] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.events.append(("put", value.reshape(-1).tolist()))
-
-    def put_draft(self, value: torch.Tensor) -> None:
-        assert value.dim() == 2 and value.shape[0] == 1
-        self.events.append(("draft", value[0].tolist()))
-
-    def end(self) -> None:
-        self.events.append(("end", None))
 
 
 _loaded: dict[str, tuple] = {}

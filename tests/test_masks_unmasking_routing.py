@@ -532,7 +532,8 @@ def test_s2d2_routing_context_buckets_from_block_state(family, expected):
 
     M, V = 99, 8
     patch = _patch(family)
-    session = SimpleNamespace(batch_size=3, sampler=SimpleNamespace(do_sample=False), follow=lambda select, add=None: None,
+    session = SimpleNamespace(batch_size=3, sampler=SimpleNamespace(do_sample=False, logits_processor=[]), stream=None,
+                              follow=lambda select, add=None: None,
                               target=SimpleNamespace(alignment="position", patch=patch))
     config = S2D2Config(block_size=4, do_verify_policy="contextual_bandit_ucb", ucb_span_length_bins=3,
                         ucb_block_progress_bins=3, ucb_entropy_bins=2)

@@ -489,7 +489,7 @@ class StaticModelRunner(ModelRunner):
         if self.compile_mode == "compile" and self.cache.allocated:
             if torch.cuda.is_available() and ids.is_cuda:
                 torch.compiler.cudagraph_mark_step_begin()
-            key = ("forward", *key, self.cache.max_cache_len, self.cache.batch_capacity, self._options_key)
+            key = ("forward", self._options_key, *key, self.cache.max_cache_len, self.cache.batch_capacity)
             steps = self._state.steps
             with self.timer.span("warmup") if key not in steps else contextlib.nullcontext():
                 return steps.run(key, compiled_forward, self._forward_options, self, kept, prefix, *inputs).clone()
@@ -546,8 +546,8 @@ class StaticModelRunner(ModelRunner):
         if bucket > n:
             lengths, *tensors = (t if t is None or t.shape[0] == bucket else
                                  torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])]) for t in (lengths, *tensors))
-        key = (*key, bucket, width, kept, prefix, self.cache.max_cache_len, self.cache.batch_capacity,
-               self._options_key)
+        key = (*key, self._options_key, bucket, width, kept, prefix, self.cache.max_cache_len,
+               self.cache.batch_capacity)
         steps = self._state.steps
         if torch.cuda.is_available() and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
