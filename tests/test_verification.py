@@ -191,15 +191,21 @@ def test_seeded_determinism_and_no_global_rng():
     assert not torch.equal(runs[0].token_ids, runs[2].token_ids)
 
 
-def test_rng_consumption_order_matches_docstring():
-    """uniforms = one rand(N, L); then one Exp(1) draw (N, V) for every row, whatever it rejects; a row's recovered
-    or bonus token is the multinomial draw from those numbers."""
-    g = torch.Generator().manual_seed(11)
-    n, length, vocab = 40, 3, 8
+def _random_drafts(seed: int, n: int, length: int, vocab: int):
+    """A seeded generator and, drawn from it in this order: draft and target distributions `(n, length, vocab)`,
+    bonus distributions `(n, vocab)` and draft tokens `(n, length)`."""
+    g = torch.Generator().manual_seed(seed)
     draft = torch.rand(n, length, vocab, generator=g).softmax(-1)
     target = torch.rand(n, length, vocab, generator=g).softmax(-1)
     bonus_probs = torch.rand(n, vocab, generator=g).softmax(-1)
-    tokens = torch.randint(0, vocab, (n, length), generator=g)
+    return g, draft, target, bonus_probs, torch.randint(0, vocab, (n, length), generator=g)
+
+
+def test_rng_consumption_order_matches_docstring():
+    """uniforms = one rand(N, L); then one Exp(1) draw (N, V) for every row, whatever it rejects; a row's recovered
+    or bonus token is the multinomial draw from those numbers."""
+    n, length, vocab = 40, 3, 8
+    g, draft, target, bonus_probs, tokens = _random_drafts(11, n, length, vocab)
     num_drafts = torch.randint(0, length + 1, (n,), generator=g)
     used = torch.Generator().manual_seed(5)
     res = rejection_sample(tokens, draft, target, num_drafts=num_drafts, bonus_probs=bonus_probs, generator=used)
@@ -239,12 +245,8 @@ def test_rng_consumption_order_matches_docstring():
 
 def test_rejection_sample_with_draws_compiles_without_graph_break():
     """Given its draws, rejection sampling is a pure function of tensors (fullgraph) with the eager tokens."""
-    g = torch.Generator().manual_seed(3)
     n, length, vocab = 6, 4, 10
-    draft = torch.rand(n, length, vocab, generator=g).softmax(-1)
-    target = torch.rand(n, length, vocab, generator=g).softmax(-1)
-    bonus_probs = torch.rand(n, vocab, generator=g).softmax(-1)
-    tokens = torch.randint(0, vocab, (n, length), generator=g)
+    _, draft, target, bonus_probs, tokens = _random_drafts(3, n, length, vocab)
     num_drafts = torch.tensor([0, 1, 4, 4, 2, 3])
     draws = draw_verification(num_drafts, length, vocab, torch.Generator().manual_seed(1),
                               device=torch.device("cpu"), dtype=torch.float32)
