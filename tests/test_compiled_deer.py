@@ -23,7 +23,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import Recorder, assert_same_decode, cpu_compile_config, spec_counters
+from conftest import Recorder, assert_same_decode, cpu_compile_config, fast_first, spec_counters
 
 import hf_dllm_spec
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
@@ -83,6 +83,7 @@ def clear(pair) -> None:
         clear_static_state(model)      # count its own graphs only (conftest.cpu_compile_config)
 
 
+@pytest.mark.slow
 def test_one_graph_per_key_over_a_64_token_call(pair):
     """A 64-token call: each key (prefill, drafter and verify steps, per width and attended prefix) compiled once,
     fullgraph; a second call of new strategy and runner objects reuses them all and counts the same forwards."""
@@ -175,7 +176,7 @@ def seeded_keys(pair) -> set[str]:
     return {key[0] for key in deer_keys(pair) if "rejection_sampling" in key}
 
 
-@pytest.mark.parametrize("kind", ["shared", "per-row"])
+@pytest.mark.parametrize("kind", fast_first(["shared", "per-row"]))
 def test_seeded_left_padded_batch_equals_the_eager_runtime(pair, kind):
     """Seeded rejection sampling, a shared generator or one per row: a left-padded batch of 2 whose second row stops
     early (a stop id it draws), fewer drafts near the first row's budget: the eager runtime's tokens and every
@@ -200,7 +201,7 @@ def test_seeded_left_padded_batch_equals_the_eager_runtime(pair, kind):
     assert other.sequences.tolist() != compiled.sequences.tolist()         # the draws come from the generators
 
 
-@pytest.mark.parametrize("kind", ["shared", "per-row"])
+@pytest.mark.parametrize("kind", fast_first(["shared", "per-row"]))
 def test_seeded_batch_of_one_equals_the_eager_runtime(pair, kind):
     """Seeded, batch 1, a drafter-less last cycle (one AR step: the bonus token drawn, no uniform); the generators
     end in the eager runtime's state (the same amount drawn)."""
@@ -225,6 +226,7 @@ def test_argmax_drafts_with_rejection_sampling_equal_the_eager_runtime(pair):
     assert sum(row.num_recovered_tokens for row in eager.spec_stats_per_row) > 0
 
 
+@pytest.mark.slow
 def test_seeded_64_token_call_one_graph_per_key_one_read_per_cycle(pair, step_syncs):
     """Seeded, batch 1, 64 tokens: each key compiled once (fullgraph), a second call reuses them, gives the same
     tokens from the same seed, and reads the device at most once per cycle of two forwards (the draws are made on
@@ -258,6 +260,7 @@ def stream_site(site: tuple[str, int]) -> bool:
 
 
 @pytest.mark.parametrize("params", [dict(), SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.slow
 def test_a_streamer_gets_the_eager_calls(pair, params, step_syncs):
     """Batch 1 with a streamer: compiled, the same `put` (committed tokens) and `put_draft` (the drafter's proposals
     before verification) calls in the same order as the eager runtime, taken from each cycle's one read (a

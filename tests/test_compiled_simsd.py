@@ -113,6 +113,7 @@ def test_tokens_and_counters_equal_the_eager_runtime(sdar_model, drafter, case):
     assert one_graph_each(sdar_model, draft)
 
 
+@pytest.mark.slow
 def test_one_graph_per_key_and_one_host_read_per_forward_over_a_64_token_call(sdar_model, drafter, step_syncs):
     """Batch 1, a 64-token call: the eager runtime's tokens and counters; each key (drafter step with and without a
     pending block, verify with and without; per attended prefix) compiled once, fullgraph; a second call of new
@@ -160,8 +161,8 @@ STREAMED = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == "greedy" else pytest.mark.slow)
-                                  for case in STREAMED])
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(STREAMED))
 def test_a_streamer_gets_the_eager_calls_from_the_cycle_read(sdar_model, drafter, step_syncs, case):
     """Batch 1 with a `put_draft` streamer: the compiled cycle runs (the key says a streamer reads) and the
     streamer receives exactly the eager runtime's `put` / `put_draft` / `end` calls, with its tokens and counters;
@@ -211,11 +212,9 @@ def test_a_graph_break_in_the_cycle_raises(sdar_model, drafter, monkeypatch):
 
 #: seeded case -> (whether the target drafts for itself, rows, generator: "shared" or "per-row", parameters)
 SEEDED = {
-    "shared": (False, 2, "shared", {}),
-    "per-row": (False, 2, "per-row", {}),
+    "shared": (False, 3, "shared", dict(min_draft_len=3)),           # the target's own draws for short blocks
     "batch-1": (True, 1, "shared", {}),
     "per-row-self-drafter": (True, 3, "per-row", {}),
-    "min-draft-len": (False, 3, "shared", dict(min_draft_len=3)),     # the target's own draws for short blocks
     "per-row-min-draft-len": (False, 3, "per-row", dict(min_draft_len=3)),
     "stacked-dynamic": (True, 3, "per-row", dict(verify_layout="stacked", remasking_strategy="low_confidence_dynamic",
                                                  confidence_threshold=0.5, steps_per_block=2)),
@@ -264,6 +263,7 @@ def test_seeded_tokens_and_counters_equal_the_eager_runtime(sdar_model, drafter,
         compiled.sequences.tolist()                                 # the draws matter
 
 
+@pytest.mark.slow
 def test_sampled_cycle_one_graph_per_key_and_one_host_read_per_forward(sdar_model, drafter, step_syncs):
     """Sampled, batch 1, a 64-token call with a shared generator: one graph per key, fullgraph; a second call
     reuses them and reads the device at most once per forward (the draws are made on the device before each
@@ -284,6 +284,7 @@ def test_sampled_cycle_one_graph_per_key_and_one_host_read_per_forward(sdar_mode
     assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
 
 
+@pytest.mark.slow
 def test_sampling_with_the_eos_gate_runs_the_eager_cycle(sdar_model, drafter, monkeypatch):
     """Sampling with the EOS gate (`eos_min_prob`): its replacement token is drawn only when it fires (a
     data-dependent draw), so the eager cycle."""
@@ -387,6 +388,7 @@ def test_the_bundled_pair_gives_the_eager_tokens():
     clear(target, drafter)
 
 
+@pytest.mark.slow
 def test_sampled_rows_shorter_than_a_block_with_their_own_settings(sdar_model, drafter):
     """Continuous batching, sampled: three rows whose prompts are all shorter than a block (the prefill stores
     nothing, so the first cycle runs eagerly at the rows bucket of 4 on fresh caches), one with its own

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import MASK_ID, ScriptedFeed, tiny_family_models
+from conftest import MASK_ID, ScriptedFeed, fast_first, tiny_family_models
 
 import hf_dllm_spec
 from hf_dllm_spec.integration.continuous import RowRequest
@@ -276,7 +276,7 @@ def test_per_row_processors_in_a_compiled_step_give_the_eager_scores():
     assert torch.equal(compiled(bucket(logits[[3, 0, 2, 1]]))[:4], sampler.scores(logits[[3, 0, 2, 1]]))
 
 
-@pytest.mark.parametrize("case", ["block_diffusion", "fast_dllm_v2"])
+@pytest.mark.parametrize("case", fast_first(["block_diffusion", "fast_dllm_v2"]))
 def test_own_sampling_settings_in_compiled_steps(case, monkeypatch):
     """Static runtime with `compile_config`: a sampled continuous batch whose rows (initial and joining) have their
     own temperature / top-k / top-p runs compiled steps (per-row processors traced, `RowProcessors`), and every row's

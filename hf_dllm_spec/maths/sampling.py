@@ -400,7 +400,8 @@ def categorical_from_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Te
     return (probs / noise).argmax(dim=-1)
 
 
-def draw_exponential(noise: torch.Tensor, generator: Generators, rows: int | None = None) -> torch.Tensor:
+def draw_exponential(noise: torch.Tensor, generator: Generators, rows: int | None = None, *,
+                     widths: Sequence[int] | None = None) -> torch.Tensor:
     """Fill the first `rows` rows of `noise` `(R, *S, V)` in place with `Exp(1)` draws, in the order and amount
     :func:`draw_categorical` (with `draw=None`) would draw for a multinomial over `probs` of shape
     `(rows, *S, V)` (:func:`categorical_from_noise` then gives its tokens): a shared generator (or None, torch's
@@ -408,16 +409,28 @@ def draw_exponential(noise: torch.Tensor, generator: Generators, rows: int | Non
     The other rows are left as they are (padding rows of a fixed-shape buffer). `noise` must be contiguous,
     float32 (the dtype of the probabilities) and on their device.
 
+    With `widths` (one per row, `rows = len(widths)`), rows choose over different lengths along dim 1 (a row's
+    drafts; 0: the row draws nothing, as :meth:`Sampler.choose` with `draw=` masks whole rows): per-row generators
+    draw row r's first `widths[r]` positions, a shared generator the first `max(widths)` of every row in one call
+    (the eager choice over the widest row). Positions past a row's width keep older numbers, never read.
+
     Returns:
         `noise`.
 
     Raises:
         ValueError: if a `RowGenerators` does not have `rows` generators.
     """
-    rows = noise.shape[0] if rows is None else rows
+    if widths is not None:
+        rows, noise_of = len(widths), noise[:, :max(widths, default=0)]
+    else:
+        rows, noise_of = noise.shape[0] if rows is None else rows, noise
     if not isinstance(generator, RowGenerators):
-        noise[:rows].exponential_(1, generator=generator)
+        noise_of[:rows].exponential_(1, generator=generator)
         return noise
+    _check_rows(generator, rows, "draw_exponential")
+    for r in range(rows):
+        (noise[r] if widths is None else noise[r, :widths[r]]).exponential_(1, generator=generator[r])
+    return noise
     _check_rows(generator, rows, "draw_exponential")
     for r in range(rows):
         noise[r].exponential_(1, generator=generator[r])

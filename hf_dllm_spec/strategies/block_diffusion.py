@@ -869,6 +869,22 @@ def step_read(done: torch.Tensor, num_fixed: torch.Tensor, tokens: torch.Tensor)
     return torch.cat([done[:, None].long(), num_fixed[:, None].to(done.device), tokens.to(done.device)], dim=1)
 
 
+def draft_and_propose(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengths: torch.Tensor,
+                      block: BlockState, pending: tuple | None, noise: torch.Tensor | None,
+                      carry: torch.Tensor | None) -> tuple:
+    """The start of a compiled step (:func:`denoising_step`, S2D2's draft step): the draft forward of each row's
+    block under the strategy's draft mask (`runner.step_forward`, storing the `pending` finished blocks
+    `(tokens, positions, rows)` first) and the proposal (:meth:`BlockDiffusionStrategy.propose`, with `noise` when
+    sampling). Returns `(lengths (N,), carry or None, logits (N, B, V), (probs (N, B, V), proposal (N, B),
+    confidence (N, B)))`."""
+    ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
+                                                                          strategy.draft_mask(block), pending)
+    logits, lengths, carry = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
+                                                 store_valid=store_valid, logits_to_keep=strategy.block_size,
+                                                 carry=carry, return_carry=True)
+    return lengths, carry, logits, strategy.propose(logits, noise)
+
+
 def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengths: torch.Tensor,
                    tokens: torch.Tensor, undecided: torch.Tensor, start: torch.Tensor, num_fixed: torch.Tensor,
                    step: torch.Tensor, post_steps: torch.Tensor, pending_tokens: torch.Tensor | None = None,
@@ -904,12 +920,8 @@ def denoising_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengt
     block = BlockState(tokens, undecided, start, num_fixed, step, post_steps, strategy.session.mask_token_id)
     began_full = ~block.masked.any(dim=1) if strategy.edit_rule is not None else None
     pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
-    ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
-                                                                          strategy.draft_mask(block), pending)
-    logits, lengths, carry = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
-                                                 store_valid=store_valid, logits_to_keep=strategy.block_size,
-                                                 carry=carry, return_carry=True)
-    probs, proposal, confidence = strategy.propose(logits, noise)
+    lengths, carry, logits, (probs, proposal, confidence) = draft_and_propose(strategy, runner, shape, lengths,
+                                                                              block, pending, noise, carry)
     began = BlockState(tokens, undecided, start, num_fixed, step, post_steps, block.mask_token_id)
     counts, edited = [], None
     if strategy.edit_rule is not None:

@@ -47,7 +47,7 @@ from .drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter, draft_blo
 from ..maths.masks import causal_mask, left_pad
 from ..runtime.static import width_bucket
 from ..validation import check_choice, invalid
-from ..maths.sampling import RowGenerators, draw_exponential, draw_verification
+from ..maths.sampling import draw_exponential, draw_verification
 from ..maths.verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
 from .base import DecodingStrategy
 from .block_diffusion import output_vocab_size
@@ -333,9 +333,9 @@ class DeerStrategy(DecodingStrategy):
         drafter step (:func:`~hf_dllm_spec.maths.sampling.categorical_from_noise` then gives its tokens, the
         generators left at the same state): `Exp(1)` noise `(R, k, V)` float32 (`R`: the drafter's
         :attr:`step_rows`). The eager cycle draws the first `max(drafts)` positions of every row with a shared
-        generator (one multinomial, :meth:`Sampler.draw_noise`), row r's first `drafts[r]` positions from its own
-        generator with per-row generators; the other positions keep older noise (their drafts are masked). None
-        when greedy.
+        generator (one multinomial), row r's first `drafts[r]` positions from its own generator with per-row
+        generators (:func:`~hf_dllm_spec.maths.sampling.draw_exponential` with `widths`); the other positions keep
+        older noise (their drafts are masked). None when greedy.
 
         Args:
             drafts (`list[int]`): drafts per row this cycle (:meth:`host_drafts`), on the host.
@@ -345,12 +345,7 @@ class DeerStrategy(DecodingStrategy):
             return None
         noise = self.buffer("draft-noise", (runner.step_rows, self.config.block_size, output_vocab_size(runner.model)),
                             runner.device)
-        if isinstance(sampler.generator, RowGenerators):
-            for r, count in enumerate(drafts):
-                draw_exponential(noise[r, :count], sampler.generator[r])
-        else:
-            sampler.draw_noise(noise[:, :max(drafts)], len(drafts))
-        return noise
+        return draw_exponential(noise, sampler.generator, widths=drafts)
 
     def verification_draws(self, drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """With rejection sampling, every random number the eager cycle's verification draws, drawn before the

@@ -70,8 +70,8 @@ from ..maths.sampling import POSITION_INDEPENDENT_PROCESSORS, draw_verification,
 from ..maths.unmasking import first_masked_span
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import greedy_match, rejection_sample, span_writes
-from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, output_vocab_size,
-                             step_read)
+from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, draft_and_propose,
+                             output_vocab_size, step_read)
 
 _SDAR_AR_CACHING = {"cache_ver": True, "draft_ver": True, "token_acceptance_estimator": "soft_entropy_negexp"}
 _FAST_DLLM_V2 = {"block_size": 32, "confidence_threshold": 0.9, "fuse_cache_write": False,
@@ -669,12 +669,8 @@ def s2d2_draft_step(strategy: S2D2Strategy, runner, shape: tuple, lengths: torch
     block = BlockState(tokens, undecided, start, num_fixed, step, post_steps, strategy.session.mask_token_id)
     began_full = ~block.masked.any(dim=1)
     pending = None if pending_tokens is None else (pending_tokens, pending_positions, pending_rows)
-    ids, positions, intra, store_len, store_valid = strategy.with_pending(block.tokens, block.positions,
-                                                                          strategy.draft_mask(block), pending)
-    logits, lengths, carry = runner.step_forward(shape, ids, positions, intra, lengths, store_len=store_len,
-                                                 store_valid=store_valid, logits_to_keep=strategy.block_size,
-                                                 carry=carry, return_carry=True)
-    draft_probs, draft_tokens, confidence = strategy.propose(logits, noise)
+    lengths, carry, logits, (draft_probs, draft_tokens, confidence) = draft_and_propose(
+        strategy, runner, shape, lengths, block, pending, noise, carry)
     edits = torch.zeros_like(block.undecided)
     if strategy.edit_rule is not None:                                      # LLaDA2.1: the verifier sees edits
         edits = strategy.edits(block, draft_probs, draft_tokens, confidence)

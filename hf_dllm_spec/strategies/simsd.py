@@ -64,7 +64,7 @@ import torch
 
 from ..configuration import DrafterConfig, check_int
 from ..maths.masks import full_mask, temporal_verify_mask
-from ..maths.sampling import RowGenerators, Sampler, draw_verification, entropy, step_processors
+from ..maths.sampling import Sampler, draw_exponential, draw_verification, entropy, step_processors
 from ..maths.unmasking import first_masked_span, scheduled_tokens, select_transfer
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
@@ -655,7 +655,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
         if not self.draft_sampler.do_sample:
             return None
         noise = self.draw_buffer("draft", s.drafter, (self.block_size, output_vocab_size(s.drafter.model)))
-        return _draw_noise_of_rows(self.draft_sampler, noise, rows)
+        widths = [self.block_size if drafting else 0 for drafting in rows]
+        return draw_exponential(noise, self.draft_sampler.generator, widths=widths)
 
     def verify_draws(self, num_drafts: list[int]) -> tuple:
         """The compiled verify step's random numbers, drawn before it in the eager order: with rejection sampling
@@ -749,19 +750,6 @@ class SimSDStrategy(BlockDiffusionStrategy):
 def _host_tensor(ids: list[int]) -> torch.Tensor:
     """Token ids read on the host as a CPU int64 tensor `(n,)` (what a streamer is given, no device read)."""
     return torch.tensor(ids, dtype=torch.long)
-
-
-def _draw_noise_of_rows(sampler: Sampler, noise: torch.Tensor, rows: list[bool]) -> torch.Tensor:
-    """:meth:`Sampler.draw_noise` for a choice whose per-row generators draw only for the `rows` flagged (what
-    `Sampler.choose(probs, draw=rows[:, None])` draws over whole rows): a shared generator fills the first
-    `len(rows)` rows of `noise` `(R, *S, V)` in one call, per-row generators row r's `(*S, V)` for each flagged r
-    (the others keep their old numbers, unread). Returns `noise`. (A maths function: to move next to
-    :func:`~hf_dllm_spec.maths.sampling.draw_exponential`.)"""
-    if not isinstance(sampler.generator, RowGenerators):
-        return sampler.draw_noise(noise, len(rows))
-    for r in (r for r, flag in enumerate(rows) if flag):
-        noise[r].exponential_(1, generator=sampler.generator[r])
-    return noise
 
 
 def simsd_draft_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: torch.Tensor, tokens: torch.Tensor,
