@@ -431,10 +431,6 @@ def draw_exponential(noise: torch.Tensor, generator: Generators, rows: int | Non
     for r in range(rows):
         (noise[r] if widths is None else noise[r, :widths[r]]).exponential_(1, generator=generator[r])
     return noise
-    _check_rows(generator, rows, "draw_exponential")
-    for r in range(rows):
-        noise[r].exponential_(1, generator=generator[r])
-    return noise
 
 
 def draw_uniforms(lengths: torch.Tensor, width: int, generator: Generators, *, device: torch.device,
