@@ -64,16 +64,26 @@ class StepSyncs:
         run = StaticModelRunner.run_step
 
         def counted(runner, *args, **kwargs):
-            if self.syncs is None:
+            if self.syncs is not None:
+                self.before.append(self.syncs.total)
+            with self.paused():
                 return run(runner, *args, **kwargs)
-            self.before.append(self.syncs.total)
-            self.syncs.__exit__(None, None, None)
-            try:
-                return run(runner, *args, **kwargs)
-            finally:
-                self.syncs.__enter__()
 
         monkeypatch.setattr(StaticModelRunner, "run_step", counted)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave what runs inside out of the count (a compiled call, the stream's own work on host tensors); a
+        no-op outside :meth:`counting`."""
+        syncs = self.syncs
+        if syncs is None:
+            yield
+            return
+        syncs.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            syncs.__enter__()
 
     @contextlib.contextmanager
     def counting(self):
@@ -282,14 +292,8 @@ def stream_on_the_host(monkeypatch, step_syncs) -> None:
     def paused(method):
         def call(self, *tensors):
             assert all(t.device.type == "cpu" for t in tensors)
-            syncs = step_syncs.syncs
-            if syncs is None:
+            with step_syncs.paused():
                 return method(self, *tensors)
-            syncs.__exit__(None, None, None)
-            try:
-                return method(self, *tensors)
-            finally:
-                syncs.__enter__()
         return call
 
     monkeypatch.setattr(TokenStream, "push", paused(TokenStream.push))

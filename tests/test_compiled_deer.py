@@ -247,9 +247,6 @@ def test_seeded_64_token_call_one_graph_per_key_one_read_per_cycle(pair, step_sy
     assert step_syncs.per_step() <= 0.5, syncs.by_site.most_common(4)
 
 
-
-
-
 def stream_site(site: tuple[str, int]) -> bool:
     """Whether a counted read's site is the stream's (its cut, copy and draft check: `TokenStream`, `RowEnds`,
     `DecodingStrategy.stream_draft`), which the compiled cycle feeds with tensors made on the host from its read."""

@@ -138,9 +138,6 @@ def test_one_graph_per_key_and_one_host_read_per_forward_over_a_64_token_call(sd
     assert step_syncs.per_step() <= 1.0, syncs.by_site.most_common(4)
 
 
-
-
-
 def loop_syncs(syncs) -> int:
     """Host reads counted in the decoding loop (strategies/, runtime/) outside the streamer's own code (TokenStream,
     `stream_draft`), which a compiled cycle hands CPU tensors built from its read (on the CPU the counter cannot tell

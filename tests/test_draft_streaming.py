@@ -27,9 +27,6 @@ MODELS = pathlib.Path(__file__).resolve().parents[1] / "models"
 PROMPT = "Question: Tom has 12 apples. Tom gets 7 more apples. How many apples does Tom have now?\nAnswer:"
 
 
-
-
-
 _loaded: dict[str, tuple] = {}
 
 
