@@ -698,8 +698,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
         (:func:`~hf_dllm_spec.maths.sampling.step_processors`; the random draw made before the step,
         :meth:`step_noise`); any
         remasking rule, whole blocks or sub-blocks; LLaDA2.1 token editing (`ThresholdEditRule`) and
-        `num_to_transfer`; a streamer (batch 1: the read carries what it shows, :meth:`stream_read`); no
-        `cache_ver` / `draft_ver`; a class whose step methods are traceable
+        `num_to_transfer`; a streamer (batch 1: the read carries what it shows, :meth:`stream_read`); `cache_ver`
+        and `draft_ver` (the masks built inside the step); a class whose step methods are traceable
         (:data:`COMPILED_STEP_METHODS`). Else the eager step."""
         s, cfg = self.session, self.config
         processors = s.sampler.logits_processor
@@ -707,19 +707,18 @@ class BlockDiffusionStrategy(DecodingStrategy):
                   else getattr(s.target, "runs_compiled_steps", False))
         return (served and step_processors(processors)
                 and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule)
-                and not cfg.cache_ver and not cfg.draft_ver
                 and traceable_step_methods(type(self), self.COMPILED_STEP_METHODS))
 
     @property
     def step_key(self) -> tuple:
         """What a compiled step specialises on besides its shapes: the strategy's class, rule and parameters, the
-        edit rule's, the sampler's (:attr:`Sampler.step_key`). Built once per call."""
+        caching and drafting masks, the edit rule's, the sampler's (:attr:`Sampler.step_key`). Built once per call."""
         if self._step_key is None:
             cfg, rule = self.config, self.edit_rule
             self._step_key = (type(self).__qualname__, self.block_size, self.sub_block_size, self.steps_per_block,
-                              cfg.remasking_strategy, cfg.confidence_threshold, cfg.eb_threshold,
-                              self.num_to_transfer, None if rule is None else (rule.editing_threshold,
-                                                                               rule.max_post_steps),
+                              cfg.remasking_strategy, cfg.confidence_threshold, cfg.eb_threshold, cfg.cache_ver,
+                              cfg.draft_ver, self.num_to_transfer,
+                              None if rule is None else (rule.editing_threshold, rule.max_post_steps),
                               self.session.mask_token_id, self.session.sampler.step_key, self.stream_columns)
         return self._step_key
 
@@ -770,7 +769,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
         n = block.tokens.shape[0]
         for i in range(n):
             s.stats.row(i).num_denoising_steps += 1
-        self.draft_mask(block)                            # built once, outside the compiled code
+        if not self.config.draft_ver:
+            self.draft_mask(block)                        # built once, outside the compiled code
         carry = self.step_carry(n)
         tensors = (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps,
                    *(pending if pending is not None else (None, None, None)), self.step_noise(n), carry)
@@ -796,7 +796,6 @@ class BlockDiffusionStrategy(DecodingStrategy):
             del row[-self.stream_columns:]
         return streamed
 
-
     def compiled_cache_write(self, block: BlockState, done: torch.Tensor, done_rows: list[bool],
                              continuing: torch.Tensor) -> None:
         """:meth:`schedule_writes` with separate cache writes as one compiled call (:func:`cache_write_step`): the
@@ -814,6 +813,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
                                         kind="cache_write", rows=done_rows, sets_carry=carry is not None)
         if carry is not None:
             s.stats.accumulate("num_fallback_tokens", committed)
+
 
 def cache_write_step(strategy: BlockDiffusionStrategy, runner, shape: tuple, lengths: torch.Tensor,
                      tokens: torch.Tensor, positions: torch.Tensor, done: torch.Tensor, continuing: torch.Tensor,

@@ -484,10 +484,10 @@ class S2D2Strategy(BlockDiffusionStrategy):
 
     @property
     def step_key(self) -> tuple:
-        """What S2D2's compiled steps specialise on besides their shapes: the fallback rule, the caching masks, the
-        routing and the acceptance parameters."""
+        """What S2D2's compiled steps specialise on besides their shapes (the block-diffusion key: the fallback rule,
+        the caching masks): the routing and the acceptance parameters."""
         cfg = self.config
-        return (*super().step_key, "s2d2", cfg.cache_ver, cfg.draft_ver, self.ucb_counts_prompt_tail, self.acceptance,
+        return (*super().step_key, "s2d2", self.ucb_counts_prompt_tail, self.acceptance,
                 cfg.allow_resample, cfg.ssd_ratio_tempering_factor,
                 *(getattr(cfg, name) for name in ROUTING_PARAMETERS))
 
