@@ -9,6 +9,8 @@ fullgraph (a graph break raises), one graph per key over a 64-token call and a s
 per forward, and the cases the compiled step does not serve on the eager step. Seeded (phase 4): sampled drafts,
 stochastic and greedy_match acceptance, shared and per-row generators (the generators end where the eager ones end),
 on SDAR, Fast-dLLM v2 and LLaDA2.1. Dynamo's "eager" backend (the trace and its guards); one slow test runs inductor.
+The bundled models run with their first two layers (`conftest.load_first_layers`: compiling costs about layers in
+proportion).
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import Recorder, assert_same_decode, cpu_compile_config, fast_first, seeded, stream_on_the_host
+from conftest import (Recorder, assert_same_decode, cpu_compile_config, fast_first, load_first_layers, seeded,
+                      stream_on_the_host)
 
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import s2d2
-from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
 
 PROMPTS = ["12+7=", "3*4+25="]
 #: The main job's S2D2 row (benchmarks/host_work.py): AR-like caching and drafting masks, threshold 0.9.
@@ -40,9 +42,7 @@ POLICIES = {
 
 @pytest.fixture(scope="module")
 def arith():
-    tokenizer, model = load(ROOT / "models" / "sdar-tiny-arith")
-    tokenizer.padding_side = "left"
-    return tokenizer, model
+    return load_first_layers("sdar-tiny-arith")
 
 
 pytestmark = pytest.mark.usefixtures("as_users_run_it")
@@ -89,9 +89,7 @@ def test_tokens_and_counters_equal_the_eager_runtime(arith, policy):
 
 @pytest.fixture(scope="module")
 def fast():
-    tokenizer, model = load(ROOT / "models" / "fast-dllm-v2-tiny")
-    tokenizer.padding_side = "left"
-    return tokenizer, model
+    return load_first_layers("fast-dllm-v2-tiny")
 
 
 @pytest.mark.parametrize("params", fast_first([{}, dict(fuse_cache_write=True, block_size=8,
@@ -113,9 +111,7 @@ def test_right_shifted_model_equals_the_eager_runtime(fast, params):
 
 @pytest.fixture(scope="module")
 def llada2():
-    tokenizer, model = load(ROOT / "models" / "llada2-tiny")
-    tokenizer.padding_side = "left"
-    return tokenizer, model
+    return load_first_layers("llada2-tiny")
 
 
 @pytest.mark.slow

@@ -37,15 +37,16 @@ from model_patches.sdar import SDARConfig, SDARForCausalLM
 
 pytestmark = pytest.mark.usefixtures("as_users_run_it")
 
-#: case -> (whether the target drafts for itself, rows, parameters); 3 rows run at a bucket of 4 (a zero row)
+#: case -> (whether the target drafts for itself, rows, parameters); 3 rows run at a bucket of 4 (a zero row), in a
+#: few cases of greedy and seeded SimSD: each rows bucket is a set of graphs to compile (these tests' cost)
 CASES = {
     "self-drafter": (True, 2, {}),            # low_confidence_static, one reveal per step; drafts accepted
     "other-drafter": (False, 3, {}),          # every draft rejected
     "temporal-eos-gate": (True, 3, dict(verify_order="temporal", eos_min_prob=0.9)),
-    "dynamic-two-steps": (True, 3, dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5,
+    "dynamic-two-steps": (True, 2, dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5,
                                         steps_per_block=2)),               # several reveals per drafter step
-    "min-draft-len": (False, 3, dict(min_draft_len=3)),   # blocks with 1-2 masks left: the target alone
-    "stacked": (True, 3, dict(verify_layout="stacked")),  # B copies, those past a row's last step unread
+    "min-draft-len": (False, 2, dict(min_draft_len=3)),   # blocks with 1-2 masks left: the target alone
+    "stacked": (True, 2, dict(verify_layout="stacked")),  # B copies, those past a row's last step unread
 }
 
 
@@ -211,9 +212,9 @@ def test_a_graph_break_in_the_cycle_raises(sdar_model, drafter, monkeypatch):
 SEEDED = {
     "shared": (False, 3, "shared", dict(min_draft_len=3)),           # the target's own draws for short blocks
     "batch-1": (True, 1, "shared", {}),
-    "per-row-self-drafter": (True, 3, "per-row", {}),
+    "per-row-self-drafter": (True, 2, "per-row", {}),
     "per-row-min-draft-len": (False, 3, "per-row", dict(min_draft_len=3)),
-    "stacked-dynamic": (True, 3, "per-row", dict(verify_layout="stacked", remasking_strategy="low_confidence_dynamic",
+    "stacked-dynamic": (True, 2, "per-row", dict(verify_layout="stacked", remasking_strategy="low_confidence_dynamic",
                                                  confidence_threshold=0.5, steps_per_block=2)),
     "greedy-rejection": (False, 2, "shared", dict(do_sample=False, acceptance="rejection_sampling")),
 }
