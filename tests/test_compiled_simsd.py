@@ -27,7 +27,7 @@ import inspect
 import pytest
 import torch
 from conftest import (MASK_ID, TINY, Recorder, ScriptedFeed, assert_same_decode, cpu_compile_config, left_padded_batch,
-                      spec_counters)
+                      load_first_layers, spec_counters)
 
 from hf_dllm_spec.integration.continuous import RowRequest
 from hf_dllm_spec.maths.masks import temporal_verify_mask
@@ -369,13 +369,11 @@ def test_sampled_rows_that_join_get_the_eager_runtime_tokens(sdar_model, drafter
 
 @pytest.mark.slow
 def test_the_bundled_pair_gives_the_eager_tokens():
-    """models/sdar-large drafted by models/sdar-tiny-arith (benchmarks/host_work.py's pair), a left-padded batch of
-    2: the eager runtime's tokens and counters."""
-    from hf_dllm_spec.tools.jobs.evaluation import ROOT, load
-
-    tokenizer, target = load(ROOT / "models" / "sdar-large")
-    drafter = load(ROOT / "models" / "sdar-tiny-arith")[1]
-    tokenizer.padding_side = "left"
+    """models/sdar-large drafted by models/sdar-tiny-arith (benchmarks/host_work.py's pair; their first 4 and 2
+    layers, `conftest.load_first_layers`: dynamo traces each forward once per key), a left-padded batch of 2: the
+    eager runtime's tokens and counters."""
+    tokenizer, target = load_first_layers("sdar-large", 4)
+    drafter = load_first_layers("sdar-tiny-arith")[1]
     enc = tokenizer(["12+7=", "3*4+25="], return_tensors="pt", padding=True)
     kwargs = dict(decoding_strategy="simsd", draft_model=drafter, max_new_tokens=16, return_dict_in_generate=True)
     eager = target.generate(enc.input_ids, attention_mask=enc.attention_mask, **kwargs)
