@@ -154,12 +154,13 @@ def cpu_compile_config(backend: str = "eager"):
 
 
 def load_first_layers(name: str, layers: int = 2):
-    """The bundled model `models/<name>` cut to its first `layers` decoder layers (`num_hidden_layers`; the other
-    layers' weights are not loaded), and its tokenizer with left padding, for the compiled-step tests: dynamo traces
+    """The bundled model `models/<name>` cut to its first `layers` decoder layers (`num_hidden_layers` and
+    `layer_types`, which caches read; the other layers' weights are not loaded), and its tokenizer with left padding,
+    for the compiled-step tests: dynamo traces
     the forward once per compiled key, so compiling costs about layers in proportion (S2D2 on sdar-tiny-arith, a
     batch of 2, 16 tokens, 4 keys: 16.3 s with its 4 layers, 9.7 s with 2). The trained embeddings and first layers
     keep the drafts structured enough for verification to accept some and reject others."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     from hf_dllm_spec.tools.jobs.evaluation import ROOT
@@ -167,10 +168,14 @@ def load_first_layers(name: str, layers: int = 2):
     path = ROOT / "models" / name
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
+    config = AutoConfig.from_pretrained(path)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:        # transformers 5.17's DynamicCache: one per entry
+        config.layer_types = config.layer_types[:layers]
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()               # the load report lists the layers left out
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=layers, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
     finally:
         logging.set_verbosity(verbosity)
     return tokenizer, model
