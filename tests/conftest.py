@@ -156,10 +156,10 @@ def cpu_compile_config(backend: str = "eager"):
 def load_first_layers(name: str, layers: int = 2):
     """The bundled model `models/<name>` cut to its first `layers` decoder layers (`num_hidden_layers` and
     `layer_types`, which caches read; the other layers' weights are not loaded), and its tokenizer with left padding,
-    for the compiled-step tests: dynamo traces
-    the forward once per compiled key, so compiling costs about layers in proportion (S2D2 on sdar-tiny-arith, a
-    batch of 2, 16 tokens, 4 keys: 16.3 s with its 4 layers, 9.7 s with 2). The trained embeddings and first layers
-    keep the drafts structured enough for verification to accept some and reject others."""
+    for the compiled-step tests: dynamo traces the forward once per compiled key, so compiling costs about layers in
+    proportion (S2D2 on sdar-tiny-arith, a batch of 2, 16 tokens, 4 keys: 16.3 s with its 4 layers, 9.7 s with 2).
+    The trained embeddings and first layers keep the drafts structured enough for verification to accept some and
+    reject others."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
