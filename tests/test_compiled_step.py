@@ -142,9 +142,38 @@ def test_noise_draw_has_the_distribution():
     assert ((counts / n - probs).abs() <= error + 1e-12).all(), counts / n
 
 
-def test_compile_options_force_fullgraph():
-    options = compile_options(CompileConfig(fullgraph=False, mode="default", dynamic=False))
+def test_compile_options_force_fullgraph_and_static_shapes_unless_asked():
+    options = compile_options(CompileConfig(fullgraph=False, mode="default"))
     assert options == {"backend": "inductor", "mode": "default", "dynamic": False, "fullgraph": True}
+    assert compile_options(CompileConfig(dynamic=True), fullgraph=False)["dynamic"] is True
+
+
+def test_every_key_compiles_static_shapes(sdar_model):
+    """A call whose steps compile several keys (a batch of 2, then 1 after row 0 leaves; with and without a pending
+    block): every graph dynamo hands the backend takes inputs of fixed sizes, none symbolic. torch's default
+    (`dynamic=None`) would trace the second key of each step function with symbolic sizes (its automatic-dynamic
+    record is per source line, shared by the keys' copies of one function)."""
+    graphs = []
+
+    def record(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    clear_static_state(sdar_model)
+    config = cpu_compile_config()
+    config.backend = record
+    eager = generate(sdar_model, PROMPTS[:2])
+    stop = early_stop(eager.sequences)
+    compiled = generate(sdar_model, PROMPTS[:2], eos_token_id=stop, cache_implementation="static",
+                        compile_config=config)
+    assert_same_decode(generate(sdar_model, PROMPTS[:2], eos_token_id=stop), compiled)
+    assert len(step_keys(sdar_model)) > 2 and len(graphs) == len(static_states(sdar_model)[0].steps.keys)
+    values = [node.meta.get("example_value") for graph in graphs for node in graph.graph.nodes
+              if node.op == "placeholder"]
+    sizes = [size for value in values if isinstance(value, torch.Tensor) for size in value.shape]
+    assert sizes and all(type(size) is int for size in sizes)
+    assert not any(isinstance(value, torch.SymInt) for value in values)
+    clear_static_state(sdar_model)
 
 
 @pytest.mark.parametrize("params", [{}, dict(SAMPLED, generator="rows")])

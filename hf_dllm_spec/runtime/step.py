@@ -15,6 +15,9 @@ that `torch._dynamo.config.error_on_recompile` turns into an error (tests/test_c
 
 Options: `compile_config`'s `backend`, `mode`, `dynamic` and `options` (transformers' meaning), always with
 `fullgraph=True`: a graph break inside a step raises instead of silently splitting the step into eager pieces.
+`dynamic=None` (the config's default) compiles static shapes (`dynamic=False`): every key is one fixed shape, and
+torch's default would mark sizes dynamic from a call's second key on (its automatic-dynamic record is per source
+line, which the keys' copies of one function share), tracing symbolic shapes for graphs that never see another.
 
 Source: issue 34; transformers `DiffusionGemmaGenerationMixin._compile_functions` (compiles its sampler and
 stopping criteria with the model); PyTorch `torch.compile` (`fullgraph`, guards and recompilation).
@@ -33,10 +36,11 @@ COMPILE_OPTIONS = ("backend", "mode", "dynamic", "options")
 
 def compile_options(compile_config, *, fullgraph: bool = True) -> dict[str, Any]:
     """`torch.compile` keyword arguments from a transformers `CompileConfig` (None: torch's defaults), with
-    `fullgraph` (True for a decoding step: a graph break is a bug; a plain forward takes the config's own)."""
+    `fullgraph` (True for a decoding step: a graph break is a bug; a plain forward takes the config's own) and
+    `dynamic=False` unless the config asks for dynamic shapes (each key compiles one fixed shape)."""
     options = {name: getattr(compile_config, name) for name in COMPILE_OPTIONS
                if getattr(compile_config, name, None) is not None}
-    return {**options, "fullgraph": fullgraph}
+    return {"dynamic": False, **options, "fullgraph": fullgraph}
 
 
 def _own_code(function: Callable) -> Callable:
