@@ -12,7 +12,7 @@ graph break raises), one graph per key over a 64-token call and a second call, a
 there. Seeded (rejection sampling, the drafter sampling; a shared generator and one per row): the eager runtime's
 tokens and counters from the same seeds (batch 1, left-padded batches, blocks finished by the target alone, the
 stacked layout, rejection sampling of greedy drafts), one graph per key and one host read per forward over a
-64-token call; sampling with the EOS gate on the eager cycle. Streaming (batch 1, greedy and seeded): the eager
+64-token call; sampling with the EOS gate (the gate fires). Streaming (batch 1, greedy and seeded): the eager
 runtime's `put` / `put_draft` / `end` calls, no host read added outside the streamer's own code. The full paired
 layout gives the compacted layout's tokens (eager). Dynamo's
 "eager" backend (the trace and its guards); the slow tests run the other cases and the bundled pair
@@ -283,15 +283,37 @@ def test_sampled_cycle_one_graph_per_key_and_one_host_read_per_forward(sdar_mode
 
 
 @pytest.mark.slow
-def test_sampling_with_the_eos_gate_runs_the_eager_cycle(sdar_model, drafter, monkeypatch):
-    """Sampling with the EOS gate (`eos_min_prob`): its replacement token is drawn only when it fires (a
-    data-dependent draw), so the eager cycle."""
-    monkeypatch.setattr(simsd, "simsd_draft_step", None)                      # would fail if called
+@pytest.mark.parametrize("kind", ["per-row", "shared"])
+def test_sampling_with_the_eos_gate_equals_the_eager_runtime(sdar_model, drafter, kind, monkeypatch):
+    """Sampling with the EOS gate (`eos_min_prob`): the replacement's noise is drawn for every row before the verify
+    step (the eager cycle draws it too, whether the gate fires or not), so a left-padded batch of 2 gets the eager
+    runtime's tokens, counters and generator states from the compiled cycle; the gate fires in this run (a frequent
+    token as the stop id, gated at 1.0: every time it arrives as a correction)."""
     clear(sdar_model, drafter)
     ids, mask = batch()
-    generate(sdar_model, drafter, ids[:1], mask[:1], True, max_new_tokens=8, eos_token_id=5, eos_min_prob=0.5,
-             **seeded("shared", 1))
-    assert simsd_keys(sdar_model, drafter) == []
+    ids, mask = ids[:2], mask[:2]
+    generated = generate(sdar_model, drafter, ids, mask, False, **seeded(kind, 2)).sequences[:, ids.shape[1]:]
+    generated = generated.flatten().tolist()
+    params = dict(eos_token_id=max(set(generated), key=generated.count), eos_min_prob=1.0)
+    fired, gate = [], simsd.gate_stop_tokens
+
+    def spy(committed, *args, **kwargs):
+        out = gate(committed, *args, **kwargs)
+        fired.append(not torch.equal(out, committed))
+        return out
+
+    eager_params, compiled_params = seeded(kind, 2), seeded(kind, 2)
+    with monkeypatch.context() as patch:
+        patch.setattr(simsd, "gate_stop_tokens", spy)
+        eager = generate(sdar_model, drafter, ids, mask, False, **eager_params, **params)
+    assert any(fired)
+    compiled = generate(sdar_model, drafter, ids, mask, True, **compiled_params, **params)
+    assert_same_decode(eager, compiled)
+    generators = [eager_params["generator"], compiled_params["generator"]]
+    states = [[g.get_state() for g in (gs if isinstance(gs, list) else [gs])] for gs in generators]
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    assert {key[0] for key in simsd_keys(sdar_model, drafter)} == {"simsd-draft", "simsd-verify"}
+    assert one_graph_each(sdar_model, drafter)
 
 
 def test_the_full_paired_layout_gives_the_compacted_tokens(sdar_model, drafter, monkeypatch):

@@ -50,8 +50,9 @@ the stacked one; the acceptance rule, the EOS gate, the commits and the next blo
 The maths are the eager cycle's methods (:meth:`SimSDStrategy.reveal`, :meth:`SimSDStrategy.accept`, ...). Seeded:
 every random number the eager cycle draws is drawn before the compiled call that uses it, from the same
 generators in the same order, into fixed buffers (the drafter's token draws, :meth:`SimSDStrategy.draft_noise`;
-the verification's uniforms and noise and the target's own draws, :meth:`SimSDStrategy.verify_draws`), and the
-steps choose with pure functions of them (:func:`~hf_dllm_spec.maths.sampling.categorical_from_noise`,
+the verification's uniforms and noise, the EOS gate's replacement noise for every row and the target's own draws,
+:meth:`SimSDStrategy.verify_draws`), and the steps choose with pure functions of them
+(:func:`~hf_dllm_spec.maths.sampling.categorical_from_noise`,
 :func:`~hf_dllm_spec.maths.verification.rejection_sample` with `draws`): the eager tokens from the same seeds.
 """
 
@@ -220,7 +221,7 @@ def compact_paired_layout(ids: torch.Tensor, positions: torch.Tensor, reveal_ste
 
 def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, target_probs: torch.Tensor,
                      stop_token_ids: list[int], min_prob: float, sampler: Sampler,
-                     draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+                     draft_probs: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
     """SimSD's EOS gate (`eos_min_prob`, `strategies.md` §6.6): a stop id that arrives only as the correction token
     (after a rejection) while the target gives it less than `min_prob` is replaced by the target's best other
     token (greedy_match) or, with `draft_probs` (rejection sampling), one drawn from the residual (t - d)+
@@ -233,6 +234,9 @@ def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, ta
         stop_token_ids (`list[int]`), min_prob (`float`): the gate.
         sampler (`Sampler`): picks the replacement (argmax, or a draw from its generator).
         draft_probs (`torch.Tensor` of shape `(N, L, V)`, *optional*): the draft distributions (rejection sampling).
+        noise (`torch.Tensor` of shape `(N, V)` float32, *optional*): when sampling, the replacement's `Exp(1)` noise,
+            drawn beforehand for every row whether the gate fires or not (:meth:`SimSDStrategy.accept`); None draws
+            from the sampler's generator here, for the rows where it fires only.
 
     Returns:
         `torch.Tensor` of shape `(N, L)`, int64.
@@ -251,7 +255,7 @@ def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, ta
         residual = (probs - draft_probs[rows, slot]).clamp_min(0.0).index_fill(1, stop, 0.0)
         other = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, other)
     other = other / other.sum(dim=1, keepdim=True).clamp_min(torch.finfo(other.dtype).tiny)
-    replacement, _ = sampler.choose(other, draw=gated)
+    replacement, _ = sampler.choose(other, draw=gated, noise=noise)
     out = committed_ids.clone()
     out[rows, slot] = torch.where(gated, replacement, token)
     return out
@@ -547,11 +551,16 @@ class SimSDStrategy(BlockDiffusionStrategy):
         s.stats.accumulate("num_committed_tokens", result.num_tokens + alone.sum(dim=1))
 
     def accept(self, tokens: torch.Tensor, undecided: torch.Tensor, drafts: Drafts, target_probs: torch.Tensor,
-               draws: tuple[torch.Tensor, torch.Tensor] | None = None,
-               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, VerificationResult,
-                                                           torch.Tensor, torch.Tensor]:
+               draws: tuple[torch.Tensor, torch.Tensor] | None = None, noise: torch.Tensor | None = None,
+               gate_noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, VerificationResult,
+                                                                torch.Tensor, torch.Tensor]:
         """Step 3 as a function of tensors (no host read under greedy_match but the EOS gate's early exit, which a
         compiled cycle skips): the verification in `verify_order`, the EOS gate, the commits.
+
+        Random numbers, sampling, in this order: rejection sampling's (`draws`), the EOS gate's replacement noise
+        for every row (when the gate is on: drawn whether it fires or not, so that the amount drawn does not depend
+        on the verification and a compiled cycle draws it before its step), the target's tokens for the rows
+        finished alone (`noise`).
 
         Args:
             tokens, undecided (`(N, B)`): the block before this cycle's commits.
@@ -561,6 +570,8 @@ class SimSDStrategy(BlockDiffusionStrategy):
                 (:meth:`verify_draws`, a compiled step); None draws them here.
             noise (`(N, B, V)` float32, *optional*): when sampling with `min_draft_len > 1`, the draw of the target's
                 tokens for the rows finished alone, made before the step; None draws here.
+            gate_noise (`(N, V)` float32, *optional*): when sampling with the EOS gate, its replacement's noise made
+                before the step (:func:`gate_stop_tokens`); None draws here.
 
         Returns:
             `(tokens, undecided, result, num_drafts, alone)`: the block after the commits, the verification (in
@@ -584,8 +595,11 @@ class SimSDStrategy(BlockDiffusionStrategy):
                                       generator=s.sampler.generator, draws=draws)
         committed_ids = result.token_ids[:, : order.shape[1]]
         if self.config.eos_min_prob > 0 and s.stop_token_ids:
+            if s.sampler.do_sample and gate_noise is None:
+                gate_noise = s.sampler.draw_noise(target_probs.new_empty(tokens.shape[0], vocab), tokens.shape[0])
             committed_ids = gate_stop_tokens(committed_ids, result, target_ordered, s.stop_token_ids,
-                                             self.config.eos_min_prob, s.sampler, draft_probs=draft_ordered)
+                                             self.config.eos_min_prob, s.sampler, draft_probs=draft_ordered,
+                                             noise=gate_noise)
         in_order = torch.arange(order.shape[1], device=order.device)[None] < result.num_tokens[:, None]
         commit = torch.zeros_like(in_order).scatter(1, order, in_order)
         values = torch.zeros_like(tokens).scatter(1, order, committed_ids.clamp(min=0))
@@ -614,15 +628,14 @@ class SimSDStrategy(BlockDiffusionStrategy):
         :meth:`verify_draws`), greedy_match or rejection sampling, with transformers' position-independent
         processors (per-request ones of a continuous batch too, :func:`~hf_dllm_spec.maths.sampling.
         step_processors`); either layout (the stacked one at its most copies, `steps_per_block`), either verification
-        order, any `min_draft_len`, the EOS gate (not when sampling: its replacement is drawn only when it fires);
-        any drafter schedule; continuous batching; a streamer (batch 1: the committed tokens and the drafter's
-        proposal from the cycle's read, :meth:`compiled_cycle`); a class whose cycle methods are traceable
-        (:data:`COMPILED_CYCLE_METHODS`). Else the eager cycle. Called by the block-diffusion constructor (config and
-        session only)."""
-        s, cfg = self.session, self.config
+        order, any `min_draft_len`, the EOS gate (sampling: its replacement's noise drawn for every row before the
+        step, :meth:`accept`); any drafter schedule; continuous batching; a streamer (batch 1: the committed tokens
+        and the drafter's proposal from the cycle's read, :meth:`compiled_cycle`); a class whose cycle methods are
+        traceable (:data:`COMPILED_CYCLE_METHODS`). Else the eager cycle. Called by the block-diffusion constructor
+        (config and session only)."""
+        s = self.session
         return (getattr(s.target, "runs_compiled_steps", False) and getattr(s.drafter, "runs_compiled_steps", False)
                 and s.drafter.device == s.target.device
-                and not (s.sampler.do_sample and cfg.eos_min_prob > 0 and s.stop_token_ids)
                 and step_processors(s.sampler.logits_processor)
                 and traceable_step_methods(type(self), self.COMPILED_CYCLE_METHODS))
 
@@ -659,23 +672,26 @@ class SimSDStrategy(BlockDiffusionStrategy):
         return draw_exponential(noise, self.draft_sampler.generator, widths=widths)
 
     def verify_draws(self, num_drafts: list[int]) -> tuple:
-        """The compiled verify step's random numbers, drawn before it in the eager order: with rejection sampling
-        the uniforms `(R, B)` and `Exp(1)` noise `(R, V)` of :func:`~hf_dllm_spec.maths.sampling.draw_verification`
-        (`num_drafts`: each row's drafts, known on the host: per-row generators draw that many uniforms), then,
-        when sampling with `min_draft_len > 1`, the noise `(R, B, V)` of the target's token draw for the rows
-        finished alone (:meth:`accept`). Returns `(uniforms, noise, alone noise)`, None where nothing is drawn."""
+        """The compiled verify step's random numbers, drawn before it in the eager order (:meth:`accept`): with
+        rejection sampling the uniforms `(R, B)` and `Exp(1)` noise `(R, V)` of
+        :func:`~hf_dllm_spec.maths.sampling.draw_verification` (`num_drafts`: each row's drafts, known on the host:
+        per-row generators draw that many uniforms); then, sampling, the EOS gate's replacement noise `(R, V)` when
+        the gate is on, and the noise `(R, B, V)` of the target's token draw for the rows finished alone when
+        `min_draft_len > 1`. Returns `(uniforms, noise, gate noise, alone noise)`, None where nothing is drawn."""
         s, B = self.session, self.block_size
         target = s.target
-        if self.acceptance != "rejection_sampling":
-            return None, None, None
+        if self.acceptance != "rejection_sampling":              # greedy: nothing (sampling verifies by rejection)
+            return None, None, None, None
         vocab = output_vocab_size(target.model)
         uniforms, noise = self.draw_buffer("uniforms", target, (B,)), self.draw_buffer("verify", target, (vocab,))
         draw_verification(torch.tensor(num_drafts), B, vocab, s.sampler.generator, device=target.device,
                           dtype=torch.float32, out=(uniforms, noise))          # their first N rows, in place
-        alone = None
+        gate = alone = None
+        if s.sampler.do_sample and self.config.eos_min_prob > 0 and s.stop_token_ids:
+            gate = s.sampler.draw_noise(self.draw_buffer("gate", target, (vocab,)), len(num_drafts))
         if s.sampler.do_sample and self.config.min_draft_len > 1:
             alone = s.sampler.draw_noise(self.draw_buffer("alone", target, (B, vocab)), len(num_drafts))
-        return uniforms, noise, alone
+        return uniforms, noise, gate, alone
 
     def compiled_cycle(self, block: BlockState,
                        pending: tuple | None) -> tuple[torch.Tensor, list, tuple, tuple | None]:
@@ -803,7 +819,7 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
                       drafting: torch.Tensor | None = None, pending_tokens: torch.Tensor | None = None,
                       pending_positions: torch.Tensor | None = None, pending_rows: torch.Tensor | None = None,
                       draft_probs: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
-                      noise: torch.Tensor | None = None,
+                      noise: torch.Tensor | None = None, gate_noise: torch.Tensor | None = None,
                       alone_noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """SimSD's verify and commit (§3.1-3.3, steps 2-3) as a function of tensors, what `StaticModelRunner.run_step`
     compiles on the target: one target forward over the paired layout at its full width 2B (every row's data and
@@ -824,8 +840,9 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
         pending_tokens, pending_positions (`(N, B)`), pending_rows (`(N,)` bool): the finished blocks to store, or
             None.
         draft_probs (`(N, B, V)` float32, *optional*): rejection sampling: the drafter's distributions
-            (:func:`simsd_draft_step`). uniforms (`(N, B)`), noise (`(N, V)`), alone_noise (`(N, B, V)`),
-            *optional*: the random numbers drawn before the step (:meth:`SimSDStrategy.verify_draws`).
+            (:func:`simsd_draft_step`). uniforms (`(N, B)`), noise (`(N, V)`), gate_noise (`(N, V)`), alone_noise
+            (`(N, B, V)`), *optional*: the random numbers drawn before the step
+            (:meth:`SimSDStrategy.verify_draws`).
 
     Returns:
         `(lengths, tokens, undecided, done, read, *next, positions)`: the target's new write positions; the block
@@ -856,7 +873,7 @@ def simsd_verify_step(strategy: SimSDStrategy, runner, shape: tuple, lengths: to
         logits = strategy.stacked_logits(logits, drafts.reveal_step)
     tokens, undecided, result, num_drafts, alone = strategy.accept(
         tokens, undecided, drafts, s.sampler.probs(logits), None if uniforms is None else (uniforms, noise),
-        alone_noise)
+        alone_noise, gate_noise)
     done = ~undecided.any(dim=1)
     after = BlockState(tokens.clone(), undecided.clone(), start.clone(), num_fixed.clone(), step.clone(),
                        post_steps.clone(), block.mask_token_id)
