@@ -10,9 +10,9 @@ Checked on the CPU with the bundled pair (target qwen2-tiny-ar, drafter deer-dra
 tokens and per-row counters for batch 1 and a left-padded batch of 2 whose rows stop at different cycles and verify
 fewer drafts near their budget, fullgraph (a graph break raises), one graph per key over 64-token calls (the first
 call's prefill and first cycle eager: a compiled step never allocates a cache), at most one host read per cycle,
-and the cases the compiled cycle does not serve on the eager cycle; seeded (a shared generator and one per row):
-the eager runtime's tokens and counters; a streamer: the eager runtime's `put` / `put_draft` calls. Dynamo's "eager"
-backend (the trace and its guards); one slow test runs inductor.
+rows that join (continuous batching), and the cases the compiled cycle does not serve on the eager cycle; seeded
+(a shared generator and one per row): the eager runtime's tokens and counters; a streamer: the eager runtime's
+`put` / `put_draft` calls. Dynamo's "eager" backend (the trace and its guards); one slow test runs inductor.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import Recorder, assert_same_decode, cpu_compile_config, fast_first, spec_counters
+from conftest import Recorder, ScriptedFeed, assert_same_decode, cpu_compile_config, fast_first, spec_counters
 
 import hf_dllm_spec
+from hf_dllm_spec.integration.continuous import RowRequest
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import deer
 from hf_dllm_spec.strategies.base import DecodingStrategy
@@ -315,6 +316,33 @@ def test_other_cases_run_the_eager_cycle(pair, params, monkeypatch):
     for name in ("deer_prefill_step", "deer_draft_step", "deer_verify_step"):
         monkeypatch.setattr(deer, name, None)                            # would fail if called
     generate(pair, pair[3][:1], True, max_new_tokens=2, generator=torch.Generator().manual_seed(0), **params)
+
+
+@pytest.mark.slow
+def test_rows_that_join_get_the_eager_runtime_tokens(pair):
+    """Continuous batching (`row_feed`), greedy: two rows start, two join at the third join point (the cycle after
+    runs eagerly: its drafter forward reads their whole prompts; the static buffers double), the other cycles are
+    compiled; every row's tokens, end and counters equal the eager runtime's."""
+    tokenizer = pair[0]
+    prompts = [tokenizer(p.text).input_ids for p in arithmetic_prompts(AR_DIR, 4)]
+
+    def run(compiled: bool) -> dict:
+        results: dict = {}
+
+        def request(n: int) -> RowRequest:
+            return RowRequest(prompts[n], 12, on_done=lambda tokens, reason, stats: results.__setitem__(
+                n, (tokens, reason, spec_counters(stats))))
+
+        generate(pair, [tokenizer.decode(p) for p in prompts[:2]], compiled, max_new_tokens=12, eos_token_id=None,
+                 row_feed=ScriptedFeed([request(0), request(1)], {3: [request(2), request(3)]}))
+        return results
+
+    clear(pair)
+    eager = run(False)
+    assert sorted(eager) == [0, 1, 2, 3] and run(True) == eager
+    rows_buckets = {key[-6] for key in deer_keys(pair) if key[0] == "deer-verify"}
+    assert 4 in rows_buckets and one_graph_each(pair)          # the cycles after the join compiled, at 4 rows
+    clear(pair)
 
 
 @pytest.mark.slow

@@ -205,6 +205,8 @@ class DeerStrategy(DecodingStrategy):
         self.new_tokens = self.new_tokens + [p.to(device) for p in prompts]
         self.generated += [p.new_empty(0, device=device) for p in prompts]
         self.host_generated += [[] for _ in prompts]
+        if self.compiled:                 # the next cycle eager: the drafter reads the joining rows' whole prompts
+            self.pending = None
 
     def num_drafts(self) -> tuple[int, torch.Tensor]:
         """k for this cycle (never beyond the budget) and drafts per row `(N,)`: a row one token short of its
@@ -275,15 +277,15 @@ class DeerStrategy(DecodingStrategy):
         both models (a right-shifted target, a position-aligned drafter), either acceptance rule (greedy or seeded:
         the random numbers are drawn before each step, :meth:`draft_noise`, :meth:`verification_draws`), the
         "causal_prefix" drafter layout, no logits processors beyond transformers' list (one for every row), a
-        streamer or none, no rows joining (continuous batching), a subclass that keeps the cycle's methods. Else
-        the eager cycle."""
+        streamer or none, continuous batching (the cycle after rows join runs eagerly: its drafter forward reads
+        their whole prompts), a subclass that keeps the cycle's methods. Else the eager cycle."""
         s = self.session
         plain = all(type(sampler.logits_processor) in (LogitsProcessorList, list)
                     for sampler in (s.sampler, self.draft_sampler))
         return (getattr(s.target, "runs_compiled_carry_steps", False)
                 and getattr(s.drafter, "runs_compiled_steps", False)
                 and self.config.draft_attention == "causal_prefix" and plain
-                and s.admission is None and type(self.drafter) is OneStepDrafter
+                and type(self.drafter) is OneStepDrafter
                 and all(getattr(type(self), name) is getattr(DeerStrategy, name) for name in self.COMPILED_METHODS))
 
     #: The methods the compiled cycle replaces or relies on; a subclass that overrides one runs the eager cycle.
