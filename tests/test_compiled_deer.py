@@ -319,10 +319,12 @@ def test_other_cases_run_the_eager_cycle(pair, params, monkeypatch):
 
 
 @pytest.mark.slow
-def test_rows_that_join_get_the_eager_runtime_tokens(pair):
-    """Continuous batching (`row_feed`), greedy: two rows start, two join at the third join point (the cycle after
-    runs eagerly: its drafter forward reads their whole prompts; the static buffers double), the other cycles are
-    compiled; every row's tokens, end and counters equal the eager runtime's."""
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_rows_that_join_get_the_eager_runtime_tokens(pair, sampled):
+    """Continuous batching (`row_feed`): two rows start, two join at the third join point (the cycle after runs
+    eagerly: its drafter forward reads their whole prompts; the static buffers double), the other cycles are
+    compiled; greedy, and seeded (rejection sampling, every row its own generator, a joining row with its own
+    temperature and top-k: per-row processors); every row's tokens, end and counters equal the eager runtime's."""
     tokenizer = pair[0]
     prompts = [tokenizer(p.text).input_ids for p in arithmetic_prompts(AR_DIR, 4)]
 
@@ -330,11 +332,15 @@ def test_rows_that_join_get_the_eager_runtime_tokens(pair):
         results: dict = {}
 
         def request(n: int) -> RowRequest:
-            return RowRequest(prompts[n], 12, on_done=lambda tokens, reason, stats: results.__setitem__(
+            own = dict(generator=torch.Generator().manual_seed(n)) if sampled else {}
+            own.update(temperature=0.7, top_k=5) if sampled and n == 2 else None
+            return RowRequest(prompts[n], 12, **own, on_done=lambda tokens, reason, stats: results.__setitem__(
                 n, (tokens, reason, spec_counters(stats))))
 
+        initial = [request(0), request(1)]
+        sampling = dict(do_sample=True, top_k=20, generator=[r.generator for r in initial]) if sampled else {}
         generate(pair, [tokenizer.decode(p) for p in prompts[:2]], compiled, max_new_tokens=12, eos_token_id=None,
-                 row_feed=ScriptedFeed([request(0), request(1)], {3: [request(2), request(3)]}))
+                 row_feed=ScriptedFeed(initial, {3: [request(2), request(3)]}), **sampling)
         return results
 
     clear(pair)

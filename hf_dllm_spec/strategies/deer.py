@@ -47,7 +47,7 @@ from .drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter, draft_blo
 from ..maths.masks import causal_mask, left_pad
 from ..runtime.static import width_bucket
 from ..validation import check_choice, invalid
-from ..maths.sampling import draw_exponential, draw_verification
+from ..maths.sampling import RowProcessors, draw_exponential, draw_verification, step_processors
 from ..maths.verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
 from .base import DecodingStrategy
 from .block_diffusion import output_vocab_size
@@ -276,11 +276,14 @@ class DeerStrategy(DecodingStrategy):
         :func:`deer_verify_step`, through `StaticModelRunner.run_step`): the static runtime with `compile_config` on
         both models (a right-shifted target, a position-aligned drafter), either acceptance rule (greedy or seeded:
         the random numbers are drawn before each step, :meth:`draft_noise`, :meth:`verification_draws`), the
-        "causal_prefix" drafter layout, no logits processors beyond transformers' list (one for every row), a
-        streamer or none, continuous batching (the cycle after rows join runs eagerly: its drafter forward reads
-        their whole prompts), a subclass that keeps the cycle's methods. Else the eager cycle."""
+        "causal_prefix" drafter layout, no logits processors beyond transformers' list (one for every row) or, in
+        a continuous batch, per-request position-independent warpers
+        (:func:`~hf_dllm_spec.maths.sampling.step_processors`), a streamer or none, continuous batching (the cycle
+        after rows join runs eagerly: its drafter forward reads their whole prompts), a subclass that keeps the
+        cycle's methods. Else the eager cycle."""
         s = self.session
         plain = all(type(sampler.logits_processor) in (LogitsProcessorList, list)
+                    or (type(sampler.logits_processor) is RowProcessors and step_processors(sampler.logits_processor))
                     for sampler in (s.sampler, self.draft_sampler))
         return (getattr(s.target, "runs_compiled_carry_steps", False)
                 and getattr(s.drafter, "runs_compiled_steps", False)
