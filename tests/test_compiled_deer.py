@@ -333,7 +333,8 @@ def test_rows_that_join_get_the_eager_runtime_tokens(pair, sampled):
 
         def request(n: int) -> RowRequest:
             own = dict(generator=torch.Generator().manual_seed(n)) if sampled else {}
-            own.update(temperature=0.7, top_k=5) if sampled and n == 2 else None
+            if sampled and n == 2:                                                # its own settings
+                own.update(temperature=0.7, top_k=5)
             return RowRequest(prompts[n], 12, **own, on_done=lambda tokens, reason, stats: results.__setitem__(
                 n, (tokens, reason, spec_counters(stats))))
 
