@@ -328,6 +328,13 @@ def stream_on_the_host(monkeypatch, step_syncs) -> None:
     monkeypatch.setattr(DecodingStrategy, "stream_draft", paused(DecodingStrategy.stream_draft))
 
 
+def generator_states(generator) -> list[list[int]]:
+    """The states of `generator` (one, a list of them, or None: none), as lists: two calls that drew the same
+    numbers from generators seeded alike leave equal states."""
+    generators = generator if isinstance(generator, (list, tuple)) else [] if generator is None else [generator]
+    return [g.get_state().tolist() for g in generators]
+
+
 def seeded(params: dict, rows: int) -> dict:
     """`params` with fresh seeded generators: `generator="shared"` one for the batch, `"rows"` one per row."""
     kind = params.get("generator")

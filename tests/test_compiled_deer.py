@@ -23,7 +23,8 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import Recorder, ScriptedFeed, assert_same_decode, cpu_compile_config, fast_first, spec_counters
+from conftest import (Recorder, ScriptedFeed, assert_same_decode, cpu_compile_config, fast_first, generator_states,
+                      spec_counters)
 
 import hf_dllm_spec
 from hf_dllm_spec.integration.continuous import RowRequest
@@ -212,8 +213,7 @@ def test_seeded_batch_of_one_equals_the_eager_runtime(pair, kind):
     compiled = generate(pair, pair[3][:1], True, generator=used[True], **params)
     assert_same_decode(eager, compiled)
     assert compiled.spec_stats.num_fallback_tokens == 1
-    states = {c: [g.get_state() for g in (used[c] if isinstance(used[c], list) else [used[c]])] for c in used}
-    assert all(torch.equal(a, b) for a, b in zip(states[False], states[True]))
+    assert generator_states(used[False]) == generator_states(used[True])
 
 
 @pytest.mark.slow

@@ -19,8 +19,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import (Recorder, assert_same_decode, cpu_compile_config, fast_first, load_first_layers, seeded,
-                      stream_on_the_host)
+from conftest import (Recorder, assert_same_decode, cpu_compile_config, fast_first, generator_states,
+                      load_first_layers, seeded, stream_on_the_host)
 
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import s2d2
@@ -229,12 +229,6 @@ SEEDED = {
 }
 
 
-def generator_states(params: dict) -> list[torch.Tensor]:
-    generators = params.get("generator")
-    generators = generators if isinstance(generators, list) else [generators] if generators is not None else []
-    return [g.get_state() for g in generators]
-
-
 def assert_same_seeded_decode(model_and_tokenizer, prompts, params: dict, **kwargs):
     """The eager runtime and the compiled steps, each with its own generators seeded alike: the same tokens, per-row
     counters and forwards, and the generators left in the same states (the steps drew what the eager step drew)."""
@@ -242,7 +236,7 @@ def assert_same_seeded_decode(model_and_tokenizer, prompts, params: dict, **kwar
     eager = generate(model_and_tokenizer, prompts, False, **eager_params, **kwargs)
     compiled = generate(model_and_tokenizer, prompts, True, **compiled_params, **kwargs)
     assert_same_decode(eager, compiled)
-    assert all(torch.equal(a, b) for a, b in zip(generator_states(eager_params), generator_states(compiled_params)))
+    assert generator_states(eager_params.get("generator")) == generator_states(compiled_params.get("generator"))
     return eager, compiled
 
 

@@ -1,0 +1,82 @@
+"""Property: the static runtime, plain and with each decoding step compiled, gives the eager runtime's output on
+random batches.
+
+The random cases of tests/random_batches.py (every strategy on every family; 1-4 left-padded prompts of 1-10
+tokens, random block sizes and budgets, a stop id that ends rows anywhere), greedy or seeded (transformers'
+temperature and top-k warpers; one shared generator or one per row): `cache_implementation="static"` and
+`cache_implementation="static"` with a `compile_config` (issue 34: each step one `torch.compile(fullgraph=True)`
+function; dynamo's "eager" backend, the trace and its guards) give the eager runtime's tokens, per-row counters and
+forward calls, and leave the generators in the same state. The compiled steps must have run: a case whose calls all
+fell back to eager steps fails. DEER's "full" drafter layout keeps the eager cycle by design; it is drawn too.
+
+8 batches per strategy (each compiles its own keys: 20-55 s per strategy on one core); all but the first strategy
+only in the full suite (`slow`), to keep CI within its time.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_same_decode, cpu_compile_config, fast_first, generator_states, seeded
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from random_batches import CASES, assume_it_fits, batches, check_or_tie, generate, left_padded, stop_id
+
+from hf_dllm_spec.runtime.step import CompiledSteps
+
+pytestmark = pytest.mark.usefixtures("as_users_run_it")
+
+#: The seeded variants' sampling parameters; their generators are `seeded`'s "shared" (one for the batch) or "rows"
+#: (one per row).
+SAMPLING = {"do_sample": True, "temperature": 1.5, "top_k": 20}
+
+
+class StepCalls:
+    """Counts the compiled decoding steps run (`CompiledSteps.run`, not the plain compiled forwards)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        run = CompiledSteps.run
+
+        def counted(steps, key, *args):
+            self.count += key[0] != "forward"
+            return run(steps, key, *args)
+
+        monkeypatch.setattr(CompiledSteps, "run", counted)
+
+
+def _check(name: str, case, models: dict) -> None:
+    (prompts, params, budget, stop), kind = case
+    if kind is not None:
+        params = {**params, **SAMPLING}
+    assume_it_fits(name, prompts, params, budget)
+    eos = stop_id(name, (prompts, params, budget, stop), models, **seeded({"generator": kind and "shared"}, 1))
+    ids, mask = left_padded(prompts)
+    outputs, after = [], []
+    for options in ({}, {"cache_implementation": "static"},
+                    {"cache_implementation": "static", "compile_config": cpu_compile_config()}):
+        generator = seeded({"generator": kind}, len(prompts))["generator"]
+        outputs.append(generate(name, ids, mask, params, budget, eos, models, generator=generator,
+                                return_dict_in_generate=True, **options))
+        after.append(generator_states(generator))
+    eager, static, compiled = outputs
+    assert_same_decode(eager, static)
+    assert_same_decode(eager, compiled)
+    assert after[1] == after[0] and after[2] == after[0]
+
+
+def _property(name: str, examples: int, monkeypatch):
+    calls = StepCalls(monkeypatch)
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @given(case=st.tuples(batches(name), st.sampled_from([None, "shared", "rows"])))
+    def run(case):
+        check_or_tie(_check, name, case)
+
+    run()
+    assert calls.count > 0, f"{name}: no compiled decoding step ran"
+
+
+@pytest.mark.parametrize("name", fast_first(list(CASES)))
+def test_static_and_compiled_equal_eager(name, monkeypatch):
+    _property(name, 8, monkeypatch)
