@@ -10,9 +10,10 @@ Checked on the CPU with the bundled pair (target qwen2-tiny-ar, drafter deer-dra
 tokens and per-row counters for batch 1 and a left-padded batch of 2 whose rows stop at different cycles and verify
 fewer drafts near their budget, fullgraph (a graph break raises), one graph per key over 64-token calls (the first
 call's prefill and first cycle eager: a compiled step never allocates a cache), at most one host read per cycle,
-rows that join (continuous batching), and the cases the compiled cycle does not serve on the eager cycle; seeded
-(a shared generator and one per row): the eager runtime's tokens and counters; a streamer: the eager runtime's
-`put` / `put_draft` calls. Dynamo's "eager" backend (the trace and its guards); one slow test runs inductor.
+rows that join (continuous batching: every cycle compiled, the one after the join too), and the cases the compiled
+cycle does not serve on the eager cycle; seeded (a shared generator and one per row): the eager runtime's tokens
+and counters; a streamer: the eager runtime's `put` / `put_draft` calls. Dynamo's "eager" backend (the trace and
+its guards); one slow test runs inductor.
 """
 
 from __future__ import annotations
@@ -320,11 +321,12 @@ def test_other_cases_run_the_eager_cycle(pair, params, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_rows_that_join_get_the_eager_runtime_tokens(pair, sampled):
-    """Continuous batching (`row_feed`): two rows start, two join at the third join point (the cycle after runs
-    eagerly: its drafter forward reads their whole prompts; the static buffers double), the other cycles are
-    compiled; greedy, and seeded (rejection sampling, every row its own generator, a joining row with its own
-    temperature and top-k: per-row processors); every row's tokens, end and counters equal the eager runtime's."""
+def test_rows_that_join_get_the_eager_runtime_tokens(pair, sampled, monkeypatch):
+    """Continuous batching (`row_feed`): two rows start, two join at the third join point (the static buffers
+    double); every cycle is compiled, the one after the join too (its drafter step reads the joining rows' whole
+    prompts at their width bucket, as a call's first cycle does); greedy, and seeded (rejection sampling, every row
+    its own generator, a joining row with its own temperature and top-k: per-row processors); every row's tokens,
+    end and counters equal the eager runtime's."""
     tokenizer = pair[0]
     prompts = [tokenizer(p.text).input_ids for p in arithmetic_prompts(AR_DIR, 4)]
 
@@ -346,7 +348,11 @@ def test_rows_that_join_get_the_eager_runtime_tokens(pair, sampled):
 
     clear(pair)
     eager = run(False)
+    eager_cycles = []
+    cycle = deer.DeerStrategy.cycle
+    monkeypatch.setattr(deer.DeerStrategy, "cycle", lambda self: eager_cycles.append(1) or cycle(self))
     assert sorted(eager) == [0, 1, 2, 3] and run(True) == eager
+    assert not eager_cycles                                    # the first cycle and the one after the join compiled
     rows_buckets = {key[-6] for key in deer_keys(pair) if key[0] == "deer-verify"}
     assert 4 in rows_buckets and one_graph_each(pair)          # the cycles after the join compiled, at 4 rows
     clear(pair)

@@ -156,9 +156,8 @@ class DeerStrategy(DecodingStrategy):
         self.host_generated: list[list[int]] = [[] for _ in range(s.batch_size)]   # the same, read on the host
         # The first cycle compiled too, but not without a carry (one-token prompts): the eager cycle then. (A
         # compiled step that would be the first writer of a cache runs eagerly: StaticModelRunner.run_step.)
-        if self.compiled and s.target.carry is not None:
-            width = max(p.shape[0] for p in s.prompts)
-            self.pending = self.drafter.pad(self.new_tokens, max(self.config.block_size + 1, width_bucket(width)))
+        if self.compiled:
+            self.pending = self.first_input()
         while True:
             if s.admission is not None:   # continuous batching: any cycle boundary is a join point
                 self.admit()
@@ -166,6 +165,15 @@ class DeerStrategy(DecodingStrategy):
                 break
             self.finish_rows(*(self.compiled_cycle() if self.pending is not None else self.cycle()))
         return self.generated
+
+    def first_input(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The compiled draft step's input when some rows bring their whole prompts (a call's first cycle, the cycle
+        after rows join): every row's new tokens left-padded to the prompts' width bucket (at least k + 1); None
+        (the eager cycle) while the target has no carry (every prompt one token: nothing was prefilled)."""
+        if self.session.target.carry is None:
+            return None
+        width = max(t.shape[0] for t in self.new_tokens)
+        return self.drafter.pad(self.new_tokens, max(self.config.block_size + 1, width_bucket(width)))
 
     def prefill(self, runner, prompts: list[torch.Tensor]) -> None:
         """Store every prompt token but the last of `prompts` (one per row of `runner`) in `runner`'s cache (the
@@ -205,8 +213,8 @@ class DeerStrategy(DecodingStrategy):
         self.new_tokens = self.new_tokens + [p.to(device) for p in prompts]
         self.generated += [p.new_empty(0, device=device) for p in prompts]
         self.host_generated += [[] for _ in prompts]
-        if self.compiled:                 # the next cycle eager: the drafter reads the joining rows' whole prompts
-            self.pending = None
+        if self.compiled:                 # the drafter reads the joining rows' whole prompts: a wider first input
+            self.pending = self.first_input()
 
     def num_drafts(self) -> tuple[int, torch.Tensor]:
         """k for this cycle (never beyond the budget) and drafts per row `(N,)`: a row one token short of its
@@ -279,8 +287,8 @@ class DeerStrategy(DecodingStrategy):
         "causal_prefix" drafter layout, no logits processors beyond transformers' list (one for every row) or, in
         a continuous batch, per-request position-independent warpers
         (:func:`~hf_dllm_spec.maths.sampling.step_processors`), a streamer or none, continuous batching (the cycle
-        after rows join runs eagerly: its drafter forward reads their whole prompts), a subclass that keeps the
-        cycle's methods. Else the eager cycle."""
+        after rows join reads their whole prompts at their width bucket, :meth:`first_input`), a subclass that
+        keeps the cycle's methods. Else the eager cycle."""
         s = self.session
         plain = all(type(sampler.logits_processor) in (LogitsProcessorList, list)
                     or (type(sampler.logits_processor) is RowProcessors and step_processors(sampler.logits_processor))
