@@ -10,10 +10,10 @@ Checked on the CPU with the bundled pair (target qwen2-tiny-ar, drafter deer-dra
 tokens and per-row counters for batch 1 and a left-padded batch of 2 whose rows stop at different cycles and verify
 fewer drafts near their budget, fullgraph (a graph break raises), one graph per key over 64-token calls (the first
 call's prefill and first cycle eager: a compiled step never allocates a cache), at most one host read per cycle,
-rows that join (continuous batching: every cycle compiled, the one after the join too), and the cases the compiled
-cycle does not serve on the eager cycle; seeded (a shared generator and one per row): the eager runtime's tokens
-and counters; a streamer: the eager runtime's `put` / `put_draft` calls. Dynamo's "eager" backend (the trace and
-its guards); one slow test runs inductor.
+rows that join (continuous batching: every cycle compiled, the one after the join too), the "full" drafter layout
+(its context at width buckets), one-token prompts (their first cycle eager: no carry yet); seeded (a shared
+generator and one per row): the eager runtime's tokens and counters; a streamer: the eager runtime's `put` /
+`put_draft` calls. Dynamo's "eager" backend (the trace and its guards); one slow test runs inductor.
 """
 
 from __future__ import annotations
@@ -311,12 +311,42 @@ def test_a_graph_break_in_the_step_raises(pair, monkeypatch):
             clear_static_state(model)
 
 
-@pytest.mark.parametrize("params", [dict(do_sample=True, top_k=5, draft_attention="full")])
-def test_other_cases_run_the_eager_cycle(pair, params, monkeypatch):
-    """The "full" drafter layout (recomputed context, no cache): today's eager prefill and cycle."""
-    for name in ("deer_prefill_step", "deer_draft_step", "deer_verify_step"):
-        monkeypatch.setattr(deer, name, None)                            # would fail if called
-    generate(pair, pair[3][:1], True, max_new_tokens=2, generator=torch.Generator().manual_seed(0), **params)
+@pytest.mark.parametrize("sampled", fast_first([False, True]), ids=["greedy", "seeded"])
+def test_the_full_drafter_layout_equals_the_eager_runtime(pair, sampled):
+    """The "full" drafter layout (DEER App. F: each row's whole context recomputed every cycle, nothing stored in
+    the drafter): a left-padded batch of 2, 24 tokens, the contexts crossing a width bucket; greedy, and seeded with
+    a generator per row; the eager runtime's tokens and per-row counters, the drafter step compiled once per
+    context width bucket."""
+    params = dict(draft_attention="full", max_new_tokens=24, eos_token_id=None, **(SEEDED if sampled else {}))
+
+    def call(compiled: bool):
+        return generate(pair, pair[3], compiled, **params, **({"generator": generators("per-row")} if sampled else {}))
+
+    eager = call(False)
+    clear(pair)
+    assert_same_decode(eager, call(True))
+    widths = [key[1] for key in deer_keys(pair) if key[0] == "deer-draft-full"]
+    assert len(widths) >= 2 and one_graph_each(pair)                   # two buckets, each compiled once
+
+
+def test_one_token_prompts_run_their_first_cycle_eagerly(pair, monkeypatch):
+    """A batch of one-token prompts prefills nothing (the target has no carry yet): its first cycle runs eagerly
+    (:meth:`DeerStrategy.first_input` is None), every later one compiled; the eager runtime's tokens and counters."""
+    tokenizer, target, drafter, prompts = pair
+    ids = torch.tensor([[tokenizer(prompts[0]).input_ids[0]], [tokenizer(prompts[1]).input_ids[-1]]])
+
+    def call(compiled: bool):
+        static = dict(cache_implementation="static", compile_config=cpu_compile_config()) if compiled else {}
+        return target.generate(ids, return_dict_in_generate=True, custom_generate=hf_dllm_spec.custom_generate,
+                               decoding_strategy="deer", draft_model=drafter, block_size=4, max_new_tokens=12,
+                               eos_token_id=None, **static)
+
+    eager = call(False)
+    eager_cycles = []
+    cycle = deer.DeerStrategy.cycle
+    monkeypatch.setattr(deer.DeerStrategy, "cycle", lambda self: eager_cycles.append(1) or cycle(self))
+    assert_same_decode(eager, call(True))
+    assert len(eager_cycles) == 1 and {key[0] for key in deer_keys(pair)} >= {"deer-draft", "deer-verify"}
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ temperature and top-k warpers; one shared generator or one per row): `cache_impl
 `cache_implementation="static"` with a `compile_config` (issue 34: each step one `torch.compile(fullgraph=True)`
 function; dynamo's "eager" backend, the trace and its guards) give the eager runtime's tokens, per-row counters and
 forward calls, and leave the generators in the same state. The compiled steps must have run: a case whose calls all
-fell back to eager steps fails. DEER's "full" drafter layout keeps the eager cycle by design; it is drawn too.
+fell back to eager steps fails.
 
 8 batches per strategy (each compiles its own keys: 20-55 s per strategy on one core); all but the first strategy
 only in the full suite (`slow`), to keep CI within its time.

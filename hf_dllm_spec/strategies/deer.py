@@ -280,27 +280,28 @@ class DeerStrategy(DecodingStrategy):
 
     # -- the cycle as compiled functions (runtime/step.py) ------------------------------------------------------
     def runs_compiled_cycle(self) -> bool:
-        """Whether cycles run as compiled functions (:func:`deer_draft_step`, then
+        """Whether cycles run as compiled functions (:func:`deer_draft_step` or :func:`deer_full_draft_step`, then
         :func:`deer_verify_step`, through `StaticModelRunner.run_step`): the static runtime with `compile_config` on
         both models (a right-shifted target, a position-aligned drafter), either acceptance rule (greedy or seeded:
-        the random numbers are drawn before each step, :meth:`draft_noise`, :meth:`verification_draws`), the
-        "causal_prefix" drafter layout, no logits processors beyond transformers' list (one for every row) or, in
-        a continuous batch, per-request position-independent warpers
-        (:func:`~hf_dllm_spec.maths.sampling.step_processors`), a streamer or none, continuous batching (the cycle
-        after rows join reads their whole prompts at their width bucket, :meth:`first_input`), a subclass that
-        keeps the cycle's methods. Else the eager cycle."""
+        the random numbers are drawn before each step, :meth:`draft_noise`, :meth:`verification_draws`), either
+        drafter layout ("full": each row's context at its width bucket, :meth:`compiled_draft`), no logits
+        processors beyond transformers' list (one for every row) or, in a continuous batch, per-request
+        position-independent warpers (:func:`~hf_dllm_spec.maths.sampling.step_processors`), a streamer or none,
+        continuous batching (the cycle after rows join reads their whole prompts at their width bucket,
+        :meth:`first_input`), a subclass that keeps the cycle's methods. Else the eager cycle. (A call whose
+        prompts are all one token runs its first cycle eagerly: nothing was prefilled, the target has no carry.)"""
         s = self.session
         plain = all(type(sampler.logits_processor) in (LogitsProcessorList, list)
                     or (type(sampler.logits_processor) is RowProcessors and step_processors(sampler.logits_processor))
                     for sampler in (s.sampler, self.draft_sampler))
         return (getattr(s.target, "runs_compiled_carry_steps", False)
                 and getattr(s.drafter, "runs_compiled_steps", False)
-                and self.config.draft_attention == "causal_prefix" and plain
-                and type(self.drafter) is OneStepDrafter
+                and plain and type(self.drafter) is OneStepDrafter
                 and all(getattr(type(self), name) is getattr(DeerStrategy, name) for name in self.COMPILED_METHODS))
 
     #: The methods the compiled cycle replaces or relies on; a subclass that overrides one runs the eager cycle.
-    COMPILED_METHODS = ("cycle", "compiled_cycle", "host_drafts", "num_drafts", "draft_noise", "verification_draws")
+    COMPILED_METHODS = ("cycle", "compiled_cycle", "compiled_draft", "first_input", "host_drafts", "num_drafts",
+                        "draft_noise", "verification_draws")
 
     @property
     def step_key(self) -> tuple:
@@ -394,17 +395,9 @@ class DeerStrategy(DecodingStrategy):
         drafts = self.host_drafts()
         device = self.last.device
         per_row = self.host_tensor(drafts, device)
-        new_ids, new_valid = self.pending
         sampled = self.acceptance == "rejection_sampling"
         if max(drafts):
-            layout = draft_block_layout(k, self.drafter.mask_token_id, self.drafter.sep_token_id,
-                                        self.drafter.sep_position)[0]
-            m = new_ids.shape[1]                  # k + 1 (the first cycle: the prompts' width bucket)
-            seen, draft_ids, *draft_probs = s.drafter.run_step(
-                deer_draft_step, self, ("deer-draft", m, *self.step_key),
-                (self.drafter.lengths, new_ids, new_valid, self.draft_noise(drafts)),
-                q=m + len(layout), store_len=m, logits_to_keep=len(layout), kind="draft")
-            self.drafter.lengths = seen
+            draft_ids, *draft_probs = self.compiled_draft(drafts)
             draft_ids = _on(draft_ids, device)
             draft_probs = _on(draft_probs[0], device) if sampled else None
         else:                             # every row one token short of its budget: one AR step, no drafter
@@ -432,6 +425,28 @@ class DeerStrategy(DecodingStrategy):
             committed.append(new_ids[i, k + 1 - num_tokens:])
         self.new_tokens = committed
         return committed, committed_ids
+
+    def compiled_draft(self, drafts: list[int]) -> list[torch.Tensor]:
+        """Step 1 of a compiled cycle on the drafter: :func:`deer_draft_step` over the new committed tokens
+        (:attr:`pending`; "causal_prefix") or :func:`deer_full_draft_step` over each row's whole context, left-padded
+        to its width bucket ("full"). Returns the drafts `(R, k)` and, with rejection sampling, q_theta `(R, k, V)`.
+        """
+        s, k, drafter = self.session, self.config.block_size, self.drafter
+        b = len(draft_block_layout(k, drafter.mask_token_id, drafter.sep_token_id, drafter.sep_position)[0])
+        noise = self.draft_noise(drafts)
+        if self.config.draft_attention == "full":
+            drafter.extend_context(self.new_tokens)
+            ids, valid = drafter.pad(drafter.context, width_bucket(max(c.shape[0] for c in drafter.context)))
+            m = ids.shape[1]
+            return s.drafter.run_step(deer_full_draft_step, self, ("deer-draft-full", m, *self.step_key),
+                                      (ids, valid, noise), q=m + b, store_len=0, logits_to_keep=b, kind="draft")
+        new_ids, new_valid = self.pending
+        m = new_ids.shape[1]                      # k + 1 (the first cycle, after a join: a width bucket)
+        seen, *out = s.drafter.run_step(deer_draft_step, self, ("deer-draft", m, *self.step_key),
+                                        (drafter.lengths, new_ids, new_valid, noise),
+                                        q=m + b, store_len=m, logits_to_keep=b, kind="draft")
+        drafter.lengths = seen
+        return out
 
     def finish_rows(self, committed: list[torch.Tensor], committed_ids: list[list[int]]) -> None:
         """Append each row's tokens (`committed_ids`: the same on the host), stream, and drop the rows that stop
@@ -511,12 +526,38 @@ def deer_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch
     query, positions, intra = drafter.block_query(new_ids, new_valid, seen, k)
     logits, lengths = runner.step_forward(shape, query, positions, intra, lengths, store_len=new_ids.shape[1],
                                           store_valid=new_valid, logits_to_keep=len(ids))
-    draft_probs = strategy.draft_sampler.probs(logits[:, slots])
+    return (lengths, seen + new_valid.sum(dim=1), *propose_drafts(strategy, logits[:, slots], noise))
+
+
+def deer_full_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch.Tensor, ids: torch.Tensor,
+                         valid: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Step 1 of a DEER cycle with the "full" drafter layout (DEER App. F) as a function of tensors, what
+    `StaticModelRunner.run_step` compiles on the drafter: one drafter forward over each row's whole context and the
+    block (:meth:`~hf_dllm_spec.strategies.drafting.OneStepDrafter.full_query`, nothing stored), then the drafts
+    as :func:`deer_draft_step` chooses them.
+
+    Args:
+        strategy, runner, shape, lengths: as :func:`deer_draft_step` (`lengths` stays: nothing is stored).
+        ids (`(N, W)` int64), valid (`(N, W)` bool): each row's context, left-padded to its width bucket W.
+        noise (`(N, k, V)` float32, *optional*): as :func:`deer_draft_step`.
+
+    Returns:
+        `(lengths, draft_ids)`, with rejection sampling also q_theta: as :func:`deer_draft_step`, without `seen`.
+    """
+    drafter, k = strategy.drafter, strategy.config.block_size
+    slots = draft_block_layout(k, drafter.mask_token_id, drafter.sep_token_id, drafter.sep_position)[2]
+    query, positions, intra = drafter.full_query(ids, valid, k)
+    logits, lengths = runner.step_forward(shape, query, positions, intra, lengths, logits_to_keep=len(slots))
+    return (lengths, *propose_drafts(strategy, logits[:, slots], noise))
+
+
+def propose_drafts(strategy: DeerStrategy, logits: torch.Tensor, noise: torch.Tensor | None) -> tuple:
+    """The drafts y_1..y_k ~ q_theta from the drafter's block logits `(N, k, V)`: the draft sampler's choice (the
+    argmax at T = 0, else the draw from `noise`; the drafter's MASK suppressed). Returns `(draft_ids,)` `(N, k)`,
+    with rejection sampling `(draft_ids, draft_probs)` (q_theta `(N, k, V)` float32)."""
+    draft_probs = strategy.draft_sampler.probs(logits)
     draft_ids, _ = strategy.draft_sampler.choose(draft_probs, noise=noise)
-    seen = seen + new_valid.sum(dim=1)
-    if strategy.acceptance == "rejection_sampling":
-        return lengths, seen, draft_ids, draft_probs
-    return lengths, seen, draft_ids
+    return (draft_ids, draft_probs) if strategy.acceptance == "rejection_sampling" else (draft_ids,)
 
 
 def deer_verify_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch.Tensor, last: torch.Tensor,

@@ -118,34 +118,27 @@ class OneStepDrafter:
             the row's committed length (q_theta(. | x_{1:j}) of DEER Eq. 5).
         """
         runner, device = self.runner, self.runner.device
-        ids, offsets, slots = draft_block_layout(num_draft_tokens, self.mask_token_id, self.sep_token_id,
-                                                 self.sep_position)
-        counts = torch.tensor([t.shape[0] for t in new_tokens], dtype=torch.long, device=device)
+        ids, _, slots = draft_block_layout(num_draft_tokens, self.mask_token_id, self.sep_token_id, self.sep_position)
         if self.draft_attention == "full":
-            self.context = [torch.cat([c, t.to(device)]) for c, t in zip(self.context, new_tokens)]
-            prefix = self.context
-        else:
-            prefix = new_tokens
-        if self.draft_attention == "causal_prefix":
-            padded, valid, _ = left_pad(prefix, device)
-            query, positions, intra = self.block_query(padded, valid, self.lengths, num_draft_tokens)
-            self.lengths = self.lengths + counts
-            width = padded.shape[1]
-            logits = runner.forward(query, positions, intra, kind="draft", store_len=width,
-                                    store_valid=valid if width else None, logits_to_keep=len(ids))
-            return logits[:, slots]
-        padded, valid, prefix_pos = left_pad(prefix, device)
-        width = padded.shape[1]
+            self.extend_context(new_tokens)
+            padded, valid, _ = left_pad(self.context, device)
+            query, positions, intra = self.full_query(padded, valid, num_draft_tokens)
+            return runner.forward(query, positions, intra, kind="draft", logits_to_keep=len(ids))[:, slots]
+        counts = torch.tensor([t.shape[0] for t in new_tokens], dtype=torch.long, device=device)
+        padded, valid, _ = left_pad(new_tokens, device)
+        query, positions, intra = self.block_query(padded, valid, self.lengths, num_draft_tokens)
         self.lengths = self.lengths + counts
-        block_pos = self.lengths[:, None] + torch.tensor(offsets, device=device)[None]
-        block_ids = torch.tensor(ids, dtype=torch.long, device=device)[None].expand(len(prefix), -1)
-        query = torch.cat([padded, block_ids], dim=1)
-        positions = torch.cat([prefix_pos, block_pos], dim=1)
-        b = len(ids)
-        see = torch.cat([valid, torch.ones(len(prefix), b, dtype=torch.bool, device=device)], dim=1)
-        eye = torch.eye(width + b, dtype=torch.bool, device=device)
-        logits = runner.forward(query, positions, see[:, None, :] | eye, kind="draft", logits_to_keep=b)
+        width = padded.shape[1]
+        logits = runner.forward(query, positions, intra, kind="draft", store_len=width,
+                                store_valid=valid if width else None, logits_to_keep=len(ids))
         return logits[:, slots]
+
+    def extend_context(self, new_tokens: list[torch.Tensor]) -> None:
+        """The "full" layout: append each row's new committed tokens `(m_n,)` to its context (kept on the host
+        side as a list of `(L_n,)` tensors on the drafter's device), counted in :attr:`lengths`."""
+        device = self.runner.device
+        self.context = [torch.cat([c, t.to(device)]) for c, t in zip(self.context, new_tokens)]
+        self.lengths = self.lengths + torch.tensor([t.shape[0] for t in new_tokens], dtype=torch.long, device=device)
 
     def pad(self, new_tokens: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's new committed tokens `(m_n,)` (m_n <= `width`) left-padded to `width`, on the drafter's device:
@@ -153,6 +146,33 @@ class OneStepDrafter:
         ids, valid, _ = left_pad([t.to(self.runner.device) for t in new_tokens], self.runner.device)
         front = width - ids.shape[1]
         return torch.nn.functional.pad(ids, (front, 0)), torch.nn.functional.pad(valid, (front, 0))
+
+    def full_query(self, ids: torch.Tensor, valid: torch.Tensor,
+                   num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The "full" drafter query of one :meth:`draft` (DEER App. F): each row's whole context, then the drafted
+        block, bidirectional over both; nothing is stored (the context is recomputed every cycle). A function of
+        tensors (no host read): a compiled DEER cycle builds it at the context's width bucket.
+
+        Args:
+            ids (`torch.Tensor` of shape `(N, W)`, int64): each row's context (:meth:`extend_context`), left-padded.
+            valid (`torch.Tensor` of shape `(N, W)`, bool): the real columns (padding first).
+            num_draft_tokens (`int`): k.
+
+        Returns:
+            `(query, positions, intra)`: `(N, W + b)` ids and positions (b: k, plus one with SEP; the context at
+            0 .. L_n - 1, padding at 0, the block from L_n) and the `(N, W + b, W + b)` bool visibility (padding
+            seen by nobody but itself); the drafts are read at the block's `slots` (:func:`draft_block_layout`).
+        """
+        device = ids.device
+        block, offsets, _ = draft_block_layout(num_draft_tokens, self.mask_token_id, self.sep_token_id,
+                                               self.sep_position)
+        n, width, b = ids.shape[0], ids.shape[1], len(block)
+        prefix_pos = (valid.cumsum(dim=1) - 1).clamp(min=0)
+        block_pos = valid.sum(dim=1)[:, None] + torch.tensor(offsets, device=device)[None]
+        block_ids = torch.tensor(block, dtype=torch.long, device=device)[None].expand(n, -1)
+        see = torch.cat([valid, valid.new_ones(n, b)], dim=1)
+        intra = see[:, None, :] | torch.eye(width + b, dtype=torch.bool, device=device)
+        return torch.cat([ids, block_ids], dim=1), torch.cat([prefix_pos, block_pos], dim=1), intra
 
     def block_query(self, new_ids: torch.Tensor, new_valid: torch.Tensor, seen: torch.Tensor,
                     num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
