@@ -89,7 +89,7 @@ class OneStepDrafter:
         self.runner, self.mask_token_id = runner, mask_token_id
         self.draft_attention, self.sep_token_id, self.sep_position = draft_attention, sep_token_id, sep_position
         n, device = runner.batch_size, runner.device
-        self.lengths = torch.zeros(n, dtype=torch.long, device=device)        # committed tokens seen, per row
+        self.lengths = torch.zeros(n, dtype=torch.long, device=device)   # "causal_prefix": tokens stored, per row
         self.context = [torch.empty(0, dtype=torch.long, device=device) for _ in range(n)]   # "full" only
 
     def select_rows(self, index: torch.Tensor) -> None:
@@ -135,10 +135,9 @@ class OneStepDrafter:
 
     def extend_context(self, new_tokens: list[torch.Tensor]) -> None:
         """The "full" layout: append each row's new committed tokens `(m_n,)` to its context (kept on the host
-        side as a list of `(L_n,)` tensors on the drafter's device), counted in :attr:`lengths`."""
+        side as a list of `(L_n,)` tensors on the drafter's device; :meth:`full_query` takes the lengths from it)."""
         device = self.runner.device
         self.context = [torch.cat([c, t.to(device)]) for c, t in zip(self.context, new_tokens)]
-        self.lengths = self.lengths + torch.tensor([t.shape[0] for t in new_tokens], dtype=torch.long, device=device)
 
     def pad(self, new_tokens: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's new committed tokens `(m_n,)` (m_n <= `width`) left-padded to `width`, on the drafter's device:
