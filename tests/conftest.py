@@ -50,6 +50,15 @@ def as_users_run_it(monkeypatch, one_thread):
     monkeypatch.setattr(ModelRunner, "check_layouts", False)
 
 
+@pytest.fixture
+def replayed_graphs(monkeypatch):
+    """The static runtime's "cuda_graph" mode on the CPU, capture and replay stood in for by a tape
+    (:mod:`graph_tape`)."""
+    import graph_tape
+
+    graph_tape.install(monkeypatch)
+
+
 class StepSyncs:
     """Host synchronisations counted before each compiled step (`StaticModelRunner.run_step`) of the calls made
     inside :meth:`counting`; paused inside the compiled call (the counter is a `TorchFunctionMode`, which dynamo would
@@ -135,8 +144,9 @@ class ScriptedFeed(RowFeed):
 def fast_first(cases: list, fast: int = 1) -> list:
     """Parametrisation `cases` whose first `fast` cases run in the fast tier (every supported transformers version,
     `-m "not slow"`) and the others only in the full suite (`slow`): the compiled-step equality tests, whose cases
-    each compile their own graphs, keep CI within its time."""
-    return [case if i < fast else pytest.param(case, marks=pytest.mark.slow) for i, case in enumerate(cases)]
+    each compile their own graphs, keep CI within its time. A tuple case fills several names."""
+    return [case if i < fast else pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.slow)
+            for i, case in enumerate(cases)]
 
 
 def cpu_compile_config(backend: str = "eager"):

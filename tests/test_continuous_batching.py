@@ -277,27 +277,28 @@ def test_per_row_processors_in_a_compiled_step_give_the_eager_scores():
 
 
 @pytest.mark.parametrize("case", fast_first(["block_diffusion", "fast_dllm_v2"]))
-def test_own_sampling_settings_in_compiled_steps(case, monkeypatch):
-    """Static runtime with `compile_config`: a sampled continuous batch whose rows (initial and joining) have their
-    own temperature / top-k / top-p runs compiled steps (per-row processors traced, `RowProcessors`), and every row's
-    tokens equal the eager runtime's from the same seeds."""
+@pytest.mark.parametrize("runtime", ["compiled", "captured"])
+def test_own_sampling_settings_in_compiled_steps(case, runtime, request, as_users_run_it):
+    """Static runtime with `compile_config` (compiled steps), or in its CUDA-graph mode (captured steps; stood in
+    for on the CPU, `replayed_graphs`): a sampled continuous batch whose rows (initial and joining) have their own
+    temperature / top-k / top-p runs its steps compiled or captured (per-row processors traced, `RowProcessors`,
+    the rows' groups a graph input), and every row's tokens equal the eager runtime's from the same seeds."""
     from conftest import cpu_compile_config
 
-    from hf_dllm_spec.runtime.runner import ModelRunner
-
-    monkeypatch.setattr(ModelRunner, "check_layouts", False)       # as users run it (the checks read the device)
+    if runtime == "captured":
+        request.getfixturevalue("replayed_graphs")
     settings = [dict(temperature=0.7), dict(temperature=1.3, top_p=0.9), dict(top_k=5), dict()]
     seeds = [31, 32, 33, 34]
 
     def run(**extra) -> dict:
         results: dict = {}
 
-        def request(n):
+        def row(n):
             return RowRequest(PROMPTS[n], BUDGETS[n], generator=torch.Generator().manual_seed(seeds[n]),
                               on_done=lambda tokens, reason, stats: results.__setitem__(n, tokens), **settings[n])
 
-        initial = [request(0), request(1)]
-        feed = ScriptedFeed(initial, {2: [request(2), request(3)]})
+        initial = [row(0), row(1)]
+        feed = ScriptedFeed(initial, {2: [row(2), row(3)]})
         width = len(PROMPTS[0])
         ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
         _call(case, ids, (ids != PAD).long(), 12, row_feed=feed, do_sample=True, temperature=0.9,
@@ -307,9 +308,27 @@ def test_own_sampling_settings_in_compiled_steps(case, monkeypatch):
     model = MODELS[CASES[case][0]]
     hf_dllm_spec.clear_static_state(model)
     eager = run()
-    compiled = run(cache_implementation="static", compile_config=cpu_compile_config())
-    assert sorted(eager) == [0, 1, 2, 3] and compiled == eager
-    steps = [key for state in hf_dllm_spec.runtime.static.static_states(model) for key in state.steps.keys
-             if key[0] != "forward"]
-    assert steps, "no decoding step was compiled"
+    for _ in range(2):                          # the second call replays the first call's graphs
+        fast = run(cache_implementation="static",
+                   **({"compile_config": cpu_compile_config()} if runtime == "compiled" else {}))
+        assert sorted(eager) == [0, 1, 2, 3] and fast == eager
+    states = hf_dllm_spec.runtime.static.static_states(model)
+    steps = [key for state in states for key in (state.steps.keys if runtime == "compiled" else state.graphs.graphs)
+             if key[0] not in ("forward",) and (runtime == "compiled" or key[0] == "step")]
+    assert steps, "no decoding step was compiled or captured"
+    hf_dllm_spec.clear_static_state(model)
+
+
+@pytest.mark.parametrize("case", fast_first(list(CASES)))
+def test_captured_steps_take_joining_rows(case, replayed_graphs, as_users_run_it):
+    """The static runtime's CUDA-graph mode (stood in for on the CPU) with rows joining mid-flight, more than the
+    buffers were made for (they double: the graphs go and are captured again): every row gets its batch-1 tokens,
+    and decoding steps were captured."""
+    model = MODELS[CASES[case][0]]
+    hf_dllm_spec.clear_static_state(model)
+    results, _ = _continuous(case, {2: [2, 3, 4]}, cache_implementation="static")
+    for n in range(5):
+        assert results[n][0] == _alone(case, n), (case, n)
+    states = hf_dllm_spec.runtime.static.static_states(model)
+    assert any(key[0] == "step" for state in states for key in state.graphs.graphs), "no step was captured"
     hf_dllm_spec.clear_static_state(model)

@@ -5,12 +5,11 @@ seeded sampling, two calls that reuse the model's static state, and a cache / qu
 bucket; plus the runner itself against the eager `ModelRunner` on logits. CPU: no CUDA graphs (transformers compiles
 only on accelerators); one slow test compiles a tiny model's forward with `compile_config` on the CPU, and the
 CUDA-graph path runs with capture and replay stood in for by re-running the forward on the static buffers
-(`_ReplayedGraphs`). Host synchronisations are counted: none inside any forward, one per forward in the loop.
+(`ReplayedGraphs`). Host synchronisations are counted: none inside any forward, one per forward in the loop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
 import shutil
@@ -22,7 +21,8 @@ import pytest
 import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig
 
-from conftest import cpu_compile_config
+from conftest import Recorder, cpu_compile_config, fast_first, generator_states
+from graph_tape import GUARD, ReplayedGraphs
 import hf_dllm_spec
 import hf_dllm_spec.integration.plan as plan_module
 import hf_dllm_spec.runtime.graphs as graphs_runtime
@@ -35,12 +35,10 @@ from hf_dllm_spec.tools.jobs.main import SUB_BLOCKS, specs
 from hf_dllm_spec.maths.masks import causal_mask
 from hf_dllm_spec.outputs import BatchStats
 from hf_dllm_spec.runtime.runner import ModelRunner
-from hf_dllm_spec.runtime.graphs import CapturedForwards
-from hf_dllm_spec.runtime.static import (STATE_ATTRIBUTE, StaticModelRunner, clear_static_state, compile_plan,
+from hf_dllm_spec.runtime.static import (StaticModelRunner, clear_static_state, compile_plan,
                                          static_states, width_bucket)
 from hf_dllm_spec.runtime.step import compile_options
 from hf_dllm_spec.runtime.syncs import count_host_syncs
-from hf_dllm_spec.runtime.trace import trace_forwards
 
 MODELS = ROOT / "models"
 MAX_NEW_TOKENS = 8
@@ -277,34 +275,42 @@ COMPILED_STEP_ROWS = [("sdar-tiny-arith", "ar", False), ("sdar-tiny-arith", "dyn
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("runtime", ["captured", "compiled"])
 @pytest.mark.parametrize("name,row,sampled", COMPILED_STEP_ROWS)
-def test_compiled_steps_on_cuda_graphs_give_the_eager_tokens(name, row, sampled, monkeypatch):
-    """On a GPU, `compile_config` in "reduce-overhead" mode (inductor's CUDA graphs): every decoding step (SimSD and
-    DEER: every cycle's functions) is compiled and replayed as a graph; tokens and counters equal the eager
-    runtime's, greedy and seeded (a CUDA `torch.Generator`: the noise drawn before the step equals
-    `torch.multinomial`'s draw), on a left-padded batch of 2; the second call compiles no new step. Fresh copies of
-    the bundled models (the session's CPU ones stay where they are)."""
+def test_steps_on_cuda_graphs_give_the_eager_tokens(name, row, sampled, runtime, monkeypatch):
+    """On a GPU, every decoding step (SimSD and DEER: every cycle's functions) replayed as a CUDA graph: captured
+    whole by the static runtime itself ("captured": `cache_implementation="static"`, the default on a GPU), or
+    compiled by `compile_config` in "reduce-overhead" mode ("compiled": inductor's CUDA graphs). Tokens and
+    counters equal the eager runtime's, greedy and seeded (a CUDA `torch.Generator`: the noise drawn before the
+    step equals `torch.multinomial`'s draw), on a left-padded batch of 2, in the call that captures and in later
+    ones; a third call captures or compiles no new step (a call's first forward runs its step eagerly, so the
+    second call may add that one). Fresh copies of the bundled models (the session's CPU ones stay where they are)."""
     monkeypatch.setattr(ModelRunner, "check_layouts", False)       # as users run it (the checks read the device)
     drafter_name = CASES[name][1]
     models = {n: (tokenizer, model.to("cuda")) for n in filter(None, (name, drafter_name))
               for tokenizer, model in [load(MODELS / n)]}
     tokenizer, model, spec = _spec(models, name, row)
     texts = _texts(name)
-    config = CompileConfig(mode="reduce-overhead")
+    config = {"compile_config": CompileConfig(mode="reduce-overhead")} if runtime == "compiled" else {}
     sample = (lambda: dict(do_sample=True, temperature=1.0, top_k=20,
                            generator=torch.Generator("cuda").manual_seed(3))) if sampled else dict
-    eager = _generate(model, tokenizer, texts, spec, max_new_tokens=16, **sample())
-    compiled = _generate(model, tokenizer, texts, spec, max_new_tokens=16, cache_implementation="static",
-                         compile_config=config, **sample())
-    _assert_same(eager, compiled, f"{spec.label} sampled={sampled}, compiled step")
-    def step_keys():       # the decoding steps (the second call compiles its prefill: the first one allocated)
-        return [key for state in static_states(model) for key in state.steps.keys if key[0] != "forward"]
 
-    keys = step_keys()
-    assert keys, "no decoding step was compiled"
-    again = _generate(model, tokenizer, texts, spec, max_new_tokens=16, cache_implementation="static",
-                      compile_config=config, **sample())
-    _assert_same(eager, again, f"{spec.label} sampled={sampled}, compiled step replayed")
+    def step_keys():
+        states = _states(model, spec)
+        if runtime == "compiled":
+            return [key for state in states for key in state.steps.keys if key[0] != "forward"]
+        assert all(state.graphs.failure is None for state in states), [state.graphs.failure for state in states]
+        return [key for state in states for key in state.graphs.graphs if key[0] == "step"]
+
+    eager = _generate(model, tokenizer, texts, spec, max_new_tokens=16, **sample())
+    keys = []
+    for call in range(3):
+        fast = _generate(model, tokenizer, texts, spec, max_new_tokens=16, cache_implementation="static",
+                         **config, **sample())
+        _assert_same(eager, fast, f"{spec.label} sampled={sampled}, {runtime} step, call {call + 1}")
+        assert step_keys(), f"no decoding step was {runtime}"
+        if call == 1:
+            keys = step_keys()
     assert step_keys() == keys
 
 
@@ -422,66 +428,7 @@ def test_remote_code_llada2_routes_experts_without_host_syncs():
         torch.testing.assert_close(model(ids).logits, grouped, rtol=1e-4, atol=1e-4)
 
 
-# -- the CUDA-graph bookkeeping on the CPU: capture and replay stood in for by re-running the forward -----------
-class _DeviceRecorder:
-    """Stands for `hf_dllm_spec.runtime.graphs.device_guard`: remembers the devices entered, innermost last."""
-
-    def __init__(self) -> None:
-        self.stack: list[torch.device] = []
-
-    @contextlib.contextmanager
-    def __call__(self, device):
-        self.stack.append(torch.device(device))
-        try:
-            yield
-        finally:
-            self.stack.pop()
-
-    def check(self, device) -> None:
-        assert self.stack and self.stack[-1] == torch.device(device), \
-            f"CUDA graph work outside the model's device {device} (current: {self.stack})"
-
-
-GUARD = _DeviceRecorder()
-
-
-class _ReplayedGraphs(CapturedForwards):
-    """`CapturedForwards` with its CUDA calls replaced: the warm-up runs eagerly, and "replay" runs the forward
-    again on the static buffers into the static output. Everything else (keys, LRU, buffers, copies, write
-    columns, counts, the check of the first replay, failures and retries) is the real code. Each replaced call
-    checks that it runs under the model's device (`device_guard`)."""
-
-    fail = False            # every capture raises
-    corrupt = False         # replays return other numbers (bitsandbytes#1308)
-    capture_calls = 0
-
-    def _warm_up(self, run_forward, buffers):
-        GUARD.check(self.device)
-        for _ in range(self.WARMUP_RUNS):
-            out = run_forward(*buffers)
-        return out
-
-    def _capture(self, run_forward, buffers):
-        GUARD.check(self.device)
-        type(self).capture_calls += 1
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing\nmore")
-        static_out = run_forward(*buffers).clone()
-
-        def replay():
-            GUARD.check(self.device)
-            static_out.copy_(run_forward(*buffers) + (1.0 if self.corrupt else 0.0))
-        return replay, static_out
-
-
-@pytest.fixture
-def replayed_graphs(monkeypatch):
-    monkeypatch.setattr(static_runtime, "CapturedForwards", _ReplayedGraphs)
-    monkeypatch.setattr(static_runtime, "compile_plan", lambda model, config: ("cuda_graph", ""))
-    monkeypatch.setattr(graphs_runtime, "device_guard", GUARD)
-    monkeypatch.setattr(_ReplayedGraphs, "capture_calls", 0)
-
-
+# -- the CUDA-graph bookkeeping on the CPU: capture and replay stood in for by a tape (graph_tape.py) ---------
 def _states(model, spec) -> list:
     return [*static_states(model), *(static_states(spec.draft_model) if spec.draft_model is not None else [])]
 
@@ -506,9 +453,69 @@ def test_graph_bookkeeping_replays_the_eager_tokens(name, strategy, bundled, rep
     second = _generate(model, tokenizer, texts, spec, cache_implementation="static")
     _assert_same(eager, first, f"{name} / {spec.label}, captured")
     _assert_same(eager, second, f"{name} / {spec.label}, replayed")
-    assert all(isinstance(state.graphs, _ReplayedGraphs) and state.graphs.captures for state in states)
+    assert all(isinstance(state.graphs, ReplayedGraphs) and state.graphs.captures for state in states)
     assert [state.graphs.captures for state in states] == captures, "a graph was captured twice"
     assert "cuda_graph" in first.spec_stats.runtime and first.spec_stats.warmup_time_s > 0
+
+
+def _step_graphs(states) -> int:
+    return sum(key[0] == "step" for state in states for key in state.graphs.graphs)
+
+
+@pytest.mark.parametrize("name,strategy", fast_first([(name, s) for name, (rows, _) in CASES.items() for s in rows]))
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_captured_steps_replay_the_eager_tokens(name, strategy, sampled, bundled, replayed_graphs, as_users_run_it):
+    """The default static runtime on a GPU ("cuda_graph") captures each decoding step, forward and maths, as one
+    graph (`StaticModelRunner.run_step`), stood in for on the CPU by a tape that replays the recorded operations
+    without the Python and refuses what a capture cannot hold (:mod:`graph_tape`). Every strategy row of every
+    bundled model, a left-padded batch of 2, greedy or seeded (temperature and top-k, one generator per row): the
+    eager runtime's tokens, counters and generator states, in the call that captures and in later calls that
+    replay; steps were captured; a third call captures nothing new."""
+    tokenizer, model, spec = _spec(bundled, name, strategy)
+    texts = _texts(name)
+    for m in (model, spec.draft_model):
+        if m is not None:
+            clear_static_state(m)
+    sampling = {}
+    if sampled:
+        sampling = dict(do_sample=True, temperature=0.8, top_k=20)
+    runs = []
+    for cache in (None, "static", "static", "static"):
+        generators = [torch.Generator().manual_seed(7 + i) for i in range(len(texts))] if sampled else None
+        extra = {"generator": generators} if sampled else {}
+        out = _generate(model, tokenizer, texts, spec, cache_implementation=cache, **sampling, **extra)
+        runs.append((out, generator_states(generators) if sampled else None))
+        if len(runs) == 3:     # (a call's first forward runs its step eagerly: the second call captures that one)
+            captures = [state.graphs.captures for state in _states(model, spec)]
+    (eager, eager_states), *static = runs
+    for label, (out, states) in zip(("captured", "replayed", "replayed again"), static):
+        _assert_same(eager, out, f"{name} / {spec.label}, {label}")
+        assert states == eager_states, f"{label}: generators left in another state"
+    states = _states(model, spec)
+    assert _step_graphs(states), "no decoding step was captured"
+    assert [state.graphs.captures for state in states] == captures, "a graph was captured twice"
+    assert all(state.graphs.failure is None for state in states)
+
+
+@pytest.mark.parametrize("name,strategy", fast_first([("sdar-tiny-arith", "s2d2"), ("sdar-tiny-arith", "dynamic"),
+                                                      ("llada2-tiny", "llada2"), ("fast-dllm-v2-tiny", "s2d2"),
+                                                      ("sdar-large", "simsd"), ("qwen2-tiny-ar", "deer")]))
+def test_captured_steps_stream_the_eager_calls(name, strategy, bundled, replayed_graphs, as_users_run_it):
+    """Batch 1 with a streamer (`put` and `put_draft`), each step captured (stood in for on the CPU): the same
+    streamer calls in the same order as the eager runtime, in the call that captures and in one that replays."""
+    tokenizer, model, spec = _spec(bundled, name, strategy)
+    texts = _texts(name, 1)
+    for m in (model, spec.draft_model):
+        if m is not None:
+            clear_static_state(m)
+    streamed = []
+    for cache in (None, "static", "static"):
+        streamer = Recorder()
+        _generate(model, tokenizer, texts, spec, cache_implementation=cache, streamer=streamer, max_new_tokens=12)
+        streamed.append(streamer.events)
+    assert streamed[1] == streamed[0] and streamed[2] == streamed[0]
+    assert any(kind == "draft" for kind, _ in streamed[0])
+    assert _step_graphs(_states(model, spec)), "no decoding step was captured"
 
 
 def test_graphs_are_captured_and_replayed_under_the_models_device(monkeypatch):
@@ -516,20 +523,20 @@ def test_graphs_are_captured_and_replayed_under_the_models_device(monkeypatch):
     replayed under its own device. Stood in for on the CPU: the table of a "cuda:1" model, the forward on CPU
     tensors; warm-up, capture and every replay check the device they run under."""
     monkeypatch.setattr(graphs_runtime, "device_guard", GUARD)
-    graphs = _ReplayedGraphs(torch.device("cuda", 1))
+    graphs = ReplayedGraphs(torch.device("cuda", 1))
     weight = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     bound = []
     call = graphs.begin_call()
     for step in range(3):
         x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
-        out = graphs.run(("key",), lambda x: x @ weight, (x,), bound.append, call)
+        out = graphs.run(("key",), lambda x, w: x @ w, (x, weight), bound.append, call)
         torch.testing.assert_close(out, x @ weight)
     assert graphs.captures == 1 and len(bound) == 3 and not GUARD.stack
 
 
 def test_graph_table_is_bounded_least_recently_used_first(monkeypatch):
     monkeypatch.setattr(graphs_runtime, "device_guard", GUARD)
-    graphs = _ReplayedGraphs(torch.device("cpu"), max_graphs=2)
+    graphs = ReplayedGraphs(torch.device("cpu"), max_graphs=2)
     call = graphs.begin_call()
     x = torch.ones(1, 2)
     for key in ("a", "b", "a", "c", "a", "d"):
@@ -544,7 +551,7 @@ def test_failed_capture_cleans_up_retries_once_and_can_be_cleared(bundled, repla
     model stays eager without trying; `clear_static_state` clears the record."""
     tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "dynamic")
     clear_static_state(model)
-    monkeypatch.setattr(_ReplayedGraphs, "fail", True)
+    monkeypatch.setattr(ReplayedGraphs, "fail", True)
     texts = _texts("sdar-tiny-arith")
     eager = _generate(model, tokenizer, texts, spec)
     first = _generate(model, tokenizer, texts, spec, cache_implementation="static")
@@ -552,15 +559,15 @@ def test_failed_capture_cleans_up_retries_once_and_can_be_cleared(bundled, repla
     assert ("static cache, cuda_graph (CUDA graph capture failed (operation not permitted when stream is "
             "capturing): eager forwards in this call, retried once later)") in first.spec_stats.runtime
     assert "CUDA graph capture failed" in caplog.text
-    assert _ReplayedGraphs.capture_calls == 1                      # not retried within the call that failed
+    assert ReplayedGraphs.capture_calls == 1                      # not retried within the call that failed
     second = _generate(model, tokenizer, texts, spec, cache_implementation="static")
     _assert_same(eager, second, "failed capture, retried")
-    assert _ReplayedGraphs.capture_calls == 2 and "failed 2 times" in second.spec_stats.runtime
+    assert ReplayedGraphs.capture_calls == 2 and "failed 2 times" in second.spec_stats.runtime
     third = _generate(model, tokenizer, texts, spec, cache_implementation="static")
     _assert_same(eager, third, "failed capture, given up")
-    assert _ReplayedGraphs.capture_calls == 2 and "until `clear_static_state(model)`" in third.spec_stats.runtime
+    assert ReplayedGraphs.capture_calls == 2 and "until `clear_static_state(model)`" in third.spec_stats.runtime
     clear_static_state(model)
-    monkeypatch.setattr(_ReplayedGraphs, "fail", False)
+    monkeypatch.setattr(ReplayedGraphs, "fail", False)
     fourth = _generate(model, tokenizer, texts, spec, cache_implementation="static")
     _assert_same(eager, fourth, "after clear_static_state")
     assert fourth.spec_stats.runtime == "target: static cache, cuda_graph"
@@ -571,9 +578,9 @@ def test_a_failure_in_one_call_is_retried_in_the_next(bundled, replayed_graphs, 
     tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "dynamic")
     clear_static_state(model)
     texts = _texts("sdar-tiny-arith")
-    monkeypatch.setattr(_ReplayedGraphs, "fail", True)
+    monkeypatch.setattr(ReplayedGraphs, "fail", True)
     _generate(model, tokenizer, texts, spec, cache_implementation="static")
-    monkeypatch.setattr(_ReplayedGraphs, "fail", False)
+    monkeypatch.setattr(ReplayedGraphs, "fail", False)
     second = _generate(model, tokenizer, texts, spec, cache_implementation="static")
     _assert_same(_generate(model, tokenizer, texts, spec), second, "retried")
     assert static_states(model)[0].graphs.captures > 0
@@ -587,11 +594,11 @@ def test_a_graph_that_differs_from_eager_is_dropped(bundled, replayed_graphs, mo
     runs eager forwards with the eager tokens and says why."""
     tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "s2d2")
     clear_static_state(model)
-    monkeypatch.setattr(_ReplayedGraphs, "corrupt", True)
+    monkeypatch.setattr(ReplayedGraphs, "corrupt", True)
     texts = _texts("sdar-tiny-arith")
     static = _generate(model, tokenizer, texts, spec, cache_implementation="static")
     _assert_same(_generate(model, tokenizer, texts, spec), static, "corrupt replay")
-    assert "the replayed graph differs from its eager forward" in static.spec_stats.runtime
+    assert "the replayed graph differs from its eager run" in static.spec_stats.runtime
     assert static_states(model)[0].graphs.captures == 0
     clear_static_state(model)
 
@@ -852,17 +859,32 @@ def test_compile_plan_follows_the_bitsandbytes_rules(sdar_model, monkeypatch):
     assert mode == "eager" and "8-bit" in reason
 
 
+def test_bitsandbytes_4bit_captures_forwards_but_not_steps(sdar_model, monkeypatch, as_users_run_it):
+    """A 4-bit model's captured forwards are each checked on their logits; its decoding steps are not captured
+    whole (a step's tokens could pass the first-replay check while a later replay differs, bitsandbytes#1308)."""
+    def runner():
+        return StaticModelRunner(sdar_model, model_patches.get_patch(sdar_model), BatchStats(1), batch_size=1,
+                                 max_cache_len=16, compile_mode="cuda_graph")
+
+    assert runner().runs_compiled_steps
+    config = SimpleNamespace(quant_method="bitsandbytes", load_in_4bit=True, load_in_8bit=False)
+    monkeypatch.setattr(sdar_model, "hf_quantizer", SimpleNamespace(quantization_config=config), raising=False)
+    assert not runner().runs_compiled_steps
+    clear_static_state(sdar_model)
+
+
 # -- hf-dllm-spec check-gpu ----------------------------------------------------------------------------------------
-def test_check_gpu_rows_on_stood_in_graphs(replayed_graphs, monkeypatch, one_thread):
+def test_check_gpu_rows_on_stood_in_graphs(replayed_graphs, monkeypatch, as_users_run_it):
     """check-gpu's first check, run on the CPU with capture stood in for: every row compares tokens and counters
-    with the eager runtime and reports the capture; a failed capture makes its row fail."""
+    with the eager runtime and reports the capture (whole decoding steps captured); a failed capture makes its row
+    fail."""
     monkeypatch.setattr(check_gpu, "CASES", {"sdar-tiny-arith": (["dynamic"], None),
                                              "qwen2-tiny-ar": (["deer"], "deer-drafter-tiny")})
     rows = check_gpu.check_tokens(torch.device("cpu"), torch.float32, max_new_tokens=8)
     assert [row["ok"] for row in rows] == [True, True], rows
     assert all(row["tokens_equal"] and row["graph_equal"] and row["captured"] and "cuda_graph" in row["runtime"]
-               for row in rows)
-    monkeypatch.setattr(_ReplayedGraphs, "fail", True)
+               and row["steps"][0] > 0 for row in rows)
+    monkeypatch.setattr(ReplayedGraphs, "fail", True)
     (failed, _) = check_gpu.check_tokens(torch.device("cpu"), torch.float32, max_new_tokens=8)
     assert failed["tokens_equal"] and not failed["captured"] and not failed["ok"]
     result = {"machine": "cpu", "tokens": rows + [failed], "ok": False, "seconds": 1.0,

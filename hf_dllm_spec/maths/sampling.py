@@ -47,6 +47,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from ..tracing import device_constant, recording_step
 from ..validation import invalid
 
 #: Processors whose output at a position depends on that position's logits alone.
@@ -155,12 +156,13 @@ class RowProcessors:
     of a continuous batch). Rows whose lists are the same object are processed together; each list is applied to
     its rows' positions exactly as a batch-1 call applies it, so a row gets the scores of its own call.
 
-    Inside a compiled step (:func:`torch.compiler.is_compiling`) the rows are named by a tensor instead of Python
-    lists, so the step's graph does not depend on which row has which settings: every distinct list seen so far
-    (:attr:`groups`, in order of first use) is applied to all rows and each row keeps its own list's scores
-    (`torch.where` over :attr:`group_ids`, kept in step with the rows on the host); the step specialises on the
-    groups (:func:`processors_key`), not on the rows. The scores are those of the eager path (each position is
-    processed alone either way).
+    Inside a compiled or captured step (:func:`~hf_dllm_spec.tracing.recording_step`) the rows are named by a tensor
+    instead of Python lists, so the step's graph does not depend on which row has which settings: every distinct
+    list seen so far (:attr:`groups`, in order of first use) is applied to all rows and each row keeps its own
+    list's scores (`torch.where` over :attr:`group_ids`, kept in step with the rows on the host); the step
+    specialises on the groups (:func:`processors_key`), not on the rows. The scores are those of the eager path
+    (each position is processed alone either way). A captured step takes :attr:`group_ids` as a graph input
+    (:attr:`Sampler.graph_inputs`).
 
     Args:
         lists (`Sequence[LogitsProcessorList]`): row i's processors at index i (each checked by
@@ -217,7 +219,7 @@ class RowProcessors:
     def apply(self, scores: torch.Tensor, rows: torch.Tensor | Sequence[int] | None) -> torch.Tensor:
         """Process `scores` `(M, L, V)` float32, whose M rows are the batch rows `rows` (all rows when None; in a
         compiled step, or a step run eagerly at its rows bucket: the batch rows first, then padding)."""
-        if rows is None and (torch.compiler.is_compiling() or scores.shape[0] > len(self.lists)):
+        if rows is None and (recording_step() or scores.shape[0] > len(self.lists)):
             group_ids = self.group_ids[:scores.shape[0], None, None]
             out = scores
             for k, processors in enumerate(self.groups):
@@ -580,7 +582,10 @@ class Sampler:
         only with per-row processors, :class:`RowProcessors`)."""
         shape = logits.shape
         scores = logits.float().reshape(-1, shape[-1])
-        if self._suppress.numel():
+        if self._suppress.numel() and recording_step():     # not the kept ids: a graph would read this call's copy
+            ids = device_constant(sorted(set(self.suppress_token_ids)), torch.long, scores.device)
+            scores = scores.index_fill(-1, ids, -float("inf"))
+        elif self._suppress.numel():
             if self._suppress.device != scores.device:
                 self._suppress = self._suppress.to(scores.device)
             scores = scores.index_fill(-1, self._suppress, -float("inf"))
@@ -593,6 +598,13 @@ class Sampler:
         """What a compiled step calling this sampler specialises on (hashable): whether it samples, the suppressed
         ids, each processor's class and settings (:func:`processors_key`)."""
         return self.do_sample, tuple(sorted(set(self.suppress_token_ids))), processors_key(self.logits_processor)
+
+    @property
+    def graph_inputs(self) -> list[tuple[object, str]]:
+        """The tensors a step calling this sampler reads through attributes, as `(object, attribute name)`: the
+        rows' groups of per-row processors (:attr:`RowProcessors.group_ids`, replaced as rows join and leave), else
+        none. A CUDA graph of the step takes them as inputs (`StaticModelRunner.run_step`)."""
+        return [(self.logits_processor, "group_ids")] if isinstance(self.logits_processor, RowProcessors) else []
 
     def draw_noise(self, noise: torch.Tensor, rows: int) -> torch.Tensor:
         """The random draw of :meth:`choose` over `probs` of shape `(rows, *noise.shape[1:])`, made beforehand into

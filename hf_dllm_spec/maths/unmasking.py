@@ -93,7 +93,8 @@ def select_transfer(
         ValueError: for an unknown rule, or `entropy_bounded` without `entropies`.
     """
     num_masked = masked.sum(dim=-1)
-    k = torch.as_tensor(num_tokens, device=masked.device).expand_as(num_masked)
+    k = (num_tokens.expand_as(num_masked) if isinstance(num_tokens, torch.Tensor)
+         else torch.full_like(num_masked, num_tokens))        # (a device fill: no host copy in a CUDA graph)
     k = torch.minimum(k.clamp(min=1), num_masked)[:, None]                      # (N, 1)
     if rule == "sequential":
         return masked & (masked.long().cumsum(dim=-1) <= k)

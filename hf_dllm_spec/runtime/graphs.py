@@ -1,10 +1,14 @@
-"""Captured forwards: one CUDA graph per fixed-shape forward of one model and role, bounded, on the model's device.
+"""Captured forwards and steps: one CUDA graph per fixed-shape forward, or decoding step, of one model and role,
+bounded, on the model's device.
 
 :class:`CapturedForwards` holds the graphs of one model in one role (target or drafter) of the static runtime
 (:mod:`hf_dllm_spec.runtime.static`): a least-recently-used table `key -> graph` of at most `max_graphs` entries,
 one private memory pool shared by them, and the record of a failed capture. PyTorch's whole-network recipe:
 three warm-up runs on a side stream, then `torch.cuda.graph` capture; every replay copies the new inputs into the
-graph's static buffers first.
+graph's static buffers first. What it captures is a function of tensors: a forward (one output tensor) or a whole
+decoding step, forward and maths (a tuple of output tensors; :meth:`~hf_dllm_spec.runtime.static.StaticModelRunner.
+run_step`). Warm-up and capture run under :func:`hf_dllm_spec.tracing.recording`, so the code recorded takes its
+recordable way (no Python caches of tensors, no host reads).
 
 What keeps it safe in real programs (issue 32):
 
@@ -41,6 +45,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..tracing import recording
+
 logger = logging.getLogger(__name__)
 
 #: Captured graphs kept per model and role by default (least recently used go first past it).
@@ -68,11 +74,37 @@ class CaptureFailure:
     call: int
 
 
+#: What a captured function returns: a tensor, or a tuple of tensors (None entries allowed).
+Outputs = torch.Tensor | tuple
+
+
 @dataclass
 class _Graph:
     replay: Callable[[], None]
     buffers: list[torch.Tensor]
-    output: torch.Tensor
+    output: Outputs
+
+
+def _copy(output: Outputs) -> Outputs:
+    """A fresh copy of a graph's output (a tensor or a tuple of tensors): the next replay overwrites the graph's."""
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    return tuple(None if t is None else t.clone() for t in output)
+
+
+def _mismatch(replayed: Outputs, eager: Outputs) -> str | None:
+    """Why a first replay's output differs from its eager warm-up's (floating tensors within :data:`CHECK_RTOL`,
+    the others equal), or None."""
+    pairs = [(replayed, eager)] if isinstance(eager, torch.Tensor) else list(zip(replayed, eager))
+    for i, (a, b) in enumerate(pairs):
+        if a is None:
+            continue
+        if a.is_floating_point():
+            if not torch.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_RTOL, equal_nan=True):
+                return f"output {i}: max |diff| {(a - b).abs().max().item():.3g}"
+        elif not torch.equal(a, b):
+            return f"output {i}: {int((a != b).sum())} entries differ"
+    return None
 
 
 class GraphMismatch(RuntimeError):
@@ -140,21 +172,23 @@ class CapturedForwards:
         self.pool = None
 
     # -- running -------------------------------------------------------------------------------------------------
-    def run(self, key: tuple, run_forward: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
-            bind: Callable[[list[torch.Tensor]], None], call: int) -> torch.Tensor | None:
+    def run(self, key: tuple, run_forward: Callable[..., Outputs], inputs: Sequence[torch.Tensor],
+            bind: Callable[[list[torch.Tensor]], None], call: int) -> Outputs | None:
         """Replay the graph of `key` on `inputs`, or capture it the first time; None when `call` may not capture
         (the caller then runs the forward eagerly).
 
         Args:
-            key (`tuple`): the forward's fixed shapes.
-            run_forward: `run_forward(*buffers) -> Tensor`, the forward on static buffers.
+            key (`tuple`): the forward's fixed shapes (a step's: its owner's key too).
+            run_forward: `run_forward(*buffers) -> Tensor` or a tuple of tensors, the forward (or step) on static
+                buffers: a function of them, the model's weights and the static cache only (what it reads besides
+                is replayed from the address it had at capture), with no host read and no random draw.
             inputs: the forward's tensors, copied into the graph's buffers of the same shapes.
             bind: `bind(buffers)` points whatever the forward reads besides its arguments at the buffers (the
                 cache's write columns).
             call (`int`): the number :meth:`begin_call` gave this `generate` call.
 
         Returns:
-            A fresh copy of the forward's output, or None.
+            A fresh copy of the forward's output (tensor or tuple), or None.
 
         Raises:
             Whatever the eager warm-up forward raises (a capture failure itself is recorded, not raised).
@@ -167,28 +201,27 @@ class CapturedForwards:
                     buffer.copy_(value)
                 bind(entry.buffers)
                 entry.replay()
-                return entry.output.clone()
+                return _copy(entry.output)
         if not self.may_capture(call):
             return None
         # State kept across calls is never an inference tensor (buffers, the graph's output), whatever the autograd
         # mode of the call that captures; `inference_mode(False)` alone would turn gradients back on.
-        with torch.inference_mode(False), torch.no_grad(), device_guard(self.device):
+        with torch.inference_mode(False), torch.no_grad(), device_guard(self.device), recording():
             buffers = [value.clone() for value in inputs]
             bind(buffers)
             out = self._warm_up(run_forward, buffers)
             try:
                 replay, output = self._capture(run_forward, buffers)
                 replay()
-                if not torch.allclose(output, out, rtol=CHECK_RTOL, atol=CHECK_RTOL, equal_nan=True):
-                    raise GraphMismatch("the replayed graph differs from its eager forward (max |diff| "
-                                        f"{(output - out).abs().max().item():.3g})")
+                if (why := _mismatch(output, out)) is not None:
+                    raise GraphMismatch(f"the replayed graph differs from its eager run ({why})")
             except (RuntimeError, torch.OutOfMemoryError) as error:
                 self._fail(error, call)
-                return out.clone()
+                return _copy(out)
         self.graphs[key] = _Graph(replay, buffers, output)
         self.captures += 1
         self.bound(self.max_graphs)
-        return out.clone()
+        return _copy(out)
 
     def _fail(self, error: BaseException, call: int) -> None:
         """Record a failed capture, drop the graphs and the pool (the allocator may still route to it)."""

@@ -25,10 +25,12 @@ as rows finish replays the graphs of a few bucket sizes instead of capturing one
 model's own device, at most `max_graphs` per model and role, least recently used first out, one memory pool, the
 first replay checked against eager, a failed capture cleaned up and retried once on a later call); with
 `compile_config` each fixed-shape forward is compiled once (torch.compile with the config's options, transformers'
-meaning; one code object per shape, so models and shapes never share dynamo's recompile limit), and a strategy whose step is a function of tensors runs the whole step, forward and maths, as one
-compiled function (:meth:`StaticModelRunner.run_step`, :mod:`~hf_dllm_spec.runtime.step`). MoE experts that could not be captured in the model's dtype run transformers' "batched_mm" kernel
-meanwhile (:mod:`~hf_dllm_spec.runtime.experts`). Which mode, and why not another, follows transformers'
-`_valid_auto_compile_criteria` plus the bitsandbytes rules (:func:`compile_plan`).
+meaning; one code object per shape, so models and shapes never share dynamo's recompile limit). A strategy whose
+step is a function of tensors runs the whole step, forward and maths, as one captured graph or one compiled function
+(:meth:`StaticModelRunner.run_step`, :mod:`~hf_dllm_spec.runtime.step`). MoE experts that could not be captured in
+the model's dtype run transformers' "batched_mm" kernel meanwhile (:mod:`~hf_dllm_spec.runtime.experts`). Which
+mode, and why not another, follows transformers' `_valid_auto_compile_criteria` plus the bitsandbytes rules
+(:func:`compile_plan`).
 
 Across calls and threads. Cache, graphs and options live on the model (:func:`static_states`,
 :func:`clear_static_state`, :func:`configure_static_runtime`) and are reused by later calls with the same or
@@ -62,6 +64,7 @@ from model_patches.compat import find_cache, pop_cache
 from ..maths.masks import to_additive
 from ..bridge import prepared_by_generate, transformers_compiles
 from ..outputs import BatchStats
+from ..tracing import recording_step
 from ..validation import invalid
 from .experts import capturable_experts, experts_configs, experts_implementation
 from .graphs import DEFAULT_MAX_GRAPHS, CapturedForwards
@@ -122,9 +125,10 @@ def compile_plan(model, generation_config: GenerationConfig) -> tuple[str, str]:
 
     Returns:
         `(mode, reason)`: mode "eager" (forwards run as they are, over the static cache), "cuda_graph" (each
-        fixed-shape forward captured once in a `torch.cuda.CUDAGraph`; the default on CUDA) or "compile"
-        (`torch.compile` with the `compile_config`'s options, transformers' meaning, each fixed-shape forward and
-        step compiled once, when a `compile_config` is given); `reason` is one line saying why (empty for the plain default).
+        fixed-shape forward and decoding step captured once in a `torch.cuda.CUDAGraph`; the default on CUDA) or
+        "compile" (`torch.compile` with the `compile_config`'s options, transformers' meaning, each fixed-shape
+        forward and step compiled once, when a `compile_config` is given); `reason` is one line saying why (empty
+        for the plain default).
 
     bitsandbytes: 8-bit (LLM.int8) layers are not capturable, so the forwards stay eager with that reason; 4-bit
     layers are captured, each capture checked against its eager forward on its first replay (bitsandbytes#1308
@@ -332,6 +336,10 @@ class StaticModelRunner(ModelRunner):
         super().__init__(model, patch, stats, batch_size=batch_size, cache=self._state.cache, timer=timer,
                          timer_span=timer_span)
         self.compile_mode = compile_mode
+        # bitsandbytes 4-bit graphs may replay other numbers (bitsandbytes#1308): only the forwards are captured,
+        # each checked on its logits; a step's tokens could match on the check and differ later.
+        self._captures_steps = (compile_mode == "cuda_graph"
+                                and _bitsandbytes_bits(getattr(model, "hf_quantizer", None)) is None)
         self._compile_reason = compile_reason
         self._call_id = self._state.graphs.begin_call()
         self._experts, experts_reason = capturable_experts(model, compile_mode, device)
@@ -498,23 +506,28 @@ class StaticModelRunner(ModelRunner):
     # -- compiled steps (runtime/step.py) --------------------------------------------------------------------------
     @property
     def runs_compiled_steps(self) -> bool:
-        """Whether :meth:`run_step` is available: forwards compiled (`compile_config`), a position-aligned model
-        (no carry to keep across steps), layouts not checked (the check reads the device on every storing forward).
-        A MoE experts kernel switch (:func:`~hf_dllm_spec.runtime.experts.experts_implementation`, LLaDA2 outside
-        bfloat16) is traced with the model call inside the step (`fullgraph`: the step's graph runs "batched_mm")."""
-        return self.compile_mode == "compile" and self.alignment == "position" and not self.check_layouts
+        """Whether :meth:`run_step` is available: forwards compiled (`compile_config`) or captured (CUDA graphs),
+        a position-aligned model (no carry to keep across steps), layouts not checked (the check reads the device
+        on every storing forward). A MoE experts kernel switch (:func:`~hf_dllm_spec.runtime.experts.
+        experts_implementation`, LLaDA2 outside bfloat16) runs with the model call inside the step (compiled with
+        `fullgraph`, the step's graph runs "batched_mm"). bitsandbytes 4-bit models capture their forwards only."""
+        runs = self.compile_mode == "compile" or self._captures_steps
+        return runs and self.alignment == "position" and not self.check_layouts
 
     @property
     def runs_compiled_carry_steps(self) -> bool:
         """Whether :meth:`run_step` is available to a step of a right-shifted model, which passes the carry to
         :meth:`step_forward` and, when it stores tokens, gets the new carry back (`return_carry`) and returns it to
         :meth:`run_step` (`sets_carry`): Fast-dLLM v2's denoising steps and cache writes, AR, DEER's verify."""
-        return self.compile_mode == "compile" and self.alignment == "right_shift" and not self.check_layouts
+        runs = self.compile_mode == "compile" or self._captures_steps
+        return runs and self.alignment == "right_shift" and not self.check_layouts
 
     def run_step(self, function, owner, key: tuple, tensors: tuple, *, q: int, store_len: int, logits_to_keep: int,
                  kind: str, rows=None, sets_carry: bool = False) -> list:
         """One decoding step, forward and maths, as one compiled function (:class:`~hf_dllm_spec.runtime.step.
-        CompiledSteps`, kept on the model per role): `function(owner, self, shape, lengths, *tensors)`.
+        CompiledSteps`, kept on the model per role) or, in the "cuda_graph" mode, one CUDA graph
+        (:class:`~hf_dllm_spec.runtime.graphs.CapturedForwards`, the forwards' table and pool; the step's tensors
+        copied into the graph's buffers before each replay): `function(owner, self, shape, lengths, *tensors)`.
 
         `function` runs exactly one forward, :meth:`step_forward` of `q` query tokens (the first `store_len`
         stored, `logits_to_keep` logits kept), whose fixed `shape` is decided here; it returns `(lengths, *outputs)`,
@@ -526,7 +539,9 @@ class StaticModelRunner(ModelRunner):
         `(N, V)` (:meth:`step_forward` with `return_carry`) becomes the runner's.
 
         Args:
-            function (`Callable`): a plain function of tensors (no host read, no Python state changed).
+            function (`Callable`): a plain function of tensors (no host read, no random draw, no Python state
+                changed, no tensor read but its arguments, the model's weights and the static cache: a graph replays
+                what it read at capture).
             owner: its first argument (the strategy).
             key (`tuple`): the owner's part of the compile key (its rule and parameters).
             tensors (`tuple`): `(N, ...)` tensors or None, rows first; a tensor of :attr:`step_rows` rows (a
@@ -548,24 +563,60 @@ class StaticModelRunner(ModelRunner):
                                  torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])]) for t in (lengths, *tensors))
         key = (*key, self._options_key, bucket, width, kept, prefix, self.cache.max_cache_len,
                self.cache.batch_capacity)
-        steps = self._state.steps
-        if torch.cuda.is_available() and self.device.type == "cuda":
+        tensors = (lengths, *tensors)
+        if self.compile_mode == "compile":
+            table = self._state.steps
+        else:     # a graph's buffers: the tensors given (which are None is part of its key) and the owner's inputs
+            attributes = owner.graph_inputs() if hasattr(owner, "graph_inputs") else []
+            read = [getattr(obj, name) for obj, name in attributes]
+            key = ("step", *key, tuple(t is not None for t in tensors), tuple((t.shape, t.dtype) for t in read))
+            table = self._state.graphs.graphs
+        if self.compile_mode == "compile" and self.device.type == "cuda":      # (CUDA graph trees' step marker)
             torch.compiler.cudagraph_mark_step_begin()
         with self.timer.span("forward"), self._own_span(), self._traced(kind, n, width, store_len, kept), \
-                self.timer.span("warmup") if key not in steps else contextlib.nullcontext():
-            if self.cache.allocated:
-                lengths, *outputs = steps.run(key, function, self._step_options, owner, self, shape, lengths, *tensors)
-            else:       # the call's first forward allocates the buffers: eagerly (a graph would guard on them)
-                lengths, *outputs = function(owner, self, shape, lengths, *tensors)
+                self.timer.span("warmup") if key not in table else contextlib.nullcontext():
+            outputs = None
+            if self.cache.allocated and self.compile_mode == "compile":
+                outputs = table.run(key, function, self._step_options, owner, self, shape, *tensors)
+            elif self.cache.allocated:
+                outputs = self._captured_step(key, function, owner, shape, tensors, attributes)
+            if outputs is None:    # the call's first forward allocates the buffers: eagerly (a graph would guard on
+                outputs = function(owner, self, shape, *tensors)      # them); or this call may not capture
+        lengths, *outputs = outputs
         if bucket > n:
             lengths, *outputs = (t[:n] for t in (lengths, *outputs))
-        if self.device.type == "cuda":         # CUDA graph trees reuse their output memory at the next replay
-            lengths, *outputs = (t.clone() for t in (lengths, *outputs))
+        if self.compile_mode == "compile" and self.device.type == "cuda":   # CUDA graph trees reuse their output
+            lengths, *outputs = (t.clone() for t in (lengths, *outputs))     # memory at the next replay
         if sets_carry:
             self.carry, *outputs = outputs
         self.lengths = lengths
         self._bound += store_len
         return outputs
+
+    def _captured_step(self, key: tuple, function, owner, shape: tuple, tensors: tuple,
+                       attributes: list[tuple[object, str]]) -> tuple | None:
+        """:meth:`run_step`'s step replayed from its CUDA graph, captured on its key's first use; None where this
+        call may not capture (after a failed capture: the step then runs eagerly). `tensors` `(lengths, *tensors)`,
+        the None ones left out of the graph's buffers (`key` says which are present). What the step reads through
+        `attributes` (`(object, name)`, the owner's `graph_inputs()`) is a graph input too: while the step is
+        captured each attribute points at its buffer, and every replay first copies the attribute's tensor of the
+        moment into it."""
+        present = key[-2]
+        inputs = [t for t in tensors if t is not None] + [getattr(obj, name) for obj, name in attributes]
+
+        def run(*buffers):
+            given = iter(buffers)
+            args = [next(given) if p else None for p in present]
+            kept = [getattr(obj, name) for obj, name in attributes]
+            try:
+                for (obj, name), buffer in zip(attributes, given):
+                    setattr(obj, name, buffer)
+                return function(owner, self, shape, *args)
+            finally:
+                for (obj, name), value in zip(attributes, kept):
+                    setattr(obj, name, value)
+
+        return self._state.graphs.run(key, run, inputs, lambda buffers: None, self._call_id)
 
     @property
     def step_rows(self) -> int:
@@ -615,7 +666,7 @@ class StaticModelRunner(ModelRunner):
         """`(1, W)` int64 write offsets of a query without stored padding: its `q = W - front` tokens at `[0, q)`
         in order, then its front padding at `[q, W)` (cached per `(W, front)`; not inside a compiled step, whose
         guards would see the cache change)."""
-        if torch.compiler.is_compiling():
+        if recording_step():
             return ((torch.arange(width, device=self.device) - front) % width)[None]
         key = (width, front)
         if key not in self._offsets:

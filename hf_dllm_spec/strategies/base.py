@@ -250,6 +250,16 @@ class DecodingStrategy(ABC):
         strategies without a drafter). Default: any pair.
         """
 
+    def graph_inputs(self) -> list[tuple[object, str]]:
+        """The tensors this strategy's steps read through attributes besides their arguments, as `(object,
+        attribute name)`: its samplers' (:attr:`~hf_dllm_spec.maths.sampling.Sampler.graph_inputs`, the call's and
+        a drafter's). A captured step takes their current tensors as inputs, copied into its graph's buffers before
+        each replay (`StaticModelRunner.run_step`)."""
+        samplers = [self.session.sampler, getattr(self, "draft_sampler", None)]
+        found = {(id(obj), name): (obj, name) for sampler in samplers if sampler is not None
+                 for obj, name in sampler.graph_inputs}
+        return list(found.values())
+
     @abstractmethod
     def decode(self) -> list[torch.Tensor]:
         """Run the decoding loop; return each prompt's committed tokens, `(n_i,)` int64 (untrimmed)."""

@@ -23,6 +23,7 @@ from ..maths.editing import EditingConfig, EditRule, ThresholdEditRule
 from ..maths.masks import block_causal_mask, concat_segments, full_mask, left_pad, partially_causal_draft_mask
 from ..maths.sampling import entropy, step_processors
 from ..maths.unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
+from ..tracing import recording_step
 from ..validation import check_choice, check_range, invalid
 from .base import DecodingStrategy
 
@@ -540,6 +541,8 @@ class BlockDiffusionStrategy(DecodingStrategy):
         """Visibility inside the block while denoising: full `(B, B)`, or S2D2 Eq. 4 `(N, B, B)` with `draft_ver`."""
         if self.config.draft_ver:
             return partially_causal_draft_mask(self.block_size, block.first_masked)
+        if recording_step():                     # a graph would read a kept tensor at its address of this call
+            return full_mask(self.block_size, block.tokens.device)
         if self._full_mask is None:
             self._full_mask = full_mask(self.block_size, block.tokens.device)
         return self._full_mask
@@ -701,7 +704,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         `num_to_transfer`; a streamer (batch 1: the read carries what it shows, :meth:`stream_read`); `cache_ver`
         and `draft_ver` (the masks built inside the step); a class whose step methods are traceable
         (:data:`COMPILED_STEP_METHODS`). Else the eager step."""
-        s, cfg = self.session, self.config
+        s = self.session
         processors = s.sampler.logits_processor
         served = (getattr(s.target, "runs_compiled_carry_steps", False) if s.target.alignment == "right_shift"
                   else getattr(s.target, "runs_compiled_steps", False))
@@ -769,8 +772,6 @@ class BlockDiffusionStrategy(DecodingStrategy):
         n = block.tokens.shape[0]
         for i in range(n):
             s.stats.row(i).num_denoising_steps += 1
-        if not self.config.draft_ver:
-            self.draft_mask(block)                        # built once, outside the compiled code
         carry = self.step_carry(n)
         tensors = (block.tokens, block.undecided, block.start, block.num_fixed, block.step, block.post_steps,
                    *(pending if pending is not None else (None, None, None)), self.step_noise(n), carry)

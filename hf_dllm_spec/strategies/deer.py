@@ -526,7 +526,7 @@ def deer_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch
     query, positions, intra = drafter.block_query(new_ids, new_valid, seen, k)
     logits, lengths = runner.step_forward(shape, query, positions, intra, lengths, store_len=new_ids.shape[1],
                                           store_valid=new_valid, logits_to_keep=len(ids))
-    return (lengths, seen + new_valid.sum(dim=1), *propose_drafts(strategy, logits[:, slots], noise))
+    return (lengths, seen + new_valid.sum(dim=1), *propose_drafts(strategy, logits[:, slots[0]:slots[-1] + 1], noise))
 
 
 def deer_full_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: torch.Tensor, ids: torch.Tensor,
@@ -548,7 +548,7 @@ def deer_full_draft_step(strategy: DeerStrategy, runner, shape: tuple, lengths: 
     slots = draft_block_layout(k, drafter.mask_token_id, drafter.sep_token_id, drafter.sep_position)[2]
     query, positions, intra = drafter.full_query(ids, valid, k)
     logits, lengths = runner.step_forward(shape, query, positions, intra, lengths, logits_to_keep=len(slots))
-    return (lengths, *propose_drafts(strategy, logits[:, slots], noise))
+    return (lengths, *propose_drafts(strategy, logits[:, slots[0]:slots[-1] + 1], noise))
 
 
 def propose_drafts(strategy: DeerStrategy, logits: torch.Tensor, noise: torch.Tensor | None) -> tuple:

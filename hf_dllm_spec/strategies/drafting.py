@@ -28,6 +28,7 @@ import torch
 
 from ..maths.masks import causal_mask, concat_segments, full_mask, left_pad
 from ..runtime.runner import ModelRunner
+from ..tracing import device_constant
 from ..validation import invalid
 
 DRAFT_ATTENTIONS = ("causal_prefix", "full")
@@ -146,6 +147,15 @@ class OneStepDrafter:
         front = width - ids.shape[1]
         return torch.nn.functional.pad(ids, (front, 0)), torch.nn.functional.pad(valid, (front, 0))
 
+    def block_tokens(self, num_draft_tokens: int, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft block of :func:`draft_block_layout` as tensors: its ids `(rows, b)` int64 and position offsets
+        `(1, b)` int64 (b: k, plus one with SEP), built on the device (:func:`~hf_dllm_spec.tracing.device_constant`:
+        also inside a captured step)."""
+        ids, offsets, _ = draft_block_layout(num_draft_tokens, self.mask_token_id, self.sep_token_id,
+                                             self.sep_position)
+        return (device_constant(ids, torch.long, device)[None].expand(rows, -1),
+                device_constant(offsets, torch.long, device)[None])
+
     def full_query(self, ids: torch.Tensor, valid: torch.Tensor,
                    num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The "full" drafter query of one :meth:`draft` (DEER App. F): each row's whole context, then the drafted
@@ -163,12 +173,11 @@ class OneStepDrafter:
             seen by nobody but itself); the drafts are read at the block's `slots` (:func:`draft_block_layout`).
         """
         device = ids.device
-        block, offsets, _ = draft_block_layout(num_draft_tokens, self.mask_token_id, self.sep_token_id,
-                                               self.sep_position)
-        n, width, b = ids.shape[0], ids.shape[1], len(block)
+        n, width = ids.shape
+        block_ids, offsets = self.block_tokens(num_draft_tokens, n, device)
+        b = block_ids.shape[1]
         prefix_pos = (valid.cumsum(dim=1) - 1).clamp(min=0)
-        block_pos = valid.sum(dim=1)[:, None] + torch.tensor(offsets, device=device)[None]
-        block_ids = torch.tensor(block, dtype=torch.long, device=device)[None].expand(n, -1)
+        block_pos = valid.sum(dim=1)[:, None] + offsets
         see = torch.cat([valid, valid.new_ones(n, b)], dim=1)
         intra = see[:, None, :] | torch.eye(width + b, dtype=torch.bool, device=device)
         return torch.cat([ids, block_ids], dim=1), torch.cat([prefix_pos, block_pos], dim=1), intra
@@ -191,13 +200,11 @@ class OneStepDrafter:
             read at the block's `slots` (:func:`draft_block_layout`).
         """
         device = new_ids.device
-        ids, offsets, _ = draft_block_layout(num_draft_tokens, self.mask_token_id, self.sep_token_id,
-                                             self.sep_position)
-        width, b = new_ids.shape[1], len(ids)
+        block_ids, offsets = self.block_tokens(num_draft_tokens, new_ids.shape[0], device)
+        width, b = new_ids.shape[1], block_ids.shape[1]
         end = seen + new_valid.sum(dim=1)                                     # the prefix length after them
         prefix_pos = (end[:, None] - width + torch.arange(width, device=device)[None]).clamp(min=0)
-        block_pos = end[:, None] + torch.tensor(offsets, device=device)[None]
-        block_ids = torch.tensor(ids, dtype=torch.long, device=device)[None].expand(new_ids.shape[0], -1)
+        block_pos = end[:, None] + offsets
         query = torch.cat([new_ids, block_ids], dim=1)
         positions = torch.cat([prefix_pos, block_pos], dim=1)
         return query, positions, concat_segments(causal_mask(width, device), full_mask(b, device))

@@ -68,6 +68,7 @@ from ..maths.routing import (
 )
 from ..maths.sampling import POSITION_INDEPENDENT_PROCESSORS, draw_verification, entropy, rows_of
 from ..maths.unmasking import first_masked_span
+from ..tracing import recording_step
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import greedy_match, rejection_sample, span_writes
 from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, draft_and_propose,
@@ -435,7 +436,7 @@ class S2D2Strategy(BlockDiffusionStrategy):
     def verifier_mask(self, last: int, first: int, device: torch.device) -> torch.Tensor:
         """:func:`~hf_dllm_spec.maths.masks.verifier_2l_mask` `(last, span_start=first)`, kept per `(last, first)`
         (built in the graph inside a compiled step, where the cache would be Python state)."""
-        if torch.compiler.is_compiling():
+        if recording_step():
             return verifier_2l_mask(last, device, span_start=first)
         mask = self._verify_masks.get((last, first))
         if mask is None:

@@ -67,6 +67,7 @@ from ..configuration import DrafterConfig, check_int
 from ..maths.masks import full_mask, temporal_verify_mask
 from ..maths.sampling import Sampler, draw_exponential, draw_verification, entropy, step_processors
 from ..maths.unmasking import first_masked_span, scheduled_tokens, select_transfer
+from ..tracing import recording_step
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
 from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, continuing_rows,
@@ -248,7 +249,7 @@ def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, ta
     token = committed_ids[rows, slot]
     below = probs.gather(1, token.clamp(min=0)[:, None])[:, 0] < min_prob
     gated = result.recovered & torch.isin(token, stop) & below
-    if not torch.compiler.is_compiling() and not bool(gated.any()):     # (a compiled cycle computes both ways)
+    if not recording_step() and not bool(gated.any()):     # (a compiled cycle computes both ways)
         return committed_ids
     other = probs.index_fill(1, stop, 0.0)
     if draft_probs is not None:

@@ -4,8 +4,10 @@ Three checks, in one process, on one CUDA device (a few minutes on an H100):
 
 1. **Tokens and capture.** Every strategy row of the main job on every bundled model (SDAR, Fast-dLLM v2 with
    sub-blocks, LLaDA2.1 with editing, S2D2 on each, SimSD and DEER with their drafters), a left-padded batch of 2,
-   greedy, in bfloat16 and float32: `cache_implementation="static"` with CUDA graphs against the same static
-   runtime without graphs (`disable_compile=True`: the tokens must be equal in every dtype, graphs change nothing)
+   greedy, in bfloat16 and float32: `cache_implementation="static"` with CUDA graphs (each decoding step captured
+   whole, forward and maths, where the strategy's step is a function of tensors), twice (capture, then replay),
+   against the same static runtime without graphs (`disable_compile=True`: the tokens must be equal in every dtype,
+   graphs change nothing)
    and against the eager runtime (tokens and forward counters must be equal in float32; in bfloat16 the two
    layouts may round differently, so that comparison is reported, not required); per model and role whether its
    forwards were captured (graphs, no fallback) or why not (`spec_stats.runtime`).
@@ -85,7 +87,8 @@ def check_tokens(device: torch.device, dtype: torch.dtype, *, max_new_tokens: in
     Returns:
         `list[dict]`: "dtype", "model", "strategy", "tokens_equal", "counters_equal", "captured" (every model and
         role of the call captured at least one graph and none failed), "graphs" (graphs held per model and role),
-        "runtime" (`spec_stats.runtime`), "ok".
+        "steps" (of them, whole decoding steps: `StaticModelRunner.run_step`), "runtime" (`spec_stats.runtime`),
+        "ok".
     """
     from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts
     from hf_dllm_spec.runtime.static import clear_static_state, static_states
@@ -104,9 +107,11 @@ def check_tokens(device: torch.device, dtype: torch.dtype, *, max_new_tokens: in
             uncaptured = _generate(model, tokenizer, texts, spec, max_new_tokens, cache_implementation="static",
                                    disable_compile=True)
             static = _generate(model, tokenizer, texts, spec, max_new_tokens, cache_implementation="static")
+            again = _generate(model, tokenizer, texts, spec, max_new_tokens, cache_implementation="static")
             states = [*static_states(model), *(static_states(drafter) if drafter is not None else [])]
             tokens = static.sequences.tolist() == eager.sequences.tolist()
-            replayed = static.sequences.tolist() == uncaptured.sequences.tolist()
+            replayed = (static.sequences.tolist() == uncaptured.sequences.tolist()
+                        and again.sequences.tolist() == uncaptured.sequences.tolist())
             counters = all(_counters(a) == _counters(b)
                            for a, b in zip(eager.spec_stats_per_row, static.spec_stats_per_row))
             captured = bool(states) and all(s.graphs.captures > 0 and s.graphs.failure is None for s in states)
@@ -114,6 +119,7 @@ def check_tokens(device: torch.device, dtype: torch.dtype, *, max_new_tokens: in
             rows.append({"dtype": str(dtype).removeprefix("torch."), "model": name, "strategy": spec.label,
                          "tokens_equal": tokens, "graph_equal": replayed, "counters_equal": counters,
                          "captured": captured, "graphs": [len(s.graphs.graphs) for s in states],
+                         "steps": [sum(key[0] == "step" for key in s.graphs.graphs) for s in states],
                          "runtime": static.spec_stats.runtime,
                          "ok": replayed and captured and (not exact or (tokens and counters))})
         del model, drafter
@@ -206,7 +212,7 @@ def report(result: dict) -> str:
         lines.append(f"  {verdict} {row['dtype']:<9} {row['model']:<18} {row['strategy']:<42} "
                      f"graph {'=' if row['graph_equal'] else '!='} eager {'=' if row['tokens_equal'] else '!='} "
                      f"counters {'=' if row['counters_equal'] else '!='}"
-                     f" graphs {row['graphs']}  [{row['runtime']}]")
+                     f" graphs {row['graphs']} (steps {row['steps']})  [{row['runtime']}]")
     memory = result["memory"]
     lines += ["", f"2. memory over {memory['calls']} calls: {'ok' if memory['ok'] else 'FAIL'} (allocated "
                   f"{memory['memory_bytes'][0]} -> {memory['memory_bytes'][1]} bytes, graphs captured "
