@@ -2,6 +2,7 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/host_work.py [--max-new-tokens 24]
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/host_work.py --compiled [--max-new-tokens 64]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/host_work.py --captured [--max-new-tokens 64]
 
 Every strategy of the main job on every bundled model, batch 1, one held-out prompt, greedy, under the static
 runtime (`cache_implementation="static"`), on the CPU. For each it prints the forwards, the host synchronisations
@@ -19,6 +20,10 @@ compile_config=...)` on qwen2-tiny-ar, per token, measured in the same run, and 
 step left eager (only the model call compiled, as before issue 34). Some rows are measured sampled as well
 (temperature 0.7, top-k 20, top-p 0.95; torch's global RNG seeded before each call). Results:
 docs/performance.md ("One decoding step, one compiled function").
+
+`--captured`: the same around the static runtime's CUDA-graph mode (each step one graph; the default on a GPU),
+the graphs stood in for on the CPU by the test suite's tape (tests/graph_tape.py; the replays are left out of the
+count), beside the same stock baseline.
 """
 
 from __future__ import annotations
@@ -102,9 +107,9 @@ STOCK_MODEL = "qwen2-tiny-ar"
 COMPILED_REGION = "Torch-Compiled Region"
 
 
-def eager_operations(run) -> int:
+def eager_operations(run, region: str = COMPILED_REGION) -> int:
     """The top-level ATen operations `run()` dispatches outside compiled code: profiler events named `aten::*`
-    with no ATen operation and no "Torch-Compiled Region" range above them (each one kernel launch on a GPU)."""
+    with no ATen operation and no `region` range above them (each one kernel launch on a GPU)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
     count = 0
@@ -112,10 +117,26 @@ def eager_operations(run) -> int:
         if not event.name.startswith("aten::"):
             continue
         parent = event.cpu_parent
-        while parent is not None and not (parent.name.startswith("aten::") or COMPILED_REGION in parent.name):
+        while parent is not None and not (parent.name.startswith("aten::") or region in parent.name):
             parent = parent.cpu_parent
         count += parent is None
     return count
+
+
+@contextlib.contextmanager
+def stood_in_graphs():
+    """The static runtime's CUDA-graph mode on the CPU, capture and replay stood in for by the test suite's tape
+    (tests/graph_tape.py: a replay re-runs the recorded operations inside a profiler range of its own)."""
+    import sys
+
+    import pytest
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import graph_tape
+
+    with pytest.MonkeyPatch.context() as patch:
+        graph_tape.install(patch)
+        yield graph_tape.REPLAY_REGION
 
 
 @contextlib.contextmanager
@@ -138,27 +159,29 @@ def compiled_config() -> CompileConfig:
     return config
 
 
-def measure_compiled(model, ids: torch.Tensor, max_new_tokens: int, **kwargs) -> tuple[int, int]:
+def measure_compiled(model, ids: torch.Tensor, max_new_tokens: int, region: str | None = None,
+                     **kwargs) -> tuple[int, int]:
     """`(eager operations, forwards)` of the third of three identical `generate` calls under static +
-    `compile_config` (the first two compile)."""
-    config = compiled_config()
+    `compile_config` (the first two compile); with `region` (:func:`stood_in_graphs`), static alone, counted
+    outside the replays."""
+    config = {} if region else {"compile_config": compiled_config()}
     calls = []
 
     def run():
         torch.manual_seed(0)
         calls.append(model.generate(ids, max_new_tokens=max_new_tokens, cache_implementation="static",
-                                    compile_config=config, return_dict_in_generate=True, **kwargs))
+                                    return_dict_in_generate=True, **config, **kwargs))
 
     run()
     run()
-    operations = eager_operations(run)
+    operations = eager_operations(run, region or COMPILED_REGION)
     out = calls[-1]
     stats = getattr(out, "spec_stats", None)
     forwards = stats.num_forward_calls if stats is not None else out.sequences.shape[1] - ids.shape[1]
     return operations, forwards
 
 
-def main_compiled(max_new_tokens: int, only: list[str] | None = None) -> None:
+def main_compiled(max_new_tokens: int, only: list[str] | None = None, captured: bool = False) -> None:
     torch._dynamo.reset()
     tokenizer, stock = load(MODELS / STOCK_MODEL)
     ids = tokenizer(arithmetic_prompts(MODELS / STOCK_MODEL, 1)[0].text, return_tensors="pt").input_ids
@@ -166,8 +189,14 @@ def main_compiled(max_new_tokens: int, only: list[str] | None = None) -> None:
     baseline = ops / tokens
     print(f"stock transformers generate(cache_implementation='static', compile_config), {STOCK_MODEL}: "
           f"{ops} eager operations / {tokens} tokens = {baseline:.1f} per token\n")
-    print("| model | strategy | forwards | eager operations / forward outside compiled code | ratio to stock per "
-          "token | with the step eager (model call compiled only) |")
+    where = "captured graphs (stood in for)" if captured else "compiled code"
+    print(f"| model | strategy | forwards | eager operations / forward outside {where} | ratio to stock per "
+          f"token | with the step eager (model call {'captured' if captured else 'compiled'} only) |")
+    with stood_in_graphs() if captured else contextlib.nullcontext() as region:
+        _rows(max_new_tokens, only, baseline, region)
+
+
+def _rows(max_new_tokens: int, only: list[str] | None, baseline: float, region: str | None) -> None:
     print("|---|---|---|---|---|---|")
     for name, rows in COMPILED_CASES.items():
         if only and name not in only:
@@ -187,9 +216,9 @@ def main_compiled(max_new_tokens: int, only: list[str] | None = None) -> None:
                 kwargs = dict(decoding_strategy=spec.decoding_strategy, **spec.params, **entry,
                               **({"draft_model": spec.draft_model} if spec.draft_model is not None else {}),
                               **(SAMPLING if sampled else {}))
-                ops, forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)
+                ops, forwards = measure_compiled(model, ids, max_new_tokens, region, **kwargs)
                 with eager_steps():
-                    before, before_forwards = measure_compiled(model, ids, max_new_tokens, **kwargs)
+                    before, before_forwards = measure_compiled(model, ids, max_new_tokens, region, **kwargs)
                 label = f"{spec.label}, sampled" if sampled else spec.label
                 print(f"| {name} | {label} | {forwards} | {ops / forwards:.1f} | {ops / forwards / baseline:.2f} | "
                       f"{before / before_forwards:.1f} |", flush=True)
@@ -199,13 +228,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="24 (64 with --compiled)")
     ap.add_argument("--compiled", action="store_true", help="count around compiled code under compile_config")
+    ap.add_argument("--captured", action="store_true",
+                    help="count around the static runtime's CUDA-graph mode (stood in for: tests/graph_tape.py)")
     ap.add_argument("--only", nargs="+", metavar="MODEL", choices=list(COMPILED_CASES),
                     help="with --compiled: these bundled models' rows only (the stock baseline always runs)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    if args.compiled:
-        main_compiled(args.max_new_tokens or 64, args.only)
+    if args.compiled or args.captured:
+        main_compiled(args.max_new_tokens or 64, args.only, captured=args.captured)
         return
     args.max_new_tokens = args.max_new_tokens or 24
     print("| model | strategy | forwards | host syncs / forward (call) | (between decoding forwards) | "

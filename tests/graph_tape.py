@@ -36,6 +36,8 @@ from hf_dllm_spec.runtime.graphs import CapturedForwards
 HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::nonzero_static", "aten::is_nonzero",
               "aten::equal", "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
               "aten::allclose"}
+#: The profiler range around a replay (benchmarks/host_work.py counts the operations outside it).
+REPLAY_REGION = "CUDA graph replay (stand-in)"
 #: Indexing operations that read the device on the host when an index is a boolean mask (`x[mask]`).
 MASK_INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 #: Name parts of random operations.
@@ -192,7 +194,8 @@ class ReplayedGraphs(CapturedForwards):
 
         def replay():
             GUARD.check(self.device)
-            tape.replay(output, offset=1.0 if ReplayedGraphs.corrupt else 0.0)
+            with torch.profiler.record_function(REPLAY_REGION):
+                tape.replay(output, offset=1.0 if ReplayedGraphs.corrupt else 0.0)
         return replay, output
 
 
