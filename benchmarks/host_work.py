@@ -127,12 +127,13 @@ def eager_operations(run, region: str = COMPILED_REGION) -> int:
 def stood_in_graphs():
     """The static runtime's CUDA-graph mode on the CPU, capture and replay stood in for by the test suite's tape
     (tests/graph_tape.py: a replay re-runs the recorded operations inside a profiler range of its own)."""
-    import sys
+    import importlib.util
 
     import pytest
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    import graph_tape
+    spec = importlib.util.spec_from_file_location("graph_tape", ROOT / "tests" / "graph_tape.py")
+    graph_tape = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph_tape)
 
     with pytest.MonkeyPatch.context() as patch:
         graph_tape.install(patch)
