@@ -1,39 +1,56 @@
 #!/usr/bin/env bash
 # The one prepared command of a session that is lent a GPU (the device machine: CUDA torch and transformers
-# preinstalled, no network). Run from the repository root there, with a limit of about 10 minutes:
+# preinstalled, no network). Run from the repository root there, with a limit of about 9 minutes:
 #   bash benchmarks/gpu_session.sh
 # It installs this package over the machine's own torch / transformers (no dependency is fetched), then runs
-# (550 s in all at most, within one 600-s device command)
-#   1. `hf-dllm-spec check-gpu` (every strategy x bundled family through CUDA graphs, bf16 and fp32, memory over
-#      50 calls, a captured forward vs stock compiled AR at SDAR-1.7B shapes), JSON and report;
-#   2. the CUDA-graph tests of the default static runtime (`test_cuda_graphs_replay_the_eager_tokens`: every
-#      strategy x family through captured forwards, memory over 100 calls) and the no-sync test;
-#   3. the decoding steps of issue 34 as CUDA graphs (`test_steps_on_cuda_graphs_...`, 12 rows each): captured
-#      whole by the static runtime (the default on a GPU), then compiled in "reduce-overhead" mode (inductor
-#      compiles each: the slowest part, run last and verbose, so that a timeout still shows which rows passed),
-# writing everything under $OUT (default runs/gpu-session/). Record the figures in docs/performance.md.
+# (about 540 s in all at most; 321 s on an H200 without step 3, 2026-11-27)
+#   1. at the same time (correctness only, nothing timed):
+#      - `hf-dllm-spec check-gpu --no-speed` (every strategy x bundled family through CUDA graphs, bf16 and fp32,
+#        memory over 50 calls), one line per row as it is done, JSON at the end;
+#      - the GPU tests on 8 pytest-xdist workers: the CUDA-graph tests of the default static runtime
+#        (`test_cuda_graphs_replay_the_eager_tokens`: every strategy x family, memory over 100 calls), the no-sync
+#        test and the decoding steps of issue 34 as CUDA graphs (`test_steps_on_cuda_graphs_...`, 12 rows each:
+#        captured whole by the static runtime, the default on a GPU, and compiled in "reduce-overhead" mode);
+#   2. alone, so that nothing else runs on the GPU: check-gpu's speed check (a captured forward at widths 1-64 of
+#      SDAR-1.7B shapes against stock transformers' compiled AR step, in one process);
+#   3. alone: the GPU benchmark of the SDAR rows at 1.7B shapes (`hf-dllm-spec bench-gpu --groups sdar
+#      --num-prompts 2`: outside-forward time per step, predicted tokens/s against stock; 52 s on an H200),
+# writing everything under $OUT (default runs/gpu-session/; 8 files at most). Record the figures in
+# docs/performance.md ("First GPU run").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-session}
 mkdir -p "$OUT"
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.txt" 2>&1 \
   || { cat "$OUT/install.txt"; exit 3; }
+rm "$OUT/install.txt"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)'
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-timeout 210 python3 -m hf_dllm_spec.cli check-gpu --json "$OUT/check-gpu.json" 2>&1 | tee "$OUT/check-gpu.txt"
-check=${PIPESTATUS[0]}
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_static_runtime.py tests/test_core_v2.py \
-  -k "cuda_graphs_replay or no_device_sync_per_forward_on_cuda" 2>&1 | tee "$OUT/gpu-tests.txt"
-tests=${PIPESTATUS[0]}
-timeout 90 python3 -m pytest -v -p no:cacheprovider tests/test_static_runtime.py \
-  -k "steps_on_cuda_graphs and captured" 2>&1 | tee "$OUT/gpu-captured-steps.txt"
-captured=${PIPESTATUS[0]}
-timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_static_runtime.py \
-  -k "steps_on_cuda_graphs and compiled" 2>&1 | tee "$OUT/gpu-compiled-steps.txt"
-steps=${PIPESTATUS[0]}
-echo "check-gpu exit status $check; GPU tests exit status $tests; captured steps exit status $captured;" \
-  "compiled steps exit status $steps"
-exit $(( check || tests || captured || steps ))
+timeout 240 python3 -m hf_dllm_spec.cli check-gpu --no-speed --json "$OUT/check-gpu.json" > "$OUT/check-gpu.txt" 2>&1 &
+check_pid=$!
+timeout 280 python3 -m pytest -v -n 8 -p no:cacheprovider --durations=15 tests/test_static_runtime.py \
+  tests/test_core_v2.py -k "cuda_graphs_replay or no_device_sync_per_forward_on_cuda or steps_on_cuda_graphs" \
+  > "$OUT/gpu-tests.txt" 2>&1
+tests=$?
+wait $check_pid
+check=$?
+tail -5 "$OUT/gpu-tests.txt"
+cat "$OUT/check-gpu.txt"
+timeout 100 python3 -c '
+import json, sys, torch
+from hf_dllm_spec.tools.cost_model.check_gpu import check_speed, report
+speed = check_speed(torch.device("cuda"))
+print(report({"machine": torch.cuda.get_device_name(), "tokens": [], "memory": {"calls": 0, "ok": True,
+      "memory_bytes": [0, 0], "graphs": [0, 0]}, "speed": speed, "ok": True, "seconds": 0}))
+print(json.dumps(speed, default=str))
+' 2>&1 | tee "$OUT/speed.txt"
+speed=${PIPESTATUS[0]}
+log=$(mktemp)     # the report is also $OUT/bench/*.md
+timeout 140 python3 -m hf_dllm_spec.cli bench-gpu --groups sdar --num-prompts 2 --out "$OUT/bench" > "$log" 2>&1
+bench=$?
+sed -n '/^## Targets/,$p' "$log"; tail -3 "$log"
+echo "check-gpu exit status $check; GPU tests exit status $tests; speed exit status $speed; bench exit status $bench"
+exit $(( check || tests || speed || bench ))

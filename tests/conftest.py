@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import pathlib
 import subprocess
@@ -353,3 +354,21 @@ def seeded(params: dict, rows: int) -> dict:
     if kind == "rows":
         return {**params, "generator": [torch.Generator().manual_seed(100 + r) for r in range(rows)]}
     return params
+
+
+@contextlib.contextmanager
+def no_cyclic_garbage(label):
+    """Fail if the calls inside leave tensors or objects of the library in reference cycles: such a call's objects,
+    device memory included, stay allocated until Python's cyclic collector happens to run (on a GPU, memory that
+    grows and falls from call to call: check-gpu's memory check saw it with S2D2's routing policies)."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, torch.Tensor)
+                  or type(o).__module__.startswith(("hf_dllm_spec", "model_patches"))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not cyclic, f"{label}: left in reference cycles: {sorted({type(o).__qualname__ for o in cyclic})}"

@@ -34,7 +34,7 @@ from hf_dllm_spec.runtime.step import CompiledSteps
 pytestmark = pytest.mark.usefixtures("as_users_run_it")
 
 #: Random batches per strategy in the captured property (a tape records and replays every capture: slower).
-CAPTURED_EXAMPLES = 8
+CAPTURED_EXAMPLES = 5
 
 #: The seeded variants' sampling parameters; their generators are `seeded`'s "shared" (one for the batch) or "rows"
 #: (one per row).

@@ -537,7 +537,8 @@ class Sampler:
         if isinstance(self.generator, (list, tuple)):
             self.generator = RowGenerators(self.generator)
         # The suppression SuppressTokensLogitsProcessor would apply, as one `index_fill` (no vocabulary-wide isin).
-        self._suppress = torch.tensor(sorted(set(self.suppress_token_ids)), dtype=torch.long, device=self.device)
+        self._suppressed = tuple(sorted(set(self.suppress_token_ids)))
+        self._suppress = torch.tensor(self._suppressed, dtype=torch.long, device=self.device)
 
     def probs(self, logits: torch.Tensor, rows: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """Processed distribution per position.
@@ -583,7 +584,7 @@ class Sampler:
         shape = logits.shape
         scores = logits.float().reshape(-1, shape[-1])
         if self._suppress.numel() and recording_step():     # not the kept ids: a graph would read this call's copy
-            ids = device_constant(sorted(set(self.suppress_token_ids)), torch.long, scores.device)
+            ids = device_constant(self._suppressed, torch.long, scores.device)
             scores = scores.index_fill(-1, ids, -float("inf"))
         elif self._suppress.numel():
             if self._suppress.device != scores.device:
@@ -597,7 +598,7 @@ class Sampler:
     def step_key(self) -> tuple:
         """What a compiled step calling this sampler specialises on (hashable): whether it samples, the suppressed
         ids, each processor's class and settings (:func:`processors_key`)."""
-        return self.do_sample, tuple(sorted(set(self.suppress_token_ids))), processors_key(self.logits_processor)
+        return self.do_sample, self._suppressed, processors_key(self.logits_processor)
 
     @property
     def graph_inputs(self) -> list[tuple[object, str]]:

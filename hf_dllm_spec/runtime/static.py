@@ -579,7 +579,7 @@ class StaticModelRunner(ModelRunner):
             if self.cache.allocated and self.compile_mode == "compile":
                 outputs = table.run(key, function, self._step_options, owner, self, shape, *tensors)
             elif self.cache.allocated:
-                outputs = self._captured_step(key, function, owner, shape, tensors, attributes)
+                outputs = self._captured_step(key, function, owner, shape, tensors, attributes, read)
             if outputs is None:    # the call's first forward allocates the buffers: eagerly (a graph would guard on
                 outputs = function(owner, self, shape, *tensors)      # them); or this call may not capture
         lengths, *outputs = outputs
@@ -594,15 +594,15 @@ class StaticModelRunner(ModelRunner):
         return outputs
 
     def _captured_step(self, key: tuple, function, owner, shape: tuple, tensors: tuple,
-                       attributes: list[tuple[object, str]]) -> tuple | None:
+                       attributes: list[tuple[object, str]], read: list[torch.Tensor]) -> tuple | None:
         """:meth:`run_step`'s step replayed from its CUDA graph, captured on its key's first use; None where this
         call may not capture (after a failed capture: the step then runs eagerly). `tensors` `(lengths, *tensors)`,
         the None ones left out of the graph's buffers (`key` says which are present). What the step reads through
-        `attributes` (`(object, name)`, the owner's `graph_inputs()`) is a graph input too: while the step is
-        captured each attribute points at its buffer, and every replay first copies the attribute's tensor of the
-        moment into it."""
+        `attributes` (`(object, name)`, the owner's `graph_inputs()`; `read`: their tensors now) is a graph input too:
+        while the step is captured each attribute points at its buffer, and every replay first copies the
+        attribute's tensor of the moment into it."""
         present = key[-2]
-        inputs = [t for t in tensors if t is not None] + [getattr(obj, name) for obj, name in attributes]
+        inputs = [t for t in tensors if t is not None] + read
 
         def run(*buffers):
             given = iter(buffers)

@@ -55,6 +55,39 @@ class RowAdmission(ABC):
         return None
 
 
+class RowStates:
+    """One Python object per row of the batch (a strategy's own per-row state: S2D2's routing policies), which
+    follows its row: pass :meth:`select_rows` and :meth:`add_rows` to :meth:`DecodingSession.follow`. It holds
+    no reference to the strategy or the session, so following it makes no reference cycle (a cycle would keep a
+    call's objects, tensors and device memory included, until Python's cyclic collector runs).
+
+    Args:
+        make (`Callable[[], object]`): a fresh state, for each row the batch starts with and each row that joins.
+        rows (`int`): the rows the batch starts with.
+    """
+
+    def __init__(self, make: Callable[[], object], rows: int) -> None:
+        self.make = make
+        self.items = [make() for _ in range(rows)]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` `(M,)` int64, in that order."""
+        self.items = [self.items[i] for i in index.tolist()]
+
+    def add_rows(self, count: int) -> None:
+        """`count` rows joined the batch: a fresh state each."""
+        self.items.extend(self.make() for _ in range(count))
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __getitem__(self, row: int):
+        return self.items[row]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
 @dataclass
 class DecodingSession:
     """Everything a strategy needs for one `generate` call, resolved and validated before any forward.

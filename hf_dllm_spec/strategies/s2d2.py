@@ -71,6 +71,7 @@ from ..maths.unmasking import first_masked_span
 from ..tracing import recording_step
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import greedy_match, rejection_sample, span_writes
+from .base import RowStates
 from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, draft_and_propose,
                              output_vocab_size, step_read)
 
@@ -255,15 +256,14 @@ class S2D2Strategy(BlockDiffusionStrategy):
         # The UCB progress convention follows the target family's S2D2 reference (FamilyPatch attribute).
         tail = session.target.patch.ucb_progress_counts_prompt_tail
         self.ucb_counts_prompt_tail = tail
-        self._new_policy = lambda: build_policy(config, ucb_counts_prompt_tail=tail)
-        self.policies = [self._new_policy() for _ in range(session.batch_size)]
-        session.follow(self._select_policies, self._add_policies)
+        self.policies = RowStates(lambda: build_policy(config, ucb_counts_prompt_tail=tail), session.batch_size)
+        session.follow(self.policies.select_rows, self.policies.add_rows)    # each row's policy follows its row
         self._verify_masks: dict[tuple[int, int], torch.Tensor] = {}     # Eq. 3 patterns by (span end, start)
         self._draws: dict[int, tuple] = {}                                # verify_draws' buffers, per rows bucket
         self.acceptance = config.s2d2_acceptance or ("stochastic" if session.sampler.do_sample else "greedy_match")
         # What every row's policy needs from a step (the same for all rows; it never decides): which routing
         # numbers to compute, and their layout in the step's read (`routing_columns`, `read_contexts`).
-        policy = self.routing_needs = self._new_policy()
+        policy = self.routing_needs = self.policies.make()
         self.routing_fields = [("span_start", 1, int), ("span_length", 1, int), ("num_masked", 1, int),
                                ("num_decodable", 1, int)]
         if policy.needs_score:
@@ -274,14 +274,6 @@ class S2D2Strategy(BlockDiffusionStrategy):
             self.routing_fields.append(("ucb_bucket", 3, int))
         self.full_probs = (self.full_probs or self.acceptance == "stochastic" or policy.needs_score
                            or policy.needs_entropy)
-
-    def _select_policies(self, index: torch.Tensor) -> None:
-        """Each row's routing policy follows its row (a session follower)."""
-        self.policies = [self.policies[i] for i in index.tolist()]
-
-    def _add_policies(self, count: int) -> None:
-        """Rows that join the batch start with a fresh routing policy each (a session follower)."""
-        self.policies.extend(self._new_policy() for _ in range(count))
 
     def denoise_step(self, block: BlockState, logits: torch.Tensor) -> None:
         """Algorithm 3, one step for every row: draft, route, then verify the span or fall back to the rule."""

@@ -26,6 +26,7 @@ Source: issue 32 ("`hf-dllm-spec check-gpu`").
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pathlib
 import time
@@ -81,8 +82,9 @@ def _generate(model, tokenizer, texts: list[str], spec, max_new_tokens: int, **k
                           **drafter, **kwargs)
 
 
-def check_tokens(device: torch.device, dtype: torch.dtype, *, max_new_tokens: int = 16) -> list[dict]:
-    """Check 1 for one dtype: one row per strategy and bundled model.
+def check_tokens(device: torch.device, dtype: torch.dtype, *, max_new_tokens: int = 16, on_row=None) -> list[dict]:
+    """Check 1 for one dtype: one row per strategy and bundled model; `on_row(row)`, if given, is called as each
+    row is done (the command prints it at once, so that a run stopped by a time limit still shows its rows).
 
     Returns:
         `list[dict]`: "dtype", "model", "strategy", "tokens_equal", "counters_equal", "captured" (every model and
@@ -122,6 +124,8 @@ def check_tokens(device: torch.device, dtype: torch.dtype, *, max_new_tokens: in
                          "steps": [sum(key[0] == "step" for key in s.graphs.graphs) for s in states],
                          "runtime": static.spec_stats.runtime,
                          "ok": replayed and captured and (not exact or (tokens and counters))})
+            if on_row is not None:
+                on_row(rows[-1])
         del model, drafter
         torch.cuda.empty_cache()
     return rows
@@ -143,6 +147,7 @@ def check_memory(device: torch.device, dtype: torch.dtype, *, calls: int = 50, m
     memory, graphs = [], []
     for _ in range(calls):
         _generate(model, tokenizer, texts, spec, max_new_tokens, cache_implementation="static")
+        gc.collect()                        # what is still reachable, not when Python's collector last ran
         torch.cuda.synchronize(device)
         memory.append(torch.cuda.memory_allocated(device))
         graphs.append(sum(s.graphs.captures for s in static_states(model)))
@@ -188,12 +193,12 @@ def check_speed(device: torch.device, *, widths=WIDTHS, context: int = 160, reps
 
 
 def run_check(device: torch.device, *, dtypes=(torch.bfloat16, torch.float32), calls: int = 50,
-              speed: bool = True) -> dict:
-    """All three checks; "ok" is True when every row of checks 1 and 2 holds."""
+              speed: bool = True, on_row=None) -> dict:
+    """All three checks; "ok" is True when every row of checks 1 and 2 holds; `on_row` as in :func:`check_tokens`."""
     from .report import machine_description
 
     t0 = time.perf_counter()
-    rows = [row for dtype in dtypes for row in check_tokens(device, dtype)]
+    rows = [row for dtype in dtypes for row in check_tokens(device, dtype, on_row=on_row)]
     memory = check_memory(device, torch.bfloat16, calls=calls)
     result = {"machine": machine_description(device), "tokens": rows, "memory": memory}
     if speed:
@@ -203,16 +208,19 @@ def run_check(device: torch.device, *, dtypes=(torch.bfloat16, torch.float32), c
     return result
 
 
+def row_line(row: dict) -> str:
+    """One row of check 1 as a line of the report."""
+    return (f"  {'ok  ' if row['ok'] else 'FAIL'} {row['dtype']:<9} {row['model']:<18} {row['strategy']:<42} "
+            f"graph {'=' if row['graph_equal'] else '!='} eager {'=' if row['tokens_equal'] else '!='} "
+            f"counters {'=' if row['counters_equal'] else '!='}"
+            f" graphs {row['graphs']} (steps {row['steps']})  [{row['runtime']}]")
+
+
 def report(result: dict) -> str:
     """The result as a plain-text report (one line per row)."""
     lines = [f"hf-dllm-spec check-gpu on {result['machine']}", "",
              "1. static runtime (CUDA graphs) vs eager: tokens, counters, capture"]
-    for row in result["tokens"]:
-        verdict = "ok  " if row["ok"] else "FAIL"
-        lines.append(f"  {verdict} {row['dtype']:<9} {row['model']:<18} {row['strategy']:<42} "
-                     f"graph {'=' if row['graph_equal'] else '!='} eager {'=' if row['tokens_equal'] else '!='} "
-                     f"counters {'=' if row['counters_equal'] else '!='}"
-                     f" graphs {row['graphs']} (steps {row['steps']})  [{row['runtime']}]")
+    lines += [row_line(row) for row in result["tokens"]]
     memory = result["memory"]
     lines += ["", f"2. memory over {memory['calls']} calls: {'ok' if memory['ok'] else 'FAIL'} (allocated "
                   f"{memory['memory_bytes'][0]} -> {memory['memory_bytes'][1]} bytes, graphs captured "
@@ -259,11 +267,12 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--dtypes {args.dtypes}: {name!r} is not a torch floating-point dtype; pass e.g. "
                              "bfloat16,float32")
         dtypes.append(dtype)
-    result = run_check(device, dtypes=tuple(dtypes), calls=args.calls, speed=not args.no_speed)
+    result = run_check(device, dtypes=tuple(dtypes), calls=args.calls, speed=not args.no_speed,
+                       on_row=lambda row: print(row_line(row), flush=True))
     print(report(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0 if result["ok"] else 1
 
 
-__all__ = ["CASES", "add_arguments", "check_memory", "check_speed", "check_tokens", "main", "report", "run_check"]
+__all__ = ["CASES", "add_arguments", "check_memory", "check_speed", "check_tokens", "main", "report", "row_line", "run_check"]
