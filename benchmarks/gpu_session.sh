@@ -3,7 +3,7 @@
 # preinstalled, no network). Run from the repository root there, with a limit of about 9 minutes:
 #   bash benchmarks/gpu_session.sh
 # It installs this package over the machine's own torch / transformers (no dependency is fetched), then runs
-# (about 540 s in all at most; 321 s on an H200 without step 3, 2026-11-27)
+# (about 580 s in all at most; 321 s on an H200 without step 3 and the compiled widths, 2026-11-27)
 #   1. at the same time (correctness only, nothing timed):
 #      - `hf-dllm-spec check-gpu --no-speed` (every strategy x bundled family through CUDA graphs, bf16 and fp32,
 #        memory over 50 calls), one line per row as it is done, JSON at the end;
@@ -12,7 +12,8 @@
 #        test and the decoding steps of issue 34 as CUDA graphs (`test_steps_on_cuda_graphs_...`, 12 rows each:
 #        captured whole by the static runtime, the default on a GPU, and compiled in "reduce-overhead" mode);
 #   2. alone, so that nothing else runs on the GPU: check-gpu's speed check (a captured forward at widths 1-64 of
-#      SDAR-1.7B shapes against stock transformers' compiled AR step, in one process);
+#      SDAR-1.7B shapes against stock transformers' compiled AR step, in one process; widths 1 and 8 compiled by
+#      `compile_config=CompileConfig()` too, as `check-gpu --compiled-widths 1,8` times them);
 #   3. alone: the GPU benchmark of the SDAR rows at 1.7B shapes (`hf-dllm-spec bench-gpu --groups sdar
 #      --num-prompts 2`: outside-forward time per step, predicted tokens/s against stock; 52 s on an H200),
 # writing everything under $OUT (default runs/gpu-session/; 8 files at most). Record the figures in
@@ -31,7 +32,7 @@ rm "$OUT/install.txt"
 cat "$OUT/machine.txt"
 timeout 240 python3 -m hf_dllm_spec.cli check-gpu --no-speed --json "$OUT/check-gpu.json" > "$OUT/check-gpu.txt" 2>&1 &
 check_pid=$!
-timeout 280 python3 -m pytest -v -n 8 -p no:cacheprovider --durations=15 tests/test_static_runtime.py \
+timeout 250 python3 -m pytest -v -n 8 -p no:cacheprovider --durations=15 tests/test_static_runtime.py \
   tests/test_core_v2.py -k "cuda_graphs_replay or no_device_sync_per_forward_on_cuda or steps_on_cuda_graphs" \
   > "$OUT/gpu-tests.txt" 2>&1
 tests=$?
@@ -39,17 +40,17 @@ wait $check_pid
 check=$?
 tail -5 "$OUT/gpu-tests.txt"
 cat "$OUT/check-gpu.txt"
-timeout 100 python3 -c '
+timeout 200 python3 -c '
 import json, sys, torch
 from hf_dllm_spec.tools.cost_model.check_gpu import check_speed, report
-speed = check_speed(torch.device("cuda"))
+speed = check_speed(torch.device("cuda"), compiled_widths=(1, 8))
 print(report({"machine": torch.cuda.get_device_name(), "tokens": [], "memory": {"calls": 0, "ok": True,
       "memory_bytes": [0, 0], "graphs": [0, 0]}, "speed": speed, "ok": True, "seconds": 0}))
 print(json.dumps(speed, default=str))
 ' 2>&1 | tee "$OUT/speed.txt"
 speed=${PIPESTATUS[0]}
 log=$(mktemp)     # the report is also $OUT/bench/*.md
-timeout 140 python3 -m hf_dllm_spec.cli bench-gpu --groups sdar --num-prompts 2 --out "$OUT/bench" > "$log" 2>&1
+timeout 120 python3 -m hf_dllm_spec.cli bench-gpu --groups sdar --num-prompts 2 --out "$OUT/bench" > "$log" 2>&1
 bench=$?
 sed -n '/^## Targets/,$p' "$log"; tail -3 "$log"
 echo "check-gpu exit status $check; GPU tests exit status $tests; speed exit status $speed; bench exit status $bench"

@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from conftest import cpu_compile_config
 from hf_dllm_spec.tools.cost_model.cli import main
 from hf_dllm_spec.tools.cost_model.count import count_phase, default_rows, tally
 from hf_dllm_spec.tools.cost_model.measure import representative_context, select_widths
@@ -259,7 +260,7 @@ def test_static_time_forward_gives_the_eager_logits(name):
     import torch
 
     from hf_dllm_spec.tools.cost_model.measure import EagerForward, StaticForward, time_static_forward
-    from hf_dllm_spec.runtime.static import static_cache_length
+    from hf_dllm_spec.runtime.static import static_cache_length, static_states
 
     model = build_model(SHAPES[name], torch.device("cpu"), torch.float32, "none", 0)
     q, ctx = 3, 10
@@ -275,6 +276,11 @@ def test_static_time_forward_gives_the_eager_logits(name):
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
     assert time_static_forward(static, eager.ids[:, ctx:], q, reps=2, warmup=0) > 0
     assert static.runner.lengths.tolist() == [ctx]                                   # read-only: nothing stored
+    compiled = StaticForward(model, eager.ids[:, :ctx], static_cache_length(ctx, 8, q),
+                             compile_config=cpu_compile_config())        # check-gpu --compiled-widths
+    assert compiled.runner.compile_mode == "compile"
+    torch.testing.assert_close(compiled(eager.ids[:, ctx:], q), got, atol=1e-5, rtol=1e-5)
+    assert any(key[0] == "forward" for state in static_states(model) for key in state.steps.keys)   # compiled
 
 
 def test_static_mode_smoke_prints_the_stock_baseline_and_the_targets(tmp_path):

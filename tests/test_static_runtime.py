@@ -896,6 +896,12 @@ def test_check_gpu_rows_on_stood_in_graphs(replayed_graphs, monkeypatch, as_user
               "memory": {"calls": 2, "memory_bytes": [1, 1], "graphs": [3, 3], "ok": True}}
     text = check_gpu.report(result)
     assert text.count("ok   float32") == 2 and "FAIL float32" in text and text.endswith("FAIL in 1 s")
+    speed = {"shape": "SDAR-1.7B", "stock_step_s": 0.004, "compiled": True, "target": 1.3,
+             "widths": [{"q": 1, "seconds": 0.0052, "ratio": 1.3, "met": True}],
+             "compiled_widths": [{"q": 1, "seconds": 0.006, "ratio": 1.5, "met": False}]}
+    lines = check_gpu.report(dict(result, speed=speed)).splitlines()
+    assert "  width   1:    5.20 ms  ratio 1.30  met" in lines
+    assert "  width   1:    6.00 ms  ratio 1.50  not met  compiled (compile_config)" in lines
 
 
 def test_check_gpu_refuses_without_cuda(capsys):
@@ -906,6 +912,10 @@ def test_check_gpu_refuses_without_cuda(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["check-gpu"])
     assert exit_info.value.code == 2 and "check-gpu needs a CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check-gpu", "--compiled-widths", "8,x"])
+    assert exit_info.value.code == 2 and "--compiled-widths 8,x: must be comma-separated positive" in \
+        capsys.readouterr().err
 
 
 def test_compile_plan_keeps_tensor_parallel_models_eager(sdar_model, monkeypatch):

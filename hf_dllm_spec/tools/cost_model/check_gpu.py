@@ -155,14 +155,18 @@ def check_memory(device: torch.device, dtype: torch.dtype, *, calls: int = 50, m
             "ok": memory[-1] == memory[1] and graphs[-1] == graphs[1]}
 
 
-def check_speed(device: torch.device, *, widths=WIDTHS, context: int = 160, reps: int = 20, seed: int = 0) -> dict:
+def check_speed(device: torch.device, *, widths=WIDTHS, compiled_widths=(), context: int = 160, reps: int = 20,
+                seed: int = 0) -> dict:
     """Check 3 (figures only): seconds of a captured static-runtime forward per width over `context` stored tokens,
     SDAR-1.7B shapes in bfloat16 with random weights, and stock transformers' compiled AR step on the same
-    dimensions (Qwen3ForCausalLM), in this process.
+    dimensions (Qwen3ForCausalLM), in this process; for `compiled_widths`, the same forward compiled as
+    `compile_config=CompileConfig()` compiles it (inductor, "reduce-overhead": the kernels stock `generate` runs;
+    each width compiles first, a minute or so at these shapes).
 
     Returns:
         `dict`: "shape", "stock_step_s", "compiled" (transformers' own decision), "widths" (a list of {"q",
-        "seconds", "ratio", "met"} with issue 25's target :data:`~hf_dllm_spec.tools.cost_model.predict.WIDTH_TARGET`).
+        "seconds", "ratio", "met"} with issue 25's target :data:`~hf_dllm_spec.tools.cost_model.predict.WIDTH_TARGET`),
+        "compiled_widths" (the same for the compiled forwards; empty without `compiled_widths`).
     """
     from .baseline import measure_baseline
     from .measure import StaticForward, time_static_forward
@@ -173,28 +177,35 @@ def check_speed(device: torch.device, *, widths=WIDTHS, context: int = 160, reps
     model = build_model(shape, device, torch.bfloat16, "none", seed)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     vocab = model.config.vocab_size
-    static = StaticForward(model, torch.randint(0, vocab, (1, context), generator=generator), context + 256)
-    timed = []
-    for q in widths:
-        ids = torch.randint(0, vocab, (1, q), generator=generator)
-        timed.append((q, time_static_forward(static, ids, q, reps=reps, warmup=3)))
+    context_ids = torch.randint(0, vocab, (1, context), generator=generator)
+    queries = {q: torch.randint(0, vocab, (1, q), generator=generator) for q in sorted({*widths, *compiled_widths})}
+    static = StaticForward(model, context_ids, context + 256)
+    timed = [(q, time_static_forward(static, queries[q], q, reps=reps, warmup=3)) for q in widths]
     del static
+    compiled = []
+    if compiled_widths:
+        from transformers import CompileConfig
+
+        static = StaticForward(model, context_ids, context + 256, compile_config=CompileConfig())
+        compiled = [(q, time_static_forward(static, queries[q], q, reps=reps, warmup=3)) for q in compiled_widths]
+        del static
     baseline = measure_baseline(shape, model, device=device, dtype=torch.bfloat16, quant="none", seed=seed,
                                 prompt_tokens=context, new_tokens=32, reps=5)
     step = baseline.get("step_s")
-    out = []
-    for q, seconds in timed:
-        ratio = seconds / step if step else None
-        out.append({"q": q, "seconds": seconds, "ratio": ratio,
-                    "met": None if ratio is None else ratio <= WIDTH_TARGET})
+
+    def against_stock(times):
+        return [{"q": q, "seconds": seconds, "ratio": seconds / step if step else None,
+                 "met": seconds / step <= WIDTH_TARGET if step else None} for q, seconds in times]
+
     return {"shape": shape.name, "stock_step_s": step, "compiled": baseline.get("compiled"),
             "baseline": {k: v for k, v in baseline.items() if isinstance(v, (str, int, float, bool, type(None)))},
-            "target": WIDTH_TARGET, "widths": out}
+            "target": WIDTH_TARGET, "widths": against_stock(timed), "compiled_widths": against_stock(compiled)}
 
 
 def run_check(device: torch.device, *, dtypes=(torch.bfloat16, torch.float32), calls: int = 50,
-              speed: bool = True, on_row=None) -> dict:
-    """All three checks; "ok" is True when every row of checks 1 and 2 holds; `on_row` as in :func:`check_tokens`."""
+              speed: bool = True, compiled_widths=(), on_row=None) -> dict:
+    """All three checks; "ok" is True when every row of checks 1 and 2 holds; `on_row` as in :func:`check_tokens`,
+    `compiled_widths` as in :func:`check_speed`."""
     from .report import machine_description
 
     t0 = time.perf_counter()
@@ -202,7 +213,7 @@ def run_check(device: torch.device, *, dtypes=(torch.bfloat16, torch.float32), c
     memory = check_memory(device, torch.bfloat16, calls=calls)
     result = {"machine": machine_description(device), "tokens": rows, "memory": memory}
     if speed:
-        result["speed"] = check_speed(device)
+        result["speed"] = check_speed(device, compiled_widths=compiled_widths)
     result["ok"] = all(row["ok"] for row in rows) and memory["ok"]
     result["seconds"] = time.perf_counter() - t0
     return result
@@ -231,10 +242,12 @@ def report(result: dict) -> str:
         lines += ["", f"3. captured forward vs stock compiled AR step ({speed['shape']}, bf16; stock step "
                       f"{step * 1e3:.2f} ms, compiled={speed['compiled']}; target ratio <= {speed['target']}, "
                       "figures only)" if step else f"3. stock baseline not measured: {speed['baseline']}"]
-        for w in speed["widths"]:
+        compiled = [dict(w, how="compiled (compile_config)") for w in speed.get("compiled_widths", [])]
+        for w in speed["widths"] + compiled:
             ratio = "-" if w["ratio"] is None else f"{w['ratio']:.2f}"
-            lines.append(f"  width {w['q']:>3}: {w['seconds'] * 1e3:7.2f} ms  ratio {ratio}  "
-                         f"{'met' if w['met'] else 'not met' if w['met'] is False else ''}")
+            met = "met" if w["met"] else "not met" if w["met"] is False else ""
+            lines.append(f"  width {w['q']:>3}: {w['seconds'] * 1e3:7.2f} ms  ratio {ratio}  {met}  "
+                         f"{w.get('how', '')}".rstrip())
     lines += ["", f"{'PASS' if result['ok'] else 'FAIL'} in {result['seconds']:.0f} s"]
     return "\n".join(lines)
 
@@ -245,6 +258,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated dtypes of check 1 (default: bfloat16,float32)")
     parser.add_argument("--calls", type=int, default=50, help="calls of check 2 (default: 50)")
     parser.add_argument("--no-speed", action="store_true", help="skip check 3 (the 1.7B-shape timing)")
+    parser.add_argument("--compiled-widths", default="",
+                        help="comma-separated widths whose forward check 3 also times compiled by compile_config="
+                             "CompileConfig() (inductor; about a minute of compilation each); default: none")
     parser.add_argument("--json", default=None, help="also write the result as JSON to this file")
 
 
@@ -252,9 +268,16 @@ def main(args: argparse.Namespace) -> int:
     """Run the checks named by `args` (:func:`add_arguments`); print the report; the exit status (0: all hold).
 
     Raises:
-        ValueError: if `--device` is not an available CUDA device or a dtype is unknown (the CLI turns it into a
-            usage error, exit 2).
+        ValueError: if `--compiled-widths` is not a list of positive integers, `--device` is not an available CUDA
+            device or a dtype is unknown (the CLI turns it into a usage error, exit 2).
     """
+    try:
+        compiled_widths = tuple(int(q) for q in args.compiled_widths.split(",") if q.strip())
+    except ValueError:
+        compiled_widths = (0,)
+    if any(q < 1 for q in compiled_widths):
+        raise ValueError(f"--compiled-widths {args.compiled_widths}: must be comma-separated positive integers; pass "
+                         "e.g. 1,8,32")
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: check-gpu needs a CUDA device, and "
@@ -268,11 +291,12 @@ def main(args: argparse.Namespace) -> int:
                              "bfloat16,float32")
         dtypes.append(dtype)
     result = run_check(device, dtypes=tuple(dtypes), calls=args.calls, speed=not args.no_speed,
-                       on_row=lambda row: print(row_line(row), flush=True))
+                       compiled_widths=compiled_widths, on_row=lambda row: print(row_line(row), flush=True))
     print(report(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0 if result["ok"] else 1
 
 
-__all__ = ["CASES", "add_arguments", "check_memory", "check_speed", "check_tokens", "main", "report", "row_line", "run_check"]
+__all__ = ["CASES", "add_arguments", "check_memory", "check_speed", "check_tokens", "main", "report", "row_line",
+           "run_check"]

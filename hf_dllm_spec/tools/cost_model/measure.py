@@ -204,13 +204,16 @@ class StaticForward:
         model: the model (eval mode).
         context_ids (`torch.Tensor` of shape `(1, ctx)`, int64): tokens to store (ctx may be 0: empty cache).
         max_cache_len (`int`): columns of the static cache (`static_cache_length`); a wider need reallocates.
+        compile_config (`transformers.CompileConfig`, *optional*): the `compile_config` of `generate`: each width's
+            forward then runs compiled by `torch.compile` with its options (inductor and, in "reduce-overhead" mode,
+            CUDA graph trees) instead of replaying a graph captured from the eager kernels.
 
     Attributes:
         runner (`StaticModelRunner`): the runner; `runner.compile_mode` says how its forwards run.
     """
 
     @torch.no_grad()
-    def __init__(self, model, context_ids: torch.Tensor, max_cache_len: int) -> None:
+    def __init__(self, model, context_ids: torch.Tensor, max_cache_len: int, compile_config=None) -> None:
         import model_patches
         from transformers import GenerationConfig
 
@@ -219,7 +222,8 @@ class StaticForward:
 
         patch = model_patches.get_patch(model)
         self.runner = make_runner(model, patch, BatchStats(1), batch_size=1,
-                                  generation_config=GenerationConfig(cache_implementation="static"),
+                                  generation_config=GenerationConfig(cache_implementation="static",
+                                                                     compile_config=compile_config),
                                   max_cache_len=max_cache_len)
         self.device = self.runner.device
         self.right_shift = self.runner.alignment != "position"
