@@ -52,7 +52,7 @@ def test_batch_equals_one_by_one(name, one_thread):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_batch_equals_one_by_one_many(name, one_thread):
-    _property(name, 100)()
+    _property(name, 60)()
 
 
 #: The batch the property once failed on (a strict xfail, "block_diffusion at block size 1 with the KV cache decodes a
