@@ -133,6 +133,16 @@ def test_static_runtime_equals_eager_with_seeded_sampling(name, strategy, bundle
     _assert_same(eager, static, f"{name} / {spec.label}, sampled")
 
 
+def test_a_dropped_static_cache_is_freed_at_once(bundled, one_thread):
+    """A static state that is cleared (or replaced by a larger one) frees its cache's buffers at once: no layer
+    refers back to its cache (such a cycle kept the device memory until Python's cyclic collector ran)."""
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "ar")
+    clear_static_state(model)
+    with no_cyclic_garbage("a static call, then its state cleared"):
+        _generate(model, tokenizer, _texts("sdar-tiny-arith"), spec, cache_implementation="static")
+        clear_static_state(model)
+
+
 def test_overflowing_cache_and_width_buckets(bundled, monkeypatch, one_thread):
     """A cache allocated far too short grows (several times) mid-call, and widths above a small granule go to its
     multiples: tokens and counts stay the eager ones."""

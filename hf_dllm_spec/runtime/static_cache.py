@@ -17,28 +17,51 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 
+class CacheWrites:
+    """What every layer of one :class:`RowStaticCache` reads at a forward: the write columns, the attended prefix and
+    the rows to allocate. The cache and its layers share it; the layers hold no reference to their cache, so a cache
+    and its buffers are freed as soon as it is dropped (a layer -> cache -> layer cycle would keep the device memory
+    until Python's cyclic collector runs).
+
+    Args:
+        rows (`int`): rows to allocate, R (at least the first forward's).
+        prefix (`int`): the columns a forward attends over, P.
+    """
+
+    def __init__(self, rows: int, prefix: int) -> None:
+        self.rows, self.prefix = rows, prefix
+        self.columns: torch.Tensor | None = None
+        self.on_device: dict[torch.device, torch.Tensor] = {}
+
+    def write_columns(self, device: torch.device) -> torch.Tensor:
+        """The write columns `(m, W)` int64 on `device` (copied there once per forward)."""
+        if device not in self.on_device:
+            self.on_device[device] = self.columns.to(device)
+        return self.on_device[device]
+
+
 class RowStaticLayer(StaticLayer):
     """A transformers `StaticLayer` that writes each row at its own columns and returns a prefix of its columns.
 
     transformers' `StaticLayer.update` writes the whole batch at one running position (`cumulative_length`, which
-    every update advances, read-only tokens included). Here the owning :class:`RowStaticCache` gives the column of
+    every update advances, read-only tokens included). Here the cache's :class:`CacheWrites` gives the column of
     every query token of every row and the prefix to return.
     """
 
-    def __init__(self, max_cache_len: int, owner: "RowStaticCache") -> None:
+    def __init__(self, max_cache_len: int, writes: CacheWrites) -> None:
         super().__init__(max_cache_len=max_cache_len)
-        self.owner = owner
+        self.writes = writes
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Scatter `key_states` / `value_states` `(m, kv_heads, W, head_dim)` at the owner's write columns of the
         first m rows; return the first m rows and the owner's prefix of columns, `(m, kv_heads, P, head_dim)`."""
         self.allocate(key_states, value_states)
         m = key_states.shape[0]
-        columns = self.owner.write_columns(self.device)[:, None, :, None]           # (m, 1, W, 1)
+        columns = self.writes.write_columns(self.device)[:, None, :, None]          # (m, 1, W, 1)
         keys, values = self.keys[:m], self.values[:m]
         keys.scatter_(2, columns.expand(-1, keys.shape[1], -1, keys.shape[-1]), key_states)
         values.scatter_(2, columns.expand(-1, values.shape[1], -1, values.shape[-1]), value_states)
-        prefix = self.owner.prefix
+        prefix = self.writes.prefix
         return keys[:, :, :prefix], values[:, :, :prefix]
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, rows: int = 0) -> None:
@@ -46,7 +69,7 @@ class RowStaticLayer(StaticLayer):
         `key_states`' and `rows` (dtype and device of `key_states`), outside `inference_mode`; no-op afterwards."""
         if self.is_initialized:
             return
-        rows = max(self.owner.rows, key_states.shape[0], rows)
+        rows = max(self.writes.rows, key_states.shape[0], rows)
         with torch.inference_mode(False):
             self.lazy_initialization(key_states[:1].expand(rows, -1, -1, -1), value_states[:1].expand(rows, -1, -1, -1))
 
@@ -70,23 +93,29 @@ class RowStaticCache(Cache):
     """
 
     def __init__(self, num_layers: int, max_cache_len: int, rows: int = 1) -> None:
-        super().__init__(layers=[RowStaticLayer(max_cache_len, self) for _ in range(num_layers)])
+        self.writes = CacheWrites(rows, max_cache_len)
+        super().__init__(layers=[RowStaticLayer(max_cache_len, self.writes) for _ in range(num_layers)])
         self._max_len = max_cache_len
-        self.rows = rows
-        self.prefix = max_cache_len
-        self._columns: torch.Tensor | None = None
-        self._on_device: dict[torch.device, torch.Tensor] = {}
 
     def set_write_columns(self, columns: torch.Tensor, prefix: int | None = None) -> None:
         """`columns` `(m, W)` int64: the cache column of each query token of each of the first m rows, all below
         `prefix` (the columns the forward attends over; all of them when None)."""
-        self._columns, self._on_device = columns, {columns.device: columns}
-        self.prefix = self._max_len if prefix is None else prefix
+        self.writes.columns, self.writes.on_device = columns, {columns.device: columns}
+        self.writes.prefix = self._max_len if prefix is None else prefix
 
     def write_columns(self, device: torch.device) -> torch.Tensor:
-        if device not in self._on_device:
-            self._on_device[device] = self._columns.to(device)
-        return self._on_device[device]
+        """The write columns `(m, W)` int64 on `device`."""
+        return self.writes.write_columns(device)
+
+    @property
+    def prefix(self) -> int:
+        """P, the columns the next forward attends over."""
+        return self.writes.prefix
+
+    @property
+    def rows(self) -> int:
+        """R, the rows to allocate (the allocated rows: :attr:`batch_capacity`)."""
+        return self.writes.rows
 
     @property
     def max_cache_len(self) -> int:
@@ -119,13 +148,13 @@ class RowStaticCache(Cache):
     def grow_rows(self, rows: int) -> None:
         """Reallocate every layer with `rows` rows, keeping the stored ones (new addresses; continuous batching)."""
         self._reallocate(rows=rows)
-        self.rows = max(self.rows, rows)
+        self.writes.rows = max(self.writes.rows, rows)
 
     def grow(self, max_cache_len: int) -> None:
         """Reallocate every layer with `max_cache_len` columns, keeping the stored ones (new addresses)."""
         self._reallocate(columns=max_cache_len)
         self._max_len = max_cache_len
-        self.prefix = min(self.prefix, max_cache_len)
+        self.writes.prefix = min(self.writes.prefix, max_cache_len)
 
     def _reallocate(self, rows: int | None = None, columns: int | None = None) -> None:
         """New buffers of `rows` rows and `columns` columns (each as before when None) for every layer, holding what
@@ -144,4 +173,4 @@ class RowStaticCache(Cache):
                     setattr(layer, name, new)
 
 
-__all__ = ["RowStaticCache", "RowStaticLayer"]
+__all__ = ["CacheWrites", "RowStaticCache", "RowStaticLayer"]
