@@ -59,13 +59,9 @@ def bundled():
 
 
 def _generate(model, tokenizer, texts, spec, **kwargs):
-    tokenizer.padding_side = "left"
-    enc = tokenizer(texts, return_tensors="pt", padding=True).to(model.device)
-    entry = {} if isinstance(model, hf_dllm_spec.DllmGenerationMixin) else {"custom_generate": hf_dllm_spec.custom_generate}
-    drafter = {"draft_model": spec.draft_model} if spec.draft_model is not None else {}
-    return model.generate(enc.input_ids, attention_mask=enc.attention_mask, decoding_strategy=spec.decoding_strategy,
-                          return_dict_in_generate=True, **entry, **spec.params, **drafter,
-                          **{"max_new_tokens": MAX_NEW_TOKENS, **kwargs})
+    """check-gpu's call (a left-padded batch on the model's device, through its entry point), MAX_NEW_TOKENS new
+    tokens unless given."""
+    return check_gpu._generate(model, tokenizer, texts, spec, kwargs.pop("max_new_tokens", MAX_NEW_TOKENS), **kwargs)
 
 
 def _assert_same(eager, static, label):
@@ -77,13 +73,9 @@ def _assert_same(eager, static, label):
 
 def _spec(bundled, name, strategy):
     """The main job's row `strategy` for bundled model `name` (its drafter, its family's sub-blocks)."""
-    strategies, drafter_name = CASES[name]
+    drafter_name = CASES[name][1]
     tokenizer, model = bundled[name]
-    drafter = bundled[drafter_name][1] if drafter_name else None
-    patch = model_patches.get_patch(model)
-    family = SUB_BLOCKS if patch.native_strategy == "fast_dllm_v2" else None
-    (spec,) = specs(patch.trained_block_size(model) or 4, 0.9, [strategy], {}, family, drafter, draft_block_size=8)[-1:]
-    return tokenizer, model, spec
+    return tokenizer, model, check_gpu._spec(model, strategy, bundled[drafter_name][1] if drafter_name else None)
 
 
 def _texts(name, n=2):

@@ -103,20 +103,6 @@ class RowStaticCache(Cache):
         self.writes.columns, self.writes.on_device = columns, {columns.device: columns}
         self.writes.prefix = self._max_len if prefix is None else prefix
 
-    def write_columns(self, device: torch.device) -> torch.Tensor:
-        """The write columns `(m, W)` int64 on `device`."""
-        return self.writes.write_columns(device)
-
-    @property
-    def prefix(self) -> int:
-        """P, the columns the next forward attends over."""
-        return self.writes.prefix
-
-    @property
-    def rows(self) -> int:
-        """R, the rows to allocate (the allocated rows: :attr:`batch_capacity`)."""
-        return self.writes.rows
-
     @property
     def max_cache_len(self) -> int:
         """L, the columns per row (a property of transformers' `Cache` on some versions)."""
@@ -131,7 +117,7 @@ class RowStaticCache(Cache):
     def batch_capacity(self) -> int:
         """Rows the buffers hold (R; the allocated rows once the first forward ran)."""
         layer = self.layers[0]
-        return layer.keys.shape[0] if layer.is_initialized else self.rows
+        return layer.keys.shape[0] if layer.is_initialized else self.writes.rows
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Move rows `index` `(M,)` int64 to the first M rows of every layer, in place (static addresses kept);
