@@ -13,7 +13,7 @@
 #        captured whole by the static runtime, the default on a GPU, and compiled in "reduce-overhead" mode);
 #   2. alone, so that nothing else runs on the GPU: check-gpu's speed check (a captured forward at widths 1-64 of
 #      SDAR-1.7B shapes against stock transformers' compiled AR step, in one process; widths 1 and 8 compiled by
-#      `compile_config=CompileConfig()` too, as `check-gpu --compiled-widths 1,8` times them);
+#      `compile_config=CompileConfig()` too: `check-gpu --speed-only --compiled-widths 1,8`);
 #   3. alone: the GPU benchmark of the SDAR rows at 1.7B shapes (`hf-dllm-spec bench-gpu --groups sdar
 #      --num-prompts 2`: outside-forward time per step, predicted tokens/s against stock; 52 s on an H200),
 # writing everything under $OUT (default runs/gpu-session/; 8 files at most). Record the figures in
@@ -40,14 +40,7 @@ wait $check_pid
 check=$?
 tail -5 "$OUT/gpu-tests.txt"
 cat "$OUT/check-gpu.txt"
-timeout 200 python3 -c '
-import json, sys, torch
-from hf_dllm_spec.tools.cost_model.check_gpu import check_speed, report
-speed = check_speed(torch.device("cuda"), compiled_widths=(1, 8))
-print(report({"machine": torch.cuda.get_device_name(), "tokens": [], "memory": {"calls": 0, "ok": True,
-      "memory_bytes": [0, 0], "graphs": [0, 0]}, "speed": speed, "ok": True, "seconds": 0}))
-print(json.dumps(speed, default=str))
-' 2>&1 | tee "$OUT/speed.txt"
+timeout 200 python3 -m hf_dllm_spec.cli check-gpu --speed-only --compiled-widths 1,8 2>&1 | tee "$OUT/speed.txt"
 speed=${PIPESTATUS[0]}
 log=$(mktemp)     # the report is also $OUT/bench/*.md
 timeout 120 python3 -m hf_dllm_spec.cli bench-gpu --groups sdar --num-prompts 2 --out "$OUT/bench" > "$log" 2>&1

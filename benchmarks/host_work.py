@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import warnings
+from collections import Counter
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -107,20 +108,22 @@ STOCK_MODEL = "qwen2-tiny-ar"
 COMPILED_REGION = "Torch-Compiled Region"
 
 
-def eager_operations(run, region: str = COMPILED_REGION) -> int:
-    """The top-level ATen operations `run()` dispatches outside compiled code: profiler events named `aten::*`
-    with no ATen operation and no `region` range above them (each one kernel launch on a GPU)."""
+def eager_operations(run, region: str = COMPILED_REGION) -> Counter:
+    """The top-level ATen operations `run()` dispatches outside compiled code, by name: profiler events named
+    `aten::*` with no ATen operation and no `region` range above them (most are one kernel launch on a GPU; views
+    and allocations such as `aten::empty_like` launch none)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
-    count = 0
+    names = Counter()
     for event in prof.events():
         if not event.name.startswith("aten::"):
             continue
         parent = event.cpu_parent
         while parent is not None and not (parent.name.startswith("aten::") or region in parent.name):
             parent = parent.cpu_parent
-        count += parent is None
-    return count
+        if parent is None:
+            names[event.name] += 1
+    return names
 
 
 @contextlib.contextmanager
@@ -161,8 +164,8 @@ def compiled_config() -> CompileConfig:
 
 
 def measure_compiled(model, ids: torch.Tensor, max_new_tokens: int, region: str | None = None,
-                     **kwargs) -> tuple[int, int]:
-    """`(eager operations, forwards)` of the third of three identical `generate` calls under static +
+                     **kwargs) -> tuple[Counter, int]:
+    """`(eager operations by name, forwards)` of the third of three identical `generate` calls under static +
     `compile_config` (the first two compile); with `region` (:func:`stood_in_graphs`), static alone, counted
     outside the replays."""
     config = {} if region else {"compile_config": compiled_config()}
@@ -182,23 +185,25 @@ def measure_compiled(model, ids: torch.Tensor, max_new_tokens: int, region: str 
     return operations, forwards
 
 
-def main_compiled(max_new_tokens: int, only: list[str] | None = None, captured: bool = False) -> None:
+def main_compiled(max_new_tokens: int, only: list[str] | None = None, captured: bool = False, top: int = 0) -> None:
     torch._dynamo.reset()
     tokenizer, stock = load(MODELS / STOCK_MODEL)
     ids = tokenizer(arithmetic_prompts(MODELS / STOCK_MODEL, 1)[0].text, return_tensors="pt").input_ids
-    ops, tokens = measure_compiled(stock, ids, max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+    names, tokens = measure_compiled(stock, ids, max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+    ops = names.total()
     baseline = ops / tokens
     print(f"stock transformers generate(cache_implementation='static', compile_config), {STOCK_MODEL}: "
           f"{ops} eager operations / {tokens} tokens = {baseline:.1f} per token\n")
     where = "captured graphs (stood in for)" if captured else "compiled code"
     print(f"| model | strategy | forwards | eager operations / forward outside {where} | ratio to stock per "
-          f"token | with the step eager (model call {'captured' if captured else 'compiled'} only) |")
+          f"token | with the step eager (model call {'captured' if captured else 'compiled'} only) |"
+          + (f" {top} most frequent / forward |" if top else ""))
     with stood_in_graphs() if captured else contextlib.nullcontext() as region:
-        _rows(max_new_tokens, only, baseline, region)
+        _rows(max_new_tokens, only, baseline, region, top)
 
 
-def _rows(max_new_tokens: int, only: list[str] | None, baseline: float, region: str | None) -> None:
-    print("|---|---|---|---|---|---|")
+def _rows(max_new_tokens: int, only: list[str] | None, baseline: float, region: str | None, top: int) -> None:
+    print("|---|---|---|---|---|---|" + ("---|" if top else ""))
     for name, rows in COMPILED_CASES.items():
         if only and name not in only:
             continue
@@ -217,12 +222,15 @@ def _rows(max_new_tokens: int, only: list[str] | None, baseline: float, region: 
                 kwargs = dict(decoding_strategy=spec.decoding_strategy, **spec.params, **entry,
                               **({"draft_model": spec.draft_model} if spec.draft_model is not None else {}),
                               **(SAMPLING if sampled else {}))
-                ops, forwards = measure_compiled(model, ids, max_new_tokens, region, **kwargs)
+                names, forwards = measure_compiled(model, ids, max_new_tokens, region, **kwargs)
                 with eager_steps():
                     before, before_forwards = measure_compiled(model, ids, max_new_tokens, region, **kwargs)
                 label = f"{spec.label}, sampled" if sampled else spec.label
+                ops = names.total()
+                frequent = ", ".join(f"{n.removeprefix('aten::')} {c / forwards:.1f}"
+                                     for n, c in names.most_common(top))
                 print(f"| {name} | {label} | {forwards} | {ops / forwards:.1f} | {ops / forwards / baseline:.2f} | "
-                      f"{before / before_forwards:.1f} |", flush=True)
+                      f"{before.total() / before_forwards:.1f} |" + (f" {frequent} |" if top else ""), flush=True)
 
 
 def main() -> None:
@@ -231,13 +239,15 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true", help="count around compiled code under compile_config")
     ap.add_argument("--captured", action="store_true",
                     help="count around the static runtime's CUDA-graph mode (stood in for: tests/graph_tape.py)")
+    ap.add_argument("--top", type=int, default=0, metavar="N",
+                    help="with --compiled / --captured: a column of each row's N most frequent operations per forward")
     ap.add_argument("--only", nargs="+", metavar="MODEL", choices=list(COMPILED_CASES),
                     help="with --compiled: these bundled models' rows only (the stock baseline always runs)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     if args.compiled or args.captured:
-        main_compiled(args.max_new_tokens or 64, args.only, captured=args.captured)
+        main_compiled(args.max_new_tokens or 64, args.only, captured=args.captured, top=args.top)
         return
     args.max_new_tokens = args.max_new_tokens or 24
     print("| model | strategy | forwards | host syncs / forward (call) | (between decoding forwards) | "

@@ -551,6 +551,27 @@ def test_graph_table_is_bounded_least_recently_used_first(monkeypatch):
     assert list(graphs.graphs) == [("a",), ("d",)] and graphs.evictions == 2 and graphs.captures == 4
 
 
+def test_replay_copies_go_one_foreach_per_dtype():
+    """The copies around a replay (inputs into the graph's buffers, outputs out) are one `_foreach_copy_` per pair
+    of dtypes, not one `copy_` per tensor (a kernel launch each on a GPU); the values are the sources', strided
+    sources included, and the fresh copies own their memory."""
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(3, 5, generator=g), torch.randint(0, 9, (3,), generator=g),
+               torch.randn(5, 3, generator=g).t(), torch.rand(3, 4, generator=g) > 0.5, torch.randn(2, 1, generator=g)]
+    targets = [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in sources]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        graphs_runtime.copy_many(targets, sources)
+    top = [e.name for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    assert top == ["aten::_foreach_copy_"] * 3                              # float32, int64, bool
+    for target, source in zip(targets, sources):
+        assert torch.equal(target, source)
+    fresh = graphs_runtime.fresh_copies([sources[0], None, sources[2], sources[3]])
+    assert fresh[1] is None and all(torch.equal(a, b) for a, b in zip(fresh[::2], sources[::2]))
+    assert fresh[3].dtype == torch.bool and torch.equal(fresh[3], sources[3])
+    assert all(t.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
+               for t, s in zip((fresh[0], fresh[2], fresh[3]), (sources[0], sources[2], sources[3])))
+
+
 def test_failed_capture_cleans_up_retries_once_and_can_be_cleared(bundled, replayed_graphs, monkeypatch,
                                                                     one_thread, caplog):
     """Finding 3: a failed capture does not poison the model. The call that failed runs eager forwards (tokens
@@ -904,6 +925,8 @@ def test_check_gpu_rows_on_stood_in_graphs(replayed_graphs, monkeypatch, as_user
     lines = check_gpu.report(dict(result, speed=speed)).splitlines()
     assert "  width   1:    5.20 ms  ratio 1.30  met" in lines
     assert "  width   1:    6.00 ms  ratio 1.50  not met  compiled (compile_config)" in lines
+    alone = check_gpu.report(dict(result, speed=speed, tokens=[], memory=None, ok=True))       # --speed-only
+    assert "1. static" not in alone and "2. memory" not in alone and "3. captured forward" in alone
 
 
 def test_check_gpu_refuses_without_cuda(capsys):
@@ -913,10 +936,14 @@ def test_check_gpu_refuses_without_cuda(capsys):
 
     with pytest.raises(SystemExit) as exit_info:
         main(["check-gpu"])
-    assert exit_info.value.code == 2 and "check-gpu needs a CUDA device" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "`--device` (='cuda') must be a CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["check-gpu", "--compiled-widths", "8,x"])
-    assert exit_info.value.code == 2 and "--compiled-widths 8,x: must be comma-separated positive" in \
+    assert exit_info.value.code == 2 and "`--compiled-widths` (='8,x') must be comma-separated positive" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check-gpu", "--speed-only", "--no-speed"])
+    assert exit_info.value.code == 2 and "`--speed-only` (=True) must not be given with --no-speed" in \
         capsys.readouterr().err
 
 

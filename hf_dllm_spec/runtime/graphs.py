@@ -85,11 +85,33 @@ class _Graph:
     output: Outputs
 
 
+def copy_many(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """`targets[i].copy_(sources[i])` for every i, in one `torch._foreach_copy_` per pair of dtypes: on a GPU one
+    kernel launch for each group whose pairs share sizes and strides and are dense (PyTorch copies the other groups
+    tensor by tensor), where a loop of `copy_` launches one kernel per tensor. Around a replayed graph these
+    copies are most of what the host launches (docs/performance.md, "Around captured steps")."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for target, source in zip(targets, sources):
+        group = groups.setdefault((target.dtype, source.dtype), ([], []))
+        group[0].append(target)
+        group[1].append(source)
+    for group_targets, group_sources in groups.values():
+        torch._foreach_copy_(group_targets, group_sources)
+
+
+def fresh_copies(tensors: Sequence[torch.Tensor | None]) -> tuple:
+    """New tensors equal to `tensors` (None entries kept), copied with :func:`copy_many` (one launch per dtype on a
+    GPU, not one per tensor)."""
+    fresh = [None if t is None else torch.empty_like(t) for t in tensors]
+    copy_many([t for t in fresh if t is not None], [t for t in tensors if t is not None])
+    return tuple(fresh)
+
+
 def _copy(output: Outputs) -> Outputs:
     """A fresh copy of a graph's output (a tensor or a tuple of tensors): the next replay overwrites the graph's."""
     if isinstance(output, torch.Tensor):
         return output.clone()
-    return tuple(None if t is None else t.clone() for t in output)
+    return fresh_copies(output)
 
 
 def _mismatch(replayed: Outputs, eager: Outputs) -> str | None:
@@ -197,8 +219,7 @@ class CapturedForwards:
         if entry is not None:
             self.graphs.move_to_end(key)
             with device_guard(self.device):
-                for buffer, value in zip(entry.buffers, inputs):
-                    buffer.copy_(value)
+                copy_many(entry.buffers, inputs)
                 bind(entry.buffers)
                 entry.replay()
                 return _copy(entry.output)
@@ -276,4 +297,4 @@ def _release_pool(device: torch.device, pool) -> None:
 
 
 __all__ = ["CaptureFailure", "CapturedForwards", "DEFAULT_MAX_GRAPHS", "GraphMismatch", "MAX_ATTEMPTS",
-           "device_guard"]
+           "copy_many", "device_guard", "fresh_copies"]

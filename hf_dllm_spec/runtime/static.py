@@ -67,7 +67,7 @@ from ..outputs import BatchStats
 from ..tracing import recording_step
 from ..validation import invalid
 from .experts import capturable_experts, experts_configs, experts_implementation
-from .graphs import DEFAULT_MAX_GRAPHS, CapturedForwards
+from .graphs import DEFAULT_MAX_GRAPHS, CapturedForwards, fresh_copies
 from .placement import execution_device
 from .runner import DRAFT_MODEL_SPAN, ModelRunner, align_right_shift
 from .static_cache import RowStaticCache, RowStaticLayer
@@ -586,7 +586,7 @@ class StaticModelRunner(ModelRunner):
         if bucket > n:
             lengths, *outputs = (t[:n] for t in (lengths, *outputs))
         if self.compile_mode == "compile" and self.device.type == "cuda":   # CUDA graph trees reuse their output
-            lengths, *outputs = (t.clone() for t in (lengths, *outputs))     # memory at the next replay
+            lengths, *outputs = fresh_copies((lengths, *outputs))               # memory at the next replay
         if sets_carry:
             self.carry, *outputs = outputs
         self.lengths = lengths

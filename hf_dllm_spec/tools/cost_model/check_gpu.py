@@ -34,6 +34,8 @@ from dataclasses import fields
 
 import torch
 
+from ...validation import invalid
+
 #: Bundled model -> (its strategy rows of the main job, its drafter): every strategy on every family.
 CASES: dict[str, tuple[list[str], str | None]] = {
     "sdar-tiny-arith": (["ar", "static", "dynamic", "s2d2"], None),
@@ -203,18 +205,19 @@ def check_speed(device: torch.device, *, widths=WIDTHS, compiled_widths=(), cont
 
 
 def run_check(device: torch.device, *, dtypes=(torch.bfloat16, torch.float32), calls: int = 50,
-              speed: bool = True, compiled_widths=(), on_row=None) -> dict:
-    """All three checks; "ok" is True when every row of checks 1 and 2 holds; `on_row` as in :func:`check_tokens`,
-    `compiled_widths` as in :func:`check_speed`."""
+              speed: bool = True, correctness: bool = True, compiled_widths=(), on_row=None) -> dict:
+    """The three checks (checks 1 and 2 unless `correctness` is False, check 3 when `speed`); "ok" is True when
+    every row of checks 1 and 2 that ran holds; `on_row` as in :func:`check_tokens`, `compiled_widths` as in
+    :func:`check_speed`."""
     from .report import machine_description
 
     t0 = time.perf_counter()
-    rows = [row for dtype in dtypes for row in check_tokens(device, dtype, on_row=on_row)]
-    memory = check_memory(device, torch.bfloat16, calls=calls)
+    rows = [row for dtype in dtypes for row in check_tokens(device, dtype, on_row=on_row)] if correctness else []
+    memory = check_memory(device, torch.bfloat16, calls=calls) if correctness else None
     result = {"machine": machine_description(device), "tokens": rows, "memory": memory}
     if speed:
         result["speed"] = check_speed(device, compiled_widths=compiled_widths)
-    result["ok"] = all(row["ok"] for row in rows) and memory["ok"]
+    result["ok"] = all(row["ok"] for row in rows) and (memory is None or memory["ok"])
     result["seconds"] = time.perf_counter() - t0
     return result
 
@@ -229,13 +232,14 @@ def row_line(row: dict) -> str:
 
 def report(result: dict) -> str:
     """The result as a plain-text report (one line per row)."""
-    lines = [f"hf-dllm-spec check-gpu on {result['machine']}", "",
-             "1. static runtime (CUDA graphs) vs eager: tokens, counters, capture"]
-    lines += [row_line(row) for row in result["tokens"]]
+    lines = [f"hf-dllm-spec check-gpu on {result['machine']}"]
     memory = result["memory"]
-    lines += ["", f"2. memory over {memory['calls']} calls: {'ok' if memory['ok'] else 'FAIL'} (allocated "
-                  f"{memory['memory_bytes'][0]} -> {memory['memory_bytes'][1]} bytes, graphs captured "
-                  f"{memory['graphs'][0]} -> {memory['graphs'][1]})"]
+    if memory is not None:                                              # checks 1 and 2 ran (not --speed-only)
+        lines += ["", "1. static runtime (CUDA graphs) vs eager: tokens, counters, capture"]
+        lines += [row_line(row) for row in result["tokens"]]
+        lines += ["", f"2. memory over {memory['calls']} calls: {'ok' if memory['ok'] else 'FAIL'} (allocated "
+                      f"{memory['memory_bytes'][0]} -> {memory['memory_bytes'][1]} bytes, graphs captured "
+                      f"{memory['graphs'][0]} -> {memory['graphs'][1]})"]
     speed = result.get("speed")
     if speed:
         step = speed["stock_step_s"]
@@ -258,6 +262,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated dtypes of check 1 (default: bfloat16,float32)")
     parser.add_argument("--calls", type=int, default=50, help="calls of check 2 (default: 50)")
     parser.add_argument("--no-speed", action="store_true", help="skip check 3 (the 1.7B-shape timing)")
+    parser.add_argument("--speed-only", action="store_true",
+                        help="run check 3 alone (skip the token and memory checks 1 and 2)")
     parser.add_argument("--compiled-widths", default="",
                         help="comma-separated widths whose forward check 3 also times compiled by compile_config="
                              "CompileConfig() (inductor; about a minute of compilation each); default: none")
@@ -268,30 +274,34 @@ def main(args: argparse.Namespace) -> int:
     """Run the checks named by `args` (:func:`add_arguments`); print the report; the exit status (0: all hold).
 
     Raises:
-        ValueError: if `--compiled-widths` is not a list of positive integers, `--device` is not an available CUDA
-            device or a dtype is unknown (the CLI turns it into a usage error, exit 2).
+        ValueError: if `--compiled-widths` is not a list of positive integers, `--no-speed` and `--speed-only` are
+            both given, `--device` is not an available CUDA device or a dtype is unknown (the CLI turns it into a
+            usage error, exit 2).
     """
     try:
         compiled_widths = tuple(int(q) for q in args.compiled_widths.split(",") if q.strip())
     except ValueError:
         compiled_widths = (0,)
     if any(q < 1 for q in compiled_widths):
-        raise ValueError(f"--compiled-widths {args.compiled_widths}: must be comma-separated positive integers; pass "
-                         "e.g. 1,8,32")
+        raise invalid("--compiled-widths", args.compiled_widths, "be comma-separated positive integers",
+                      "pass e.g. 1,8,32")
+    if args.no_speed and args.speed_only:
+        raise invalid("--speed-only", True, "not be given with --no-speed (it runs check 3 alone)",
+                      "drop one of the two")
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: check-gpu needs a CUDA device, and "
-                         f"{'none is available' if not torch.cuda.is_available() else 'this is not one'}; run it "
-                         "on a GPU machine (the CPU checks are the test suite: `./run.sh test`)")
+        raise invalid("--device", args.device, "be a CUDA device: check-gpu needs one, and "
+                      f"{'none is available' if not torch.cuda.is_available() else 'this is not one'}",
+                      "run it on a GPU machine (the CPU checks are the test suite: `./run.sh test`)")
     dtypes = []
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name.strip(), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"--dtypes {args.dtypes}: {name!r} is not a torch floating-point dtype; pass e.g. "
-                             "bfloat16,float32")
+            raise invalid("--dtypes", args.dtypes, f"name torch floating-point dtypes ({name!r} is not one)",
+                          "pass e.g. bfloat16,float32")
         dtypes.append(dtype)
     result = run_check(device, dtypes=tuple(dtypes), calls=args.calls, speed=not args.no_speed,
-                       compiled_widths=compiled_widths, on_row=lambda row: print(row_line(row), flush=True))
+                       correctness=not args.speed_only, compiled_widths=compiled_widths, on_row=lambda row: print(row_line(row), flush=True))
     print(report(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str))
