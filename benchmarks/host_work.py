@@ -185,7 +185,8 @@ def measure_compiled(model, ids: torch.Tensor, max_new_tokens: int, region: str 
     return operations, forwards
 
 
-def main_compiled(max_new_tokens: int, only: list[str] | None = None, captured: bool = False, top: int = 0) -> None:
+def main_compiled(max_new_tokens: int, only: list[str] | None = None, captured: bool = False, top: int = 0,
+                  batch: int = 1) -> None:
     torch._dynamo.reset()
     tokenizer, stock = load(MODELS / STOCK_MODEL)
     ids = tokenizer(arithmetic_prompts(MODELS / STOCK_MODEL, 1)[0].text, return_tensors="pt").input_ids
@@ -199,10 +200,11 @@ def main_compiled(max_new_tokens: int, only: list[str] | None = None, captured: 
           f"token | with the step eager (model call {'captured' if captured else 'compiled'} only) |"
           + (f" {top} most frequent / forward |" if top else ""))
     with stood_in_graphs() if captured else contextlib.nullcontext() as region:
-        _rows(max_new_tokens, only, baseline, region, top)
+        _rows(max_new_tokens, only, baseline, region, top, batch)
 
 
-def _rows(max_new_tokens: int, only: list[str] | None, baseline: float, region: str | None, top: int) -> None:
+def _rows(max_new_tokens: int, only: list[str] | None, baseline: float, region: str | None, top: int,
+          batch: int) -> None:
     print("|---|---|---|---|---|---|" + ("---|" if top else ""))
     for name, rows in COMPILED_CASES.items():
         if only and name not in only:
@@ -212,9 +214,12 @@ def _rows(max_new_tokens: int, only: list[str] | None, baseline: float, region: 
         drafter = load(MODELS / drafter_name)[1] if drafter_name else None
         patch = model_patches.get_patch(model)
         family = SUB_BLOCKS if patch.native_strategy == "fast_dllm_v2" else None
-        ids = tokenizer(arithmetic_prompts(MODELS / name, 1)[0].text, return_tensors="pt").input_ids
+        tokenizer.padding_side = "left"
+        enc = tokenizer([p.text for p in arithmetic_prompts(MODELS / name, batch)], return_tensors="pt", padding=True)
+        ids = enc.input_ids
         entry = ({} if isinstance(model, hf_dllm_spec.DllmGenerationMixin)
                  else {"custom_generate": hf_dllm_spec.custom_generate})
+        entry["attention_mask"] = enc.attention_mask
         names = rows if rows[0] == "ar" else ["ar", *rows]                    # specs() puts AR first
         for row, spec in zip(names, specs(patch.trained_block_size(model) or 4, 0.9, rows, {}, family, drafter,
                                           draft_block_size=8)):
@@ -222,13 +227,13 @@ def _rows(max_new_tokens: int, only: list[str] | None, baseline: float, region: 
                 kwargs = dict(decoding_strategy=spec.decoding_strategy, **spec.params, **entry,
                               **({"draft_model": spec.draft_model} if spec.draft_model is not None else {}),
                               **(SAMPLING if sampled else {}))
-                names, forwards = measure_compiled(model, ids, max_new_tokens, region, **kwargs)
+                counted, forwards = measure_compiled(model, ids, max_new_tokens, region, **kwargs)
                 with eager_steps():
                     before, before_forwards = measure_compiled(model, ids, max_new_tokens, region, **kwargs)
                 label = f"{spec.label}, sampled" if sampled else spec.label
-                ops = names.total()
+                ops = counted.total()
                 frequent = ", ".join(f"{n.removeprefix('aten::')} {c / forwards:.1f}"
-                                     for n, c in names.most_common(top))
+                                     for n, c in counted.most_common(top))
                 print(f"| {name} | {label} | {forwards} | {ops / forwards:.1f} | {ops / forwards / baseline:.2f} | "
                       f"{before.total() / before_forwards:.1f} |" + (f" {frequent} |" if top else ""), flush=True)
 
@@ -239,6 +244,9 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true", help="count around compiled code under compile_config")
     ap.add_argument("--captured", action="store_true",
                     help="count around the static runtime's CUDA-graph mode (stood in for: tests/graph_tape.py)")
+    ap.add_argument("--batch", type=int, default=1, metavar="N",
+                    help="with --compiled / --captured: a left-padded batch of the first N held-out prompts (stock "
+                         "stays at batch 1)")
     ap.add_argument("--top", type=int, default=0, metavar="N",
                     help="with --compiled / --captured: a column of each row's N most frequent operations per forward")
     ap.add_argument("--only", nargs="+", metavar="MODEL", choices=list(COMPILED_CASES),
@@ -247,7 +255,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     if args.compiled or args.captured:
-        main_compiled(args.max_new_tokens or 64, args.only, captured=args.captured, top=args.top)
+        main_compiled(args.max_new_tokens or 64, args.only, captured=args.captured, top=args.top, batch=args.batch)
         return
     args.max_new_tokens = args.max_new_tokens or 24
     print("| model | strategy | forwards | host syncs / forward (call) | (between decoding forwards) | "

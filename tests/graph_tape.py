@@ -170,9 +170,9 @@ class ReplayedGraphs(CapturedForwards):
     step_captures = 0       # decoding steps captured (`StaticModelRunner.run_step`), not plain forwards
     runners: list = []      # the static runners made meanwhile (their weights and caches outlive a graph)
 
-    def run(self, key, *args):
+    def run(self, key, *args, **kwargs):
         known = key in self.graphs
-        out = _REAL_RUN(self, key, *args)
+        out = _REAL_RUN(self, key, *args, **kwargs)
         ReplayedGraphs.step_captures += key[0] == "step" and not known and key in self.graphs
         return out
 

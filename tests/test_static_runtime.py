@@ -551,6 +551,35 @@ def test_graph_table_is_bounded_least_recently_used_first(monkeypatch):
     assert list(graphs.graphs) == [("a",), ("d",)] and graphs.evictions == 2 and graphs.captures == 4
 
 
+def test_a_padded_batch_replays_on_zero_padding_rows(monkeypatch):
+    """A step whose batch is below its rows bucket: the live rows go into the buffers' first rows and the padding
+    rows are zeros at every replay (a batch of 3 after one of 2 in the same bucket of 4 leaves no stale row), the
+    outputs come back cut to the live rows, and no padded tensor is made on the host (no `cat`)."""
+    monkeypatch.setattr(graphs_runtime, "device_guard", GUARD)
+    graphs = ReplayedGraphs(torch.device("cpu"))
+    call = graphs.begin_call()
+    scale = torch.arange(1.0, 5.0)                                         # a "fixed-shape" input, bucket rows
+
+    def step(x, flags, scale):                  # each output row sees every row: stale padding would show
+        total = (x * scale[:, None]).sum(0, keepdim=True) + flags.sum()
+        return x * 2 + total, flags
+
+    def padded(t):
+        return torch.cat([t, t.new_zeros(4 - t.shape[0], *t.shape[1:])])
+
+    g = torch.Generator().manual_seed(0)
+    for i, n in enumerate((3, 2, 3, 1, 2)):
+        x, flags = torch.randn(n, 5, generator=g), torch.randint(0, 7, (n,), generator=g)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = graphs.run(("k",), step, (x, flags, scale), lambda buffers: None, call,
+                             padded=[True, True, False], rows=4)
+        want = step(padded(x), padded(flags), scale)
+        assert all(torch.equal(a, b[:n]) for a, b in zip(out, want)), n
+        if i:                                                                   # replays (the first call captured)
+            assert "aten::cat" not in {e.name for e in prof.events()}
+    assert graphs.captures == 1 and set(graphs.graphs[("k",)].rows) == {1, 2, 3}
+
+
 def test_replay_copies_go_one_foreach_per_dtype():
     """The copies around a replay (inputs into the graph's buffers, outputs out) are one `_foreach_copy_` per pair
     of dtypes, not one `copy_` per tensor (a kernel launch each on a GPU); the values are the sources', strided

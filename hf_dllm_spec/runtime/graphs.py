@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -83,6 +83,17 @@ class _Graph:
     replay: Callable[[], None]
     buffers: list[torch.Tensor]
     output: Outputs
+    #: live rows n -> (the buffers' views the inputs go to, the padding rows to zero, the outputs' first n rows)
+    rows: dict[int, tuple[list, list, Outputs]] = field(default_factory=dict)
+
+    def row_views(self, n: int, padded: Sequence[bool]) -> tuple[list, list, Outputs]:
+        """The views of a batch of `n` live rows padded to the buffers' rows (made once per n: the buffers and
+        outputs keep their addresses)."""
+        if n not in self.rows:
+            targets = [b[:n] if pad else b for b, pad in zip(self.buffers, padded)]
+            tails = [b[n:] for b, pad in zip(self.buffers, padded) if pad]
+            self.rows[n] = (targets, tails, _first_rows(self.output, n))
+        return self.rows[n]
 
 
 def copy_many(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
@@ -105,6 +116,18 @@ def fresh_copies(tensors: Sequence[torch.Tensor | None]) -> tuple:
     fresh = [None if t is None else torch.empty_like(t) for t in tensors]
     copy_many([t for t in fresh if t is not None], [t for t in tensors if t is not None])
     return tuple(fresh)
+
+
+def with_zero_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A new `(rows, ...)` tensor: `tensor` `(n, ...)` then `rows - n` rows of zeros."""
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
+def _first_rows(output: Outputs, n: int) -> Outputs:
+    """The first `n` rows of an output (a tensor or a tuple of tensors / None), as views."""
+    if isinstance(output, torch.Tensor):
+        return output[:n]
+    return tuple(None if t is None else t[:n] for t in output)
 
 
 def _copy(output: Outputs) -> Outputs:
@@ -195,7 +218,8 @@ class CapturedForwards:
 
     # -- running -------------------------------------------------------------------------------------------------
     def run(self, key: tuple, run_forward: Callable[..., Outputs], inputs: Sequence[torch.Tensor],
-            bind: Callable[[list[torch.Tensor]], None], call: int) -> Outputs | None:
+            bind: Callable[[list[torch.Tensor]], None], call: int, *, padded: Sequence[bool] | None = None,
+            rows: int = 0) -> Outputs | None:
         """Replay the graph of `key` on `inputs`, or capture it the first time; None when `call` may not capture
         (the caller then runs the forward eagerly).
 
@@ -208,27 +232,43 @@ class CapturedForwards:
             bind: `bind(buffers)` points whatever the forward reads besides its arguments at the buffers (the
                 cache's write columns).
             call (`int`): the number :meth:`begin_call` gave this `generate` call.
+            padded (`Sequence[bool]`, *optional*), rows (`int`): a batch padded to `rows` rows: the inputs marked
+                True hold only the first rows of their buffers (`(n, ...)` for a buffer of `(rows, ...)`); the other
+                rows of those buffers are zeros, at capture and at every replay (the padding rows of a step whose
+                batch is below its rows bucket, :meth:`~hf_dllm_spec.runtime.static.StaticModelRunner.run_step`:
+                copied into the buffers' first rows, no padded tensor made on the host); the outputs, `(rows, ...)`
+                each, come back cut to their first n rows.
 
         Returns:
-            A fresh copy of the forward's output (tensor or tuple), or None.
+            A fresh copy of the forward's output (tensor or tuple; with `padded`, each output's first n rows), or
+            None.
 
         Raises:
             Whatever the eager warm-up forward raises (a capture failure itself is recorded, not raised).
         """
         entry = self.graphs.get(key)
+        live = rows if not padded else next((value.shape[0] for value, pad in zip(inputs, padded) if pad), rows)
         if entry is not None:
             self.graphs.move_to_end(key)
             with device_guard(self.device):
-                copy_many(entry.buffers, inputs)
+                output = entry.output
+                if padded is None:
+                    copy_many(entry.buffers, inputs)
+                else:       # the live rows into the buffers' first rows; the padding rows back to zeros
+                    targets, tails, output = entry.row_views(live, padded)
+                    copy_many(targets, inputs)
+                    if tails:
+                        torch._foreach_zero_(tails)
                 bind(entry.buffers)
                 entry.replay()
-                return _copy(entry.output)
+                return _copy(output)
         if not self.may_capture(call):
             return None
         # State kept across calls is never an inference tensor (buffers, the graph's output), whatever the autograd
         # mode of the call that captures; `inference_mode(False)` alone would turn gradients back on.
         with torch.inference_mode(False), torch.no_grad(), device_guard(self.device), recording():
-            buffers = [value.clone() for value in inputs]
+            buffers = [with_zero_rows(value, rows) if pad else value.clone()
+                       for value, pad in zip(inputs, padded or [False] * len(inputs))]
             bind(buffers)
             out = self._warm_up(run_forward, buffers)
             try:
@@ -238,11 +278,11 @@ class CapturedForwards:
                     raise GraphMismatch(f"the replayed graph differs from its eager run ({why})")
             except (RuntimeError, torch.OutOfMemoryError) as error:
                 self._fail(error, call)
-                return _copy(out)
+                return _copy(out if padded is None else _first_rows(out, live))
         self.graphs[key] = _Graph(replay, buffers, output)
         self.captures += 1
         self.bound(self.max_graphs)
-        return _copy(out)
+        return _copy(out if padded is None else _first_rows(out, live))
 
     def _fail(self, error: BaseException, call: int) -> None:
         """Record a failed capture, drop the graphs and the pool (the allocator may still route to it)."""
@@ -297,4 +337,5 @@ def _release_pool(device: torch.device, pool) -> None:
 
 
 __all__ = ["CaptureFailure", "CapturedForwards", "DEFAULT_MAX_GRAPHS", "GraphMismatch", "MAX_ATTEMPTS",
-           "copy_many", "device_guard", "fresh_copies"]
+           "copy_many", "device_guard", "fresh_copies",
+           "with_zero_rows"]

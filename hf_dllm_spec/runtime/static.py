@@ -67,7 +67,7 @@ from ..outputs import BatchStats
 from ..tracing import recording_step
 from ..validation import invalid
 from .experts import capturable_experts, experts_configs, experts_implementation
-from .graphs import DEFAULT_MAX_GRAPHS, CapturedForwards, fresh_copies
+from .graphs import DEFAULT_MAX_GRAPHS, CapturedForwards, fresh_copies, with_zero_rows
 from .placement import execution_device
 from .runner import DRAFT_MODEL_SPAN, ModelRunner, align_right_shift
 from .static_cache import RowStaticCache, RowStaticLayer
@@ -103,6 +103,11 @@ def prefix_bucket(need: int, max_cache_len: int) -> int:
     tokens plus the query width): the next power of two, at least :data:`LENGTH_GRANULE`, at most the allocated
     `max_cache_len`."""
     return min(max(LENGTH_GRANULE, 1 << max(0, need - 1).bit_length()), max_cache_len)
+
+
+def _pad_batch(tensors: tuple, rows: int) -> tuple:
+    """`tensors` (`(n, ...)` each, None, or already `(rows, ...)`) padded to `rows` rows with zero rows."""
+    return tuple(t if t is None or t.shape[0] == rows else with_zero_rows(t, rows) for t in tensors)
 
 
 def _round_up(value: int, granule: int) -> int:
@@ -532,7 +537,8 @@ class StaticModelRunner(ModelRunner):
         `function` runs exactly one forward, :meth:`step_forward` of `q` query tokens (the first `store_len`
         stored, `logits_to_keep` logits kept), whose fixed `shape` is decided here; it returns `(lengths, *outputs)`,
         the rows' new write positions first. The batch is padded to :func:`rows_bucket` rows (zero rows: each
-        tensor's extra rows are zeros, and their K/V go to unused rows of the buffers) and the outputs cut back.
+        tensor's extra rows are zeros, and their K/V go to unused rows of the buffers; a captured step zeroes
+        them in its graph's buffers instead of making padded tensors) and the outputs cut back.
         Counted as one forward of `kind` for `rows` (:meth:`forward`'s counters). A call's first forward, before
         the cache's buffers exist, runs `function` eagerly (it allocates them). With `sets_carry` (a
         right-shifted model's step that stores tokens) it returns `(lengths, carry, *outputs)`, and the carry
@@ -557,14 +563,11 @@ class StaticModelRunner(ModelRunner):
         width, kept, prefix = shape = self.reserve(q, self.logits_computed(q, logits_to_keep or q, store_len))
         self.stats.count_forward(kind, rows, draft_model=self.timer_span == DRAFT_MODEL_SPAN)
         bucket = rows_bucket(n, self.cache.batch_capacity)
-        lengths = self.lengths
-        if bucket > n:
-            lengths, *tensors = (t if t is None or t.shape[0] == bucket else
-                                 torch.cat([t, t.new_zeros(bucket - n, *t.shape[1:])]) for t in (lengths, *tensors))
         key = (*key, self._options_key, bucket, width, kept, prefix, self.cache.max_cache_len,
                self.cache.batch_capacity)
-        tensors = (lengths, *tensors)
+        tensors = (self.lengths, *tensors)        # `(n, ...)` each, or already `(bucket, ...)`: padded below
         if self.compile_mode == "compile":
+            tensors = _pad_batch(tensors, bucket)
             table = self._state.steps
         else:     # a graph's buffers: the tensors given (which are None is part of its key) and the owner's inputs
             attributes = owner.graph_inputs() if hasattr(owner, "graph_inputs") else []
@@ -579,12 +582,12 @@ class StaticModelRunner(ModelRunner):
             if self.cache.allocated and self.compile_mode == "compile":
                 outputs = table.run(key, function, self._step_options, owner, self, shape, *tensors)
             elif self.cache.allocated:
-                outputs = self._captured_step(key, function, owner, shape, tensors, attributes, read)
+                outputs = self._captured_step(key, function, owner, shape, tensors, attributes, read, bucket)
             if outputs is None:    # the call's first forward allocates the buffers: eagerly (a graph would guard on
-                outputs = function(owner, self, shape, *tensors)      # them); or this call may not capture
+                outputs = function(owner, self, shape, *_pad_batch(tensors, bucket))   # them); or no capture
         lengths, *outputs = outputs
-        if bucket > n:
-            lengths, *outputs = (t[:n] for t in (lengths, *outputs))
+        if bucket > n:       # (a replayed graph's outputs come back cut)
+            lengths, *outputs = (t if t.shape[0] == n else t[:n] for t in (lengths, *outputs))
         if self.compile_mode == "compile" and self.device.type == "cuda":   # CUDA graph trees reuse their output
             lengths, *outputs = fresh_copies((lengths, *outputs))               # memory at the next replay
         if sets_carry:
@@ -594,15 +597,19 @@ class StaticModelRunner(ModelRunner):
         return outputs
 
     def _captured_step(self, key: tuple, function, owner, shape: tuple, tensors: tuple,
-                       attributes: list[tuple[object, str]], read: list[torch.Tensor]) -> tuple | None:
+                       attributes: list[tuple[object, str]], read: list[torch.Tensor], bucket: int) -> tuple | None:
         """:meth:`run_step`'s step replayed from its CUDA graph, captured on its key's first use; None where this
         call may not capture (after a failed capture: the step then runs eagerly). `tensors` `(lengths, *tensors)`,
-        the None ones left out of the graph's buffers (`key` says which are present). What the step reads through
-        `attributes` (`(object, name)`, the owner's `graph_inputs()`; `read`: their tensors now) is a graph input too:
-        while the step is captured each attribute points at its buffer, and every replay first copies the
-        attribute's tensor of the moment into it."""
+        the None ones left out of the graph's buffers (`key` says which are present); those of fewer rows than
+        `bucket` fill their buffers' first rows, the rest of the buffer zeros (the padding :meth:`run_step`
+        describes, made in the graph's buffers instead of new tensors). What the step reads through `attributes`
+        (`(object, name)`, the owner's `graph_inputs()`; `read`: their tensors now) is a graph input too: while the
+        step is captured each attribute points at its buffer, and every replay first copies the attribute's tensor
+        of the moment into it."""
         present = key[-2]
-        inputs = [t for t in tensors if t is not None] + read
+        given = [t for t in tensors if t is not None]
+        inputs = given + read
+        padded = [t.shape[0] != bucket for t in given] + [False] * len(read)
 
         def run(*buffers):
             given = iter(buffers)
@@ -616,7 +623,8 @@ class StaticModelRunner(ModelRunner):
                 for (obj, name), value in zip(attributes, kept):
                     setattr(obj, name, value)
 
-        return self._state.graphs.run(key, run, inputs, lambda buffers: None, self._call_id)
+        return self._state.graphs.run(key, run, inputs, lambda buffers: None, self._call_id,
+                                      padded=padded if any(padded) else None, rows=bucket)
 
     @property
     def step_rows(self) -> int:
