@@ -13,7 +13,6 @@ that cannot split is refused before any weight loads, naming the value, the rule
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 
 import pytest
 import torch
