@@ -577,7 +577,7 @@ def test_a_padded_batch_replays_on_zero_padding_rows(monkeypatch):
         assert all(torch.equal(a, b[:n]) for a, b in zip(out, want)), n
         if i:                                                                   # replays (the first call captured)
             assert "aten::cat" not in {e.name for e in prof.events()}
-    assert graphs.captures == 1 and set(graphs.graphs[("k",)].rows) == {1, 2, 3}
+    assert graphs.captures == 1 and set(graphs.graphs[("k",)].views) == {1, 2, 3}
 
 
 def test_replay_copies_go_one_foreach_per_dtype():

@@ -84,16 +84,16 @@ class _Graph:
     buffers: list[torch.Tensor]
     output: Outputs
     #: live rows n -> (the buffers' views the inputs go to, the padding rows to zero, the outputs' first n rows)
-    rows: dict[int, tuple[list, list, Outputs]] = field(default_factory=dict)
+    views: dict[int, tuple[list, list, Outputs]] = field(default_factory=dict)
 
     def row_views(self, n: int, padded: Sequence[bool]) -> tuple[list, list, Outputs]:
         """The views of a batch of `n` live rows padded to the buffers' rows (made once per n: the buffers and
         outputs keep their addresses)."""
-        if n not in self.rows:
+        if n not in self.views:
             targets = [b[:n] if pad else b for b, pad in zip(self.buffers, padded)]
             tails = [b[n:] for b, pad in zip(self.buffers, padded) if pad]
-            self.rows[n] = (targets, tails, _first_rows(self.output, n))
-        return self.rows[n]
+            self.views[n] = (targets, tails, _first_rows(self.output, n))
+        return self.views[n]
 
 
 def copy_many(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
