@@ -283,15 +283,17 @@ def test_static_time_forward_gives_the_eager_logits(name):
     assert any(key[0] == "forward" for state in static_states(model) for key in state.steps.keys)   # compiled
 
 
-def test_static_mode_smoke_prints_the_stock_baseline_and_the_targets(tmp_path):
-    """`--runtime static` on the CPU at the tiny shape, 1 prompt: the report has the stock baseline, every ratio is
-    the division of the numbers in the JSON, and met / not met follows the numbers."""
+@pytest.mark.parametrize("runtime", ["static", "compiled"])
+def test_static_mode_smoke_prints_the_stock_baseline_and_the_targets(tmp_path, runtime):
+    """`--runtime static` (and `compiled`: the same with `compile_config=CompileConfig()`, which transformers' rule
+    does not compile on a CPU) on the CPU at the tiny shape, 1 prompt: the report has the stock baseline, every
+    ratio is the division of the numbers in the JSON, and met / not met follows the numbers."""
     result = main(["--groups", "sdar", "--rows", "dynamic 0.9 B=4", "--num-prompts", "1", "--max-new-tokens", "8",
                    "--reps", "1", "--warmup", "0", "--max-widths", "2", "--outside-tokens", "4", "--outside-reps",
-                   "1", "--runtime", "static", "--stock-tokens", "8", "--stock-reps", "3", "--out", str(tmp_path),
+                   "1", "--runtime", runtime, "--stock-tokens", "8", "--stock-reps", "3", "--out", str(tmp_path),
                    "--no-plot"])     # 8 tokens, median of 3: a step of 3 tokens, once, measured < 0 on a busy machine
-    saved = json.loads((tmp_path / "tiny-cpu-float32-static.json").read_text())
-    assert saved["meta"]["runtime"] == "static" and saved["time"]["runtime"] == "static"
+    saved = json.loads((tmp_path / f"tiny-cpu-float32-{runtime}.json").read_text())
+    assert saved["meta"]["runtime"] == runtime and saved["time"]["runtime"] == runtime
     shape = "tiny:sdar-tiny-arith"
     base = saved["time"]["baselines"][shape]
     assert (base["baseline"], base["class"], base["compiled"]) == ("stock", "Qwen3ForCausalLM", False)
@@ -316,8 +318,9 @@ def test_static_mode_smoke_prints_the_stock_baseline_and_the_targets(tmp_path):
     measured = predicted["sdar/dynamic 0.9 B=4"]["measured"]
     assert e2e["efficiency"] == pytest.approx(measured["speedup"] / measured["forward_ratio"])
     assert e2e["met"] == (e2e["efficiency"] >= 0.85)
-    md = (tmp_path / "tiny-cpu-float32-static.md").read_text()
+    md = (tmp_path / f"tiny-cpu-float32-{runtime}.md").read_text()
     assert "stock step ms" in md and "Qwen3ForCausalLM" in md and "not compiled" in md
+    assert ("compile_config=CompileConfig()" in md) == (runtime == "compiled")
     verdict = "met" if targets["strategies"][1]["met"] else "not met"
     assert f"| >= 2.0 | {verdict} |" in md
 
@@ -330,8 +333,25 @@ def test_count_phase_under_the_static_runtime_gives_the_eager_tokens():
     (e,), (s,) = eager["rows"], static["rows"]
     assert (s["tokens"], s["nfe"], s["accuracy"]) == (e["tokens"], e["nfe"], e["accuracy"])
     assert s["recorded_forwards"] == s["nfe"] and s["params"] == row.params        # no runtime flag in the row
+    compiled = count_phase([row], num_prompts=1, max_new_tokens=8, seed=0, runtime="compiled")
+    (c,) = compiled["rows"]
+    assert compiled["runtime"] == "compiled" and (c["tokens"], c["nfe"]) == (e["tokens"], e["nfe"])
     with pytest.raises(ValueError, match="--count-runtime"):
         count_phase([row], num_prompts=1, max_new_tokens=8, seed=0, runtime="graphs")
+
+
+def test_runtimes_are_generate_keywords():
+    """`--runtime` / `--count-runtime` names map to the keywords the library's `generate` gets."""
+    from transformers import CompileConfig
+
+    from hf_dllm_spec.tools.cost_model.count import RUNTIMES, runtime_kwargs
+
+    assert RUNTIMES == ("eager", "static", "compiled")
+    assert runtime_kwargs("eager") == {} and runtime_kwargs("static") == {"cache_implementation": "static"}
+    compiled = runtime_kwargs("compiled")
+    assert compiled["cache_implementation"] == "static" and isinstance(compiled["compile_config"], CompileConfig)
+    with pytest.raises(ValueError, match="'graphs'.*eager, static or compiled"):
+        runtime_kwargs("graphs")
 
 
 def test_bench_gpu_without_cuda_exits_2_naming_device_and_the_cpu_smoke(capsys, monkeypatch, tmp_path):
@@ -351,3 +371,5 @@ def test_bench_gpu_without_cuda_exits_2_naming_device_and_the_cpu_smoke(capsys, 
     args = cli.build_parser().parse_args(["bench-gpu"])
     assert (args.device, args.dtype, args.runtime, args.count_runtime, args.shape, args.out) == \
         ("cuda", "bfloat16", "static", "static", "1.7b", None)
+    assert (args.outside_tokens, args.outside_reps) == (64, 5)
+    assert cli.build_parser().parse_args(["bench-gpu", "--runtime", "compiled"]).runtime == "compiled"

@@ -16,7 +16,8 @@ from hf_dllm_spec.cli_args import UsageError
 from hf_dllm_spec.tools.jobs.evaluation import ROOT
 
 from .count import GROUPS, count_phase, default_rows
-from .measure import RUNTIMES, STATS, time_phase
+from .count import RUNTIMES
+from .measure import STATS, time_phase
 from .predict import predict_phase, targets_phase
 from .report import json_ready, load_average, machine_description, markdown, plot, run_name
 from .shapes import DTYPES, QUANTS, SCALES
@@ -42,8 +43,11 @@ def add_arguments(ap: argparse.ArgumentParser, defaults: dict | None = None) -> 
     ap.add_argument("--quant", default="none", choices=QUANTS, help="bitsandbytes quantization of the TIME phase")
     ap.add_argument("--runtime", default="eager", choices=RUNTIMES,
                     help="how the TIME phase runs each width: eager (ModelRunner-style forward over a DynamicCache; "
-                         "the default of cost_model.py) or static (the static runtime's StaticModelRunner: CUDA-graph replays on a "
-                         "GPU); static also measures the stock transformers AR baseline and prints the targets")
+                         "the default of cost_model.py), static (the static runtime's StaticModelRunner: CUDA-graph "
+                         "replays on a GPU) or compiled (the static runtime with compile_config=CompileConfig(): "
+                         "forwards and steps compiled by torch.compile on a GPU, a compilation per width and step "
+                         "shape first); static and compiled also measure the stock transformers AR baseline and "
+                         "print the targets")
     ap.add_argument("--num-prompts", type=int, default=10, help="held-out arithmetic prompts per COUNT row")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--counts", default=None, metavar="JSON",
@@ -55,8 +59,9 @@ def add_arguments(ap: argparse.ArgumentParser, defaults: dict | None = None) -> 
                     help="device of the COUNT phase (the bundled models, fp32): cpu, cuda, ... (default: cpu for "
                          "cost_model.py, --device for bench-gpu)")
     ap.add_argument("--count-runtime", default="eager", choices=RUNTIMES,
-                    help="runtime of the COUNT phase: eager (the default of cost_model.py) or static (cache_implementation='static': "
-                         "the measured speedups and efficiencies are then those of the static runtime)")
+                    help="runtime of the COUNT phase: eager (the default of cost_model.py), static "
+                         "(cache_implementation='static': the measured speedups and efficiencies are then those of "
+                         "the static runtime) or compiled (the same with compile_config=CompileConfig())")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats per width (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed repeats per width")
     ap.add_argument("--stat", default="median", choices=sorted(STATS),
@@ -71,9 +76,9 @@ def add_arguments(ap: argparse.ArgumentParser, defaults: dict | None = None) -> 
                     help="tokens generated (at least one block) to measure the time outside forwards per step")
     ap.add_argument("--outside-reps", type=int, default=2)
     ap.add_argument("--stock-tokens", type=int, default=64,
-                    help="--runtime static: new tokens of the timed AR baseline calls (>= 2)")
+                    help="--runtime static or compiled: new tokens of the timed AR baseline calls (>= 2)")
     ap.add_argument("--stock-reps", type=int, default=3,
-                    help="--runtime static: timed pairs of AR baseline calls (N tokens, 1 token)")
+                    help="--runtime static or compiled: timed pairs of AR baseline calls (N tokens, 1 token)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="results folder")
@@ -105,7 +110,7 @@ def _check_arguments(args: argparse.Namespace, groups: list[str]) -> None:
     if args.quant != "none" and args.dtype == "float32":
         raise UsageError("--quant", f"{args.quant} with --dtype float32: quantized weights compute in bf16/fp16; pass "
                                     "--dtype bfloat16")
-    if args.runtime == "static" and args.stock_tokens < 2:
+    if args.runtime != "eager" and args.stock_tokens < 2:
         raise UsageError("--stock-tokens", f"{args.stock_tokens}: the AR baseline's step is (t(N) - t(1)) / (N - 1); "
                                            "pass 2 or more")
 
@@ -161,8 +166,8 @@ def run(args: argparse.Namespace, command: str, cpu_hint: str = CPU_HINT) -> dic
     result: dict = {"meta": meta, "count": count}
     if not args.count_only:
         t0 = time.perf_counter()
-        static = {"runtime": "static", "stock_tokens": args.stock_tokens, "stock_reps": args.stock_reps} \
-            if args.runtime == "static" else {}
+        static = {"runtime": args.runtime, "stock_tokens": args.stock_tokens, "stock_reps": args.stock_reps} \
+            if args.runtime != "eager" else {}
         result["time"] = time_phase(count, args.shape, groups, device, DTYPES[args.dtype], args.quant,
                                     reps=args.reps, warmup=args.warmup, max_widths=args.max_widths,
                                     context=args.context, outside_tokens=args.outside_tokens,

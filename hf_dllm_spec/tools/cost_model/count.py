@@ -105,15 +105,39 @@ def tally(records: Iterable[ForwardRecord]) -> list[list]:
     return [[*key, n] for key, n in sorted(counts.items())]
 
 
+#: How a phase runs the library's `generate` (`--runtime`, `--count-runtime`): "eager" (the default runtime),
+#: "static" (`cache_implementation="static"`: the static runtime, CUDA graphs on a GPU) or "compiled" (the static
+#: runtime with `compile_config=CompileConfig()`: each forward and decoding step compiled by `torch.compile`, inductor
+#: in "reduce-overhead" mode, as transformers' `generate` compiles its static-cache forward).
+RUNTIMES = ("eager", "static", "compiled")
+
+
+def runtime_kwargs(runtime: str) -> dict:
+    """The `generate` keywords of a runtime of :data:`RUNTIMES` (e.g. `{"cache_implementation": "static"}`).
+
+    Raises:
+        ValueError: if `runtime` is not one of :data:`RUNTIMES`.
+    """
+    if runtime not in RUNTIMES:
+        raise ValueError(f"`runtime` (={runtime!r}) must be one of {RUNTIMES}; pass --runtime / --count-runtime "
+                         "eager, static or compiled.")
+    if runtime == "eager":
+        return {}
+    from transformers import CompileConfig
+
+    return {"cache_implementation": "static", **({"compile_config": CompileConfig()} if runtime == "compiled" else {})}
+
+
 def count_phase(rows: list[Row], num_prompts: int, max_new_tokens: int, seed: int, repeats: int = 1,
                 progress: bool = False, device: torch.device | str = "cpu", runtime: str = "eager") -> dict:
     """Run every row on the bundled models (fp32, greedy, batch 1; by default on the CPU with the eager runtime)
     and record its forwards (`tally` of the runtime's forward trace).
 
     `device` moves the bundled models there (e.g. "cuda"); `runtime="static"` runs every row with
-    `cache_implementation="static"` (the static runtime: CUDA graphs on a GPU), so the measured speedups and
-    efficiencies are those of that runtime; each row then first runs once over all its prompts, untimed, so that
-    every forward width is captured before the timed runs. Under the static runtime the trace records each
+    `cache_implementation="static"` (the static runtime: CUDA graphs on a GPU), `runtime="compiled"` adds
+    `compile_config=CompileConfig()` (:func:`runtime_kwargs`), so the measured speedups and efficiencies are those
+    of that runtime; each row then first runs once over all its prompts, untimed, so that every forward width is
+    captured (or compiled) before the timed runs. Under the static runtime the trace records each
     forward at its width bucket (the width it runs at).
 
     With `repeats` > 1 all rows run again in turn (interleaved, so a slow spell of a shared machine hits every row
@@ -128,17 +152,14 @@ def count_phase(rows: list[Row], num_prompts: int, max_new_tokens: int, seed: in
         settings.
 
     Raises:
-        ValueError: if `repeats` < 1 or `runtime` is not "eager" or "static".
+        ValueError: if `repeats` < 1 or `runtime` is not one of :data:`RUNTIMES`.
     """
     from hf_dllm_spec.tools.jobs.evaluation import StrategySpec, arithmetic_prompts, load, run as run_spec
 
     if repeats < 1:
         raise ValueError(f"count_phase: `repeats` (={repeats}) must be >= 1; pass --count-repeats 1 or more.")
-    if runtime not in ("eager", "static"):
-        raise ValueError(f"count_phase: `runtime` (={runtime!r}) must be 'eager' or 'static'; pass --count-runtime "
-                         "eager or --count-runtime static.")
+    runtime_params = runtime_kwargs(runtime)
     device = torch.device(device)
-    runtime_params = {"cache_implementation": "static"} if runtime == "static" else {}
     models: dict[str, tuple] = {}
     for name in dict.fromkeys([r.target for r in rows] + [r.drafter for r in rows if r.drafter]):
         tokenizer, model = load(MODELS_DIR / name)

@@ -7,10 +7,12 @@ import gc
 import statistics
 import time
 from collections import Counter
+from functools import partial
 from typing import Callable
 
 import torch
 
+from .count import RUNTIMES, runtime_kwargs
 from .predict import outside_per_step
 from .shapes import BYTES_PER_PARAM, SCALES, SHAPES, available_bytes, build_model, count_parameters
 
@@ -302,7 +304,8 @@ def measure_outside(target, drafter, row: dict, *, prompt_tokens: int, new_token
     Runs the library's `generate` on a random prompt of `prompt_tokens` tokens for `new_tokens` tokens (EOS
     stopping off), once untimed, then `reps` times; median (`stat`: or minimum) of
     (wall_time_s - forward_time_s) / decode forwards. `runtime="static"` passes `cache_implementation="static"`
-    (the static runtime; on CUDA the untimed call captures the graphs).
+    (the static runtime; on CUDA the untimed call captures the graphs), `runtime="compiled"` also
+    `compile_config=CompileConfig()` (the untimed call compiles); :func:`~.count.runtime_kwargs`.
     """
     from hf_dllm_spec.integration.generate import dllm_generate
     from hf_dllm_spec.integration.mixin import DllmGenerationMixin
@@ -317,8 +320,7 @@ def measure_outside(target, drafter, row: dict, *, prompt_tokens: int, new_token
     ids = ids.to(device)
     entry = {} if isinstance(target, DllmGenerationMixin) else {"custom_generate": dllm_generate}
     extra = {"draft_model": drafter} if drafter is not None else {}
-    if runtime == "static":
-        extra["cache_implementation"] = "static"
+    extra.update(runtime_kwargs(runtime))
     values = []
     for i in range(1 + reps):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), decoding_strategy=row["strategy"],
@@ -338,9 +340,6 @@ def _block_size(row: dict) -> int:
     return 32 if row["group"] in ("llada2", "fast_dllm_v2") else 4
 
 
-RUNTIMES = ("eager", "static")
-
-
 def _time_widths_eager(name: str, model, info: dict, keeps: dict, *, reps: int, warmup: int, seed: int, stat: str,
                        cpu_log: list, **_) -> None:
     """Fill `info["cached"]` / `info["uncached"]` (q -> seconds) with `time_forward` (the eager runtime)."""
@@ -356,11 +355,12 @@ def _time_widths_eager(name: str, model, info: dict, keeps: dict, *, reps: int, 
 
 
 def _time_widths_static(name: str, model, info: dict, keeps: dict, *, reps: int, warmup: int, seed: int, stat: str,
-                        cpu_log: list, max_new_tokens: int) -> None:
+                        cpu_log: list, max_new_tokens: int, compile_config=None) -> None:
     """Fill `info["cached"]` / `info["uncached"]` with `time_static_forward`: one `StaticForward` over the stored
     context (cached curve) and one over an empty cache (prefill curve), sharing one static cache of
     `static_cache_length(context, max_new_tokens, widest width)` columns (what `generate` allocates for a prompt
-    of that length); records `info["runtime"]` (how the runner ran its forwards) and `info["cache_columns"]`."""
+    of that length), with `compile_config` (`generate`'s; None: captured graphs); records `info["runtime"]` (how
+    the runner ran its forwards) and `info["cache_columns"]`."""
     from hf_dllm_spec.runtime.static import clear_static_state, static_cache_length
 
     widest = max(info["widths"]["cached"] + info["widths"]["uncached"], default=1)
@@ -373,7 +373,7 @@ def _time_widths_static(name: str, model, info: dict, keeps: dict, *, reps: int,
         todo = [q for q in widths if q not in table]
         if not todo:
             continue
-        static = StaticForward(model, ids[:, :ctx] if cached else ids[:, :0], columns)
+        static = StaticForward(model, ids[:, :ctx] if cached else ids[:, :0], columns, compile_config=compile_config)
         info["runtime"], info["cache_columns"] = static.runner.runtime_note, static.runner.cache.max_cache_len
         start = ctx if cached else 0
         for q in todo:
@@ -416,25 +416,29 @@ def time_phase(count: dict, scale: str, groups: list[str], device: torch.device,
 
     With `runtime="static"` the widths are timed through the static runtime (`time_static_forward`: CUDA-graph
     replays on a GPU, eager over the static cache on the CPU), the outside time is measured with
-    `cache_implementation="static"`, and every timed shape also gets its AR baseline
+    `cache_implementation="static"`; `runtime="compiled"` does the same with `compile_config=CompileConfig()`
+    (forwards and steps compiled by `torch.compile`, where transformers' rule compiles: on a GPU); with either,
+    every timed shape also gets its AR baseline
     (`baseline.measure_baseline`: stock transformers `generate(cache_implementation="static")` on its stock twin,
     `stock_tokens` new tokens, `stock_reps` timed pairs, prompt = the shape's cache length).
 
     Returns:
         `dict` with "shapes": name -> {"params", "source", "context", "cached": {q: s}, "uncached": {q: s},
         "keep": {...}, "skipped": reason or None, "build_s"} and "outside": row key -> seconds per step; with
-        `runtime="static"` also "runtime": "static" and "baselines": shape name -> the baseline's dict.
+        `runtime="static"` or "compiled" also "runtime" (that name) and "baselines": shape name -> the baseline's
+        dict.
 
     Raises:
         ValueError: if `runtime` is not one of :data:`RUNTIMES`.
     """
     if runtime not in RUNTIMES:
-        raise ValueError(f"time_phase: `runtime` (={runtime!r}) must be one of {RUNTIMES}; pass --runtime eager "
-                         "or --runtime static.")
+        raise ValueError(f"time_phase: `runtime` (={runtime!r}) must be one of {RUNTIMES}; pass --runtime eager, "
+                         "static or compiled.")
     points = needed_points(count, scale, groups)
     shapes = _shape_entries(points, quant, dtype, max_widths, context)
-    static = runtime == "static"
-    time_widths = _time_widths_static if static else _time_widths_eager
+    static = runtime != "eager"
+    compile_config = runtime_kwargs(runtime).get("compile_config")
+    time_widths = partial(_time_widths_static, compile_config=compile_config) if static else _time_widths_eager
     outside: dict[str, float] = {}
     baselines: dict[str, dict] = {}
     by_group = {g: [r for r in count["rows"] if r["group"] == g] for g in groups}
@@ -483,7 +487,7 @@ def time_phase(count: dict, scale: str, groups: list[str], device: torch.device,
             torch.cuda.empty_cache()
     out = {"shapes": shapes, "outside": outside}
     if static:
-        out.update(runtime="static", baselines=baselines)
+        out.update(runtime=runtime, baselines=baselines)
     return out
 
 

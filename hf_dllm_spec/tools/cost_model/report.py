@@ -63,6 +63,10 @@ def markdown(result: dict) -> str:
         if timing.get("runtime") == "static":
             lines += ["Runtime: static (each width run as `StaticModelRunner.forward` runs it: padded to its width "
                       "bucket, read-only over the stored context; CUDA: captured graphs replayed, CPU: eager).\n"]
+        elif timing.get("runtime") == "compiled":
+            lines += ["Runtime: compiled (the static runtime with `compile_config=CompileConfig()`: each width run as "
+                      "`StaticModelRunner.forward` runs it, compiled by `torch.compile` where transformers' rule "
+                      "compiles (a GPU); the outside time with the same `compile_config`).\n"]
         lines += [
                   "| shape | params | build s | cache length | wall/CPU | cached forward ms by query width q | "
                   "prefill ms by q (empty cache) |", "|---|---|---|---|---|---|---|"]
@@ -137,7 +141,9 @@ def targets_markdown(result: dict) -> list[str]:
     forward widths against the stock step, outside share, predicted tokens/s against stock, end to end."""
     targets, timing, count = result["targets"], result["time"], result["count"]
     limits = targets["limits"]
-    lines = ["", "## Targets (issue 25): static runtime against stock transformers, same process\n"]
+    runtime = "static runtime, compile_config=CompileConfig()" if timing.get("runtime") == "compiled" \
+        else "static runtime"
+    lines = ["", f"## Targets (issue 25): {runtime} against stock transformers, same process\n"]
     lines += baselines_markdown(timing)
     lines += ["", f"### Forward widths: ms per forward / stock step (target <= {limits['width_ratio_at_most']} up to "
               f"width {limits['max_width']})\n",
@@ -243,7 +249,7 @@ def machine_description(device: torch.device) -> str:
 
 
 def run_name(shape: str, device: torch.device, dtype: str, quant: str, runtime: str = "eager") -> str:
-    """Output file stem: `<shape>-<device type>-<dtype>[-<quant>][-static]`."""
+    """Output file stem: `<shape>-<device type>-<dtype>[-<quant>][-static|-compiled]`."""
     return (f"{shape}-{device.type}-{dtype}" + (f"-{quant}" if quant != "none" else "")
             + (f"-{runtime}" if runtime != "eager" else ""))
 
