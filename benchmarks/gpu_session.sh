@@ -6,8 +6,13 @@
 #                                             # groups issue 34 asks for: sdar,fast_dllm_v2,llada2,deer), each
 #                                             # within its $BENCH_LIMIT s (default 80,80,120,140), then the speed
 #                                             # check with what is left until $DEADLINE s (default 585)
+#   BENCH_RUNTIME=compiled BENCH_ROWS='dynamic 0.9 B=4,S2D2 hysteresis 1/-5 B=4' BENCH_GROUPS=sdar BENCH_LIMIT=400 \
+#     bash benchmarks/gpu_session.sh speed   # bench-gpu --runtime compiled (compile_config=CompileConfig(): every
+#                                             # width and step shape compiles first) on some rows ($BENCH_ROWS)
 # It installs this package over the machine's own torch / transformers (no dependency is fetched), then runs
-# (about 580 s in all at most; 321 s on an H200 without step 3 and the compiled widths, 2026-11-27)
+# (about 580 s in all at most; 321 s on an H200 without step 3 and the compiled widths, 2026-11-27; the speed mode
+# 436 s on an H200, 2026-11-28: bench-gpu 61 / 42 / 11 / 86 s per group plus about 25 s of start-up each, then the
+# speed check 134 s; the GPU tests of step 1 needed more than their 250 s there, 27 of 30 done)
 #   1. at the same time (correctness only, nothing timed):
 #      - `hf-dllm-spec check-gpu --no-speed` (every strategy x bundled family through CUDA graphs, bf16 and fp32,
 #        memory over 50 calls), one line per row as it is done, JSON at the end;
@@ -66,7 +71,7 @@ for i in "${!group_list[@]}"; do
   group=${group_list[$i]} limit=${limit_list[$i]:-$limit}    # one limit serves every group; a list, one each
   log="$OUT/bench/$group.log"
   timeout "$limit" python3 -m hf_dllm_spec.cli bench-gpu --groups "$group" --num-prompts 2 --no-plot \
-    --out "$OUT/bench/$group" > "$log" 2>&1
+    --runtime "${BENCH_RUNTIME:-static}" ${BENCH_ROWS:+--rows "$BENCH_ROWS"} --out "$OUT/bench/$group" > "$log" 2>&1
   status=$?
   bench=$(( bench || status ))
   echo "== bench-gpu --groups $group (${SECONDS} s in): exit status $status"
