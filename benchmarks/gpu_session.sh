@@ -17,7 +17,7 @@
 #      - `hf-dllm-spec check-gpu --no-speed` (every strategy x bundled family through CUDA graphs, bf16 and fp32,
 #        memory over 50 calls), one line per row as it is done, JSON at the end;
 #      - the GPU tests on 8 pytest-xdist workers: the CUDA-graph tests of the default static runtime
-#        (`test_cuda_graphs_replay_the_eager_tokens`: every strategy x family, memory over 100 calls), the no-sync
+#        (`test_cuda_graphs_replay_the_eager_tokens`: every strategy x family, memory over 50 calls), the no-sync
 #        test and the decoding steps of issue 34 as CUDA graphs (`test_steps_on_cuda_graphs_...`, 12 rows each:
 #        captured whole by the static runtime, the default on a GPU, and compiled in "reduce-overhead" mode);
 #   2. alone, so that nothing else runs on the GPU: check-gpu's speed check (a captured forward at widths 1-64 of
