@@ -26,7 +26,7 @@ from ..maths.sampling import RowProcessors, row_processors
 from ..outputs import SpecDecodingStats
 from ..strategies.base import DecodingStrategy, JoiningRow, RowAdmission
 from ..validation import invalid
-from .stopping import row_end
+from .stopping import StopScan
 
 
 @dataclass
@@ -104,6 +104,7 @@ class FeedAdmission(RowAdmission):
         self.tokens: list[list[int]] = [[] for _ in self.requests]    # final tokens per row (host)
         self.ended = [False] * len(self.requests)
         self.reported = [False] * len(self.requests)
+        self.stops = StopScan()
 
     # -- the strategy's side ------------------------------------------------------------------------------------
     def take(self, rows: int) -> list[JoiningRow]:
@@ -159,7 +160,8 @@ class FeedAdmission(RowAdmission):
         """The session's `stop_check`: whether row `prompt_index` ends after its final tokens `generated` `(n,)`
         (its budget, a stop id); streams the tokens that became final."""
         ids = host_ids if host_ids is not None else generated.tolist()
-        cut, ended = row_end(ids, self.requests[prompt_index].max_new_tokens, self.stops_of(prompt_index))
+        cut, ended = self.stops.row_end(prompt_index, ids, self.requests[prompt_index].max_new_tokens,
+                                        self.stops_of(prompt_index))
         self.tokens[prompt_index] = ids[:cut]
         self.ended[prompt_index] = ended
         self.stream(prompt_index)

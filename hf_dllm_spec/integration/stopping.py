@@ -43,14 +43,41 @@ def stop_strings_as_criteria(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def stop_cut(ids: list[int], stop_ids: set[int]) -> int:
     """Length of `ids` up to and including the first stop id (kept, HF convention); all of them without one."""
-    return next((k + 1 for k, token in enumerate(ids) if token in stop_ids), len(ids))
+    if stop_ids.isdisjoint(ids):                  # the common case, scanned in C
+        return len(ids)
+    return next(k + 1 for k, token in enumerate(ids) if token in stop_ids)
 
 
-def row_end(ids: list[int], budget: int, stops: set[int]) -> tuple[int, bool]:
+def row_end(ids: list[int], budget: int, stops: set[int], start: int = 0) -> tuple[int, bool]:
     """Where a row's final tokens `ids` end: `(cut, ended)`, the length it returns (at most `budget`, up to and
-    including the first of `stops`) and whether it decodes no more (a stop id, the budget, or tokens past the cut)."""
-    cut = stop_cut(ids[:budget], stops)
+    including the first of `stops`) and whether it decodes no more (a stop id, the budget, or tokens past the cut).
+    `start`: the first `start` ids are known to hold no stop id (checked before), so only the rest is scanned."""
+    start = min(start, budget, len(ids))
+    cut = start + stop_cut(ids[start:budget], stops)
     return cut, cut < len(ids) or cut >= budget or (cut > 0 and ids[cut - 1] in stops)
+
+
+class StopScan:
+    """:func:`row_end` for rows whose final tokens grow as one host list each (the decoding loop extends it in place
+    as blocks finish): each check scans only the ids appended since the row's last check, so a row of n tokens costs
+    O(n) over the whole call instead of O(n) per check (O(n^2)).
+
+    A check that passes another list object for the row (a strategy that rebuilds the list, e.g. with provisional
+    tokens) scans it whole, as :func:`row_end` does; a row's scan is forgotten once it ends.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[list[int], int]] = {}      # row key -> (its list, ids known free of stops)
+
+    def row_end(self, key: int, ids: list[int], budget: int, stops: set[int]) -> tuple[int, bool]:
+        """:func:`row_end` of `ids`, row `key` (e.g. the prompt index)."""
+        seen = self._seen.get(key)
+        cut, ended = row_end(ids, budget, stops, seen[1] if seen is not None and seen[0] is ids else 0)
+        if ended:
+            self._seen.pop(key, None)
+        else:
+            self._seen[key] = (ids, len(ids))
+        return cut, ended
 
 
 def criteria_to_scan(criteria, stop_ids: list[int], prompt_width: int, max_new_tokens: int) -> StoppingCriteriaList:
@@ -157,6 +184,7 @@ class RowEnds:
     def __init__(self, max_new_tokens: int, stop_ids, criteria, input_ids: torch.Tensor, pad_id: int | None) -> None:
         self.max_new_tokens, self.stop_set = max_new_tokens, set(stop_ids)
         self.scan = CriteriaScan(criteria, input_ids, pad_id, max_new_tokens) if criteria else None
+        self.stops = StopScan()
 
     def final_tokens(self, prompt_index: int, generated: torch.Tensor, ended: bool = False,
                      host_ids: list[int] | None = None) -> tuple[torch.Tensor, bool]:
@@ -176,7 +204,7 @@ class RowEnds:
         """The session's `stop_check`: whether the row ends after `generated` (from `host_ids` alone, no tensor
         operation, when no stopping criterion is left to call)."""
         if self.scan is None and host_ids is not None:
-            return row_end(host_ids, self.max_new_tokens, self.stop_set)[1]
+            return self.stops.row_end(prompt_index, host_ids, self.max_new_tokens, self.stop_set)[1]
         return self.final_tokens(prompt_index, generated, host_ids=host_ids)[1]
 
     def output_tokens(self, prompt_index: int, generated: torch.Tensor, ended: bool = False) -> torch.Tensor:
@@ -190,4 +218,5 @@ class RowEnds:
         return [self.output_tokens(n, g, ended=True) for n, g in enumerate(generated)]
 
 
-__all__ = ["CriteriaScan", "RowEnds", "criteria_to_scan", "row_end", "stop_cut", "stop_strings_as_criteria"]
+__all__ = ["CriteriaScan", "RowEnds", "StopScan", "criteria_to_scan", "row_end", "stop_cut",
+           "stop_strings_as_criteria"]
