@@ -337,5 +337,4 @@ def _release_pool(device: torch.device, pool) -> None:
 
 
 __all__ = ["CaptureFailure", "CapturedForwards", "DEFAULT_MAX_GRAPHS", "GraphMismatch", "MAX_ATTEMPTS",
-           "copy_many", "device_guard", "fresh_copies",
-           "with_zero_rows"]
+           "copy_many", "device_guard", "fresh_copies", "with_zero_rows"]

@@ -15,8 +15,7 @@ import torch
 from hf_dllm_spec.cli_args import UsageError
 from hf_dllm_spec.tools.jobs.evaluation import ROOT
 
-from .count import GROUPS, count_phase, default_rows
-from .count import RUNTIMES
+from .count import GROUPS, RUNTIMES, count_phase, default_rows
 from .measure import STATS, time_phase
 from .predict import predict_phase, targets_phase
 from .report import json_ready, load_average, machine_description, markdown, plot, run_name

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .count import RUNTIMES, runtime_kwargs
+from .count import runtime_kwargs
 from .predict import outside_per_step
 from .shapes import BYTES_PER_PARAM, SCALES, SHAPES, available_bytes, build_model, count_parameters
 
@@ -431,13 +431,10 @@ def time_phase(count: dict, scale: str, groups: list[str], device: torch.device,
     Raises:
         ValueError: if `runtime` is not one of :data:`RUNTIMES`.
     """
-    if runtime not in RUNTIMES:
-        raise ValueError(f"time_phase: `runtime` (={runtime!r}) must be one of {RUNTIMES}; pass --runtime eager, "
-                         "static or compiled.")
+    compile_config = runtime_kwargs(runtime).get("compile_config")         # (checks `runtime` first)
     points = needed_points(count, scale, groups)
     shapes = _shape_entries(points, quant, dtype, max_widths, context)
     static = runtime != "eager"
-    compile_config = runtime_kwargs(runtime).get("compile_config")
     time_widths = partial(_time_widths_static, compile_config=compile_config) if static else _time_widths_eager
     outside: dict[str, float] = {}
     baselines: dict[str, dict] = {}
