@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from conftest import MASK_ID, TINY
-from transformers import (LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM, StoppingCriteriaList,
+from transformers import (GenerationConfig, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM, StoppingCriteriaList,
                           TemperatureLogitsWarper)
 from transformers.generation.streamers import BaseStreamer
 
@@ -148,6 +148,13 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("output-scores", dict(decoding_strategy="s2d2", output_scores=True, return_dict_in_generate=True),
      "output_scores", ValueError),
     ("cache-offloaded", dict(decoding_strategy="s2d2", cache_implementation="offloaded"), "cache_implementation",
+     ValueError),
+    # transformers switched "paged" to its own continuous batching (the strategy never ran) and failed on "quantized"
+    # with an ImportError; both are refused before transformers prepares the cache
+    ("cache-paged", dict(decoding_strategy="s2d2", cache_implementation="paged"), "cache_implementation", ValueError),
+    ("cache-paged-in-config", dict(decoding_strategy="s2d2", generation_config=GenerationConfig(
+        cache_implementation="paged")), "cache_implementation", ValueError),
+    ("cache-quantized", dict(decoding_strategy="s2d2", cache_implementation="quantized"), "cache_implementation",
      ValueError),
     ("repetition-penalty", dict(decoding_strategy="s2d2", repetition_penalty=1.3), "repetition_penalty",
      NotImplementedError),
@@ -289,6 +296,16 @@ def test_bad_model_is_caught(case):
     with pytest.raises(ValueError) as info:
         _run(build(), kwargs)
     assert f"`{name}`" in str(info.value), str(info.value)
+
+
+def test_direct_callable_call_refuses_the_cache_in_its_generation_config(counted):
+    """A direct call of the callable checks its `generation_config` before transformers prepares the call."""
+    model, calls = counted
+    calls.clear()
+    with pytest.raises(ValueError, match=r"`cache_implementation` \(='paged'\)"):
+        hf_dllm_spec.custom_generate(model, torch.tensor(PROMPT), decoding_strategy="s2d2", max_new_tokens=8,
+                                     generation_config=GenerationConfig(cache_implementation="paged"))
+    assert not calls
 
 
 def test_custom_generate_path_checks_the_same(counted):

@@ -561,6 +561,19 @@ def check_single_hypothesis(name: str, value: Any) -> None:
                       "`do_sample=True`" if name == "num_return_sequences" else f"drop `{name}`")
 
 
+def check_cache_implementation(value) -> None:
+    """The caches the strategies decode over: unset, "dynamic" (the eager runtime) or "static" (the static runtime).
+
+    Raises:
+        ValueError: any other `cache_implementation` ("offloaded", "paged", ...).
+    """
+    if value not in (None, "dynamic", "static"):
+        raise invalid("cache_implementation", value,
+                      "be unset, 'dynamic' (the eager runtime over a DynamicCache) or 'static' (the static runtime: "
+                      "a preallocated cache, CUDA graphs on GPU) for hf_dllm_spec strategies",
+                      "drop `cache_implementation`, or pass cache_implementation='static'")
+
+
 def check_generation_config(generation_config: GenerationConfig) -> None:
     """Generation options the strategies do not support, and non-finite float options.
 
@@ -580,11 +593,7 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
         value = getattr(generation_config, name, None)
         if isinstance(value, float) and not math.isfinite(value):
             raise invalid(name, value, "be a finite number", f"pass a finite `{name}` or drop it")
-    if generation_config.cache_implementation not in (None, "dynamic", "static"):
-        raise invalid("cache_implementation", generation_config.cache_implementation,
-                      "be unset, 'dynamic' (the eager runtime over a DynamicCache) or 'static' (the static runtime: "
-                      "a preallocated cache, CUDA graphs on GPU) for hf_dllm_spec strategies",
-                      "drop `cache_implementation`, or pass cache_implementation='static'")
+    check_cache_implementation(generation_config.cache_implementation)
     if generation_config.cache_implementation == "static" and generation_config.use_cache is False:
         raise invalid("use_cache", False, "be True with cache_implementation='static' (the static runtime decodes "
                       "over its preallocated cache)", "drop `use_cache=False`, or drop `cache_implementation`")
@@ -677,7 +686,7 @@ def check_model_pair(target, target_patch, drafter, drafter_patch, generation_co
                           f"align the drafter's generation config (`draft_model.generation_config.{key} = {value}`)")
 
 
-__all__ = ["DecodePlan", "build_plan", "check_attention_mask", "check_block_budget", "check_drafter_tokens",
-           "check_generation_config", "check_generator", "check_inputs_embeds", "check_loaded", "check_model_kwargs",
-           "check_model_pair", "check_row", "check_single_hypothesis", "check_token_id", "check_vocabulary",
-           "prompt_lengths"]
+__all__ = ["DecodePlan", "build_plan", "check_attention_mask", "check_block_budget", "check_cache_implementation",
+           "check_drafter_tokens", "check_generation_config", "check_generator", "check_inputs_embeds", "check_loaded",
+           "check_model_kwargs", "check_model_pair", "check_row", "check_single_hypothesis", "check_token_id",
+           "check_vocabulary", "prompt_lengths"]
