@@ -154,6 +154,15 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("cache-paged", dict(decoding_strategy="s2d2", cache_implementation="paged"), "cache_implementation", ValueError),
     ("cache-paged-in-config", dict(decoding_strategy="s2d2", generation_config=GenerationConfig(
         cache_implementation="paged")), "cache_implementation", ValueError),
+    # options that select another of transformers' decoding modes, which the strategy replaces (they were ignored)
+    ("contrastive-search", dict(decoding_strategy="s2d2", penalty_alpha=0.6, top_k=4), "penalty_alpha", ValueError),
+    ("dola", dict(decoding_strategy="s2d2", dola_layers="low"), "dola_layers", ValueError),
+    ("prompt-lookup", dict(decoding_strategy="ar", prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens",
+     ValueError),
+    ("early-exit", dict(decoding_strategy="s2d2", assistant_early_exit=1), "assistant_early_exit", ValueError),
+    ("force-words", dict(decoding_strategy="s2d2", force_words_ids=[[5]]), "force_words_ids", ValueError),
+    # set by transformers on the assistant of its assisted decoding; its criterion read scores the loop has not
+    ("is-assistant", dict(decoding_strategy="s2d2", is_assistant=True), "is_assistant", ValueError),
     ("cache-quantized", dict(decoding_strategy="s2d2", cache_implementation="quantized"), "cache_implementation",
      ValueError),
     ("repetition-penalty", dict(decoding_strategy="s2d2", repetition_penalty=1.3), "repetition_penalty",

@@ -51,6 +51,13 @@ FLOAT_GENERATION_OPTIONS = ("temperature", "top_p", "min_p", "typical_p", "epsil
 #: Generation options that need one output per prompt and greedy or sampled decoding of one hypothesis.
 SINGLE_HYPOTHESIS = ("num_beams", "num_return_sequences", "num_beam_groups")
 
+#: `GenerationConfig` options that select another of transformers' decoding modes
+#: (`GenerationConfig.get_generation_mode`): a strategy replaces that mode, so set, they would be ignored.
+MODE_OPTIONS = {"penalty_alpha": "contrastive search", "dola_layers": "DoLa decoding",
+                "prompt_lookup_num_tokens": "prompt-lookup decoding", "assistant_early_exit": "early-exit decoding",
+                "use_mtp": "multi-token-prediction drafting", "constraints": "constrained beam search",
+                "force_words_ids": "constrained beam search"}
+
 #: Model kwargs transformers prepares that the decoding loop reads or may ignore (it builds its own masks); the
 #: cache under the name of every supported transformers version (`model_patches.compat.CACHE_NAMES`).
 KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position",
@@ -578,7 +585,9 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
     """Generation options the strategies do not support, and non-finite float options.
 
     Raises:
-        ValueError: `num_beams`/`num_return_sequences` > 1, `output_scores`-like flags, NaN or infinite
+        ValueError: `num_beams`/`num_return_sequences` > 1, `output_scores`-like flags, an option that selects
+            another decoding mode (:data:`MODE_OPTIONS`: `penalty_alpha`, `dola_layers`, `prompt_lookup_num_tokens`,
+            ...), `is_assistant`, NaN or infinite
             `temperature`, `top_p`, `min_p`, ... ; a `cache_implementation` other than unset, "dynamic" or "static";
             "static" with `use_cache=False`.
     """
@@ -589,6 +598,15 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
             raise invalid(flag, True, "be False for hf_dllm_spec strategies (per-token scores are not defined "
                           "for out-of-order commits)", f"drop `{flag}`; `return_dict_in_generate=True` "
                           "returns the statistics")
+    for name, mode in MODE_OPTIONS.items():
+        value = getattr(generation_config, name, None)
+        if value is not None and value is not False and not (name == "penalty_alpha" and value == 0):
+            raise invalid(name, value, f"be unset for hf_dllm_spec strategies (it selects transformers' {mode}, "
+                          "which `decoding_strategy` replaces: it would be ignored)", f"drop `{name}`")
+    if getattr(generation_config, "is_assistant", False):
+        raise invalid("is_assistant", True, "be unset for hf_dllm_spec strategies (transformers sets it on the "
+                      "assistant of its assisted decoding, whose confidence criterion reads per-token scores)",
+                      "drop `is_assistant`; to draft for a stock target, pass this model as its `assistant_model`")
     for name in FLOAT_GENERATION_OPTIONS:
         value = getattr(generation_config, name, None)
         if isinstance(value, float) and not math.isfinite(value):
