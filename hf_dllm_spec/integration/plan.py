@@ -587,9 +587,8 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
     Raises:
         ValueError: `num_beams`/`num_return_sequences` > 1, `output_scores`-like flags, an option that selects
             another decoding mode (:data:`MODE_OPTIONS`: `penalty_alpha`, `dola_layers`, `prompt_lookup_num_tokens`,
-            ...), `is_assistant`, NaN or infinite
-            `temperature`, `top_p`, `min_p`, ... ; a `cache_implementation` other than unset, "dynamic" or "static";
-            "static" with `use_cache=False`.
+            ...), `is_assistant`, NaN or infinite `temperature`, `top_p`, `min_p`, ... ; a `cache_implementation`
+            other than unset, "dynamic" or "static"; "static" with `use_cache=False`.
     """
     for name in SINGLE_HYPOTHESIS:
         check_single_hypothesis(name, getattr(generation_config, name, None))
