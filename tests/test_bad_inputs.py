@@ -163,6 +163,7 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("force-words", dict(decoding_strategy="s2d2", force_words_ids=[[5]]), "force_words_ids", ValueError),
     # set by transformers on the assistant of its assisted decoding; its criterion read scores the loop has not
     ("is-assistant", dict(decoding_strategy="s2d2", is_assistant=True), "is_assistant", ValueError),
+    ("streamer-list", dict(decoding_strategy="s2d2", streamer=[None]), "streamer", ValueError),   # no put / end
     ("cache-quantized", dict(decoding_strategy="s2d2", cache_implementation="quantized"), "cache_implementation",
      ValueError),
     ("repetition-penalty", dict(decoding_strategy="s2d2", repetition_penalty=1.3), "repetition_penalty",
@@ -314,6 +315,16 @@ def test_direct_callable_call_refuses_the_cache_in_its_generation_config(counted
     with pytest.raises(ValueError, match=r"`cache_implementation` \(='paged'\)"):
         hf_dllm_spec.custom_generate(model, torch.tensor(PROMPT), decoding_strategy="s2d2", max_new_tokens=8,
                                      generation_config=GenerationConfig(cache_implementation="paged"))
+    assert not calls
+
+
+def test_direct_callable_call_refuses_a_streamer_without_put_and_end(counted):
+    """transformers sends the prompt to the streamer before the callable runs: the raw call checks it first."""
+    model, calls = counted
+    calls.clear()
+    with pytest.raises(ValueError, match=r"`streamer` \(='list'\) must have transformers' streamer methods"):
+        hf_dllm_spec.custom_generate(model, torch.tensor(PROMPT), decoding_strategy="s2d2", max_new_tokens=8,
+                                     streamer=[None])
     assert not calls
 
 

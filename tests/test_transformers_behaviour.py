@@ -65,6 +65,24 @@ def test_stopping_criteria_cut_at_the_exact_token(sdar_model, strategy):
     assert torch.equal(out, free[:, : PROMPT.shape[1] + 6])
 
 
+class StopOnScores(StoppingCriteria):
+    """Reads `scores`, as a criterion written for stock AR decoding may."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return scores.argmax(-1) == 5
+
+
+@pytest.mark.parametrize("strategy", ["ar", "s2d2"])
+def test_a_criterion_that_reads_scores_gets_the_librarys_error(sdar_model, strategy):
+    """Criteria are called with scores=None (not defined for out-of-order commits); one that reads them fails with
+    the library's error naming `stopping_criteria`, the original error chained."""
+    with pytest.raises(ValueError, match=r"`stopping_criteria` \(='StopOnScores'\) must judge from `input_ids` "
+                                         r"alone: they are called with scores=None") as info:
+        sdar_model.generate(PROMPT, decoding_strategy=strategy, max_new_tokens=8, eos_token_id=None,
+                            stopping_criteria=StoppingCriteriaList([StopOnScores()]))
+    assert isinstance(info.value.__cause__, AttributeError)
+
+
 def test_no_strategy_runs_native_diffusion_decoding(sdar_model):
     native = sdar_model.generate(PROMPT, max_new_tokens=12, eos_token_id=None)
     explicit = sdar_model.generate(PROMPT, decoding_strategy="block_diffusion", max_new_tokens=12, eos_token_id=None)

@@ -136,7 +136,7 @@ def dllm_generate(
             {"stop_strings": stop_strings, "tokenizer": tokenizer, "stopping_criteria": stopping_criteria})[
             "stopping_criteria"]
     if not call:
-        check_call(model, (input_ids,), {**kwargs, "generation_config": generation_config})
+        check_call(model, (input_ids,), {**kwargs, "generation_config": generation_config, "streamer": streamer})
         # A direct call: hand it to transformers' `generate` with this callable, so the logits processors,
         # stopping criteria and generation options are prepared exactly as on the other entry points.
         return generate_with_callable(

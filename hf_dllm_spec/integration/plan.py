@@ -216,6 +216,7 @@ def _check_inputs(input_ids, generation_config, model_kwargs, *, device, generat
     check_generation_config(generation_config)
     check_inputs_embeds(model_kwargs.get("inputs_embeds"))
     check_attention_mask(input_ids, raw_attention_mask)
+    check_streamer(streamer)
     if streamer is not None and input_ids.shape[0] > 1:
         raise invalid("streamer", type(streamer).__name__, "be used with batch size 1 (transformers' streamers "
                       f"follow one sequence; got {input_ids.shape[0]} rows)",
@@ -568,6 +569,17 @@ def check_single_hypothesis(name: str, value: Any) -> None:
                       "`do_sample=True`" if name == "num_return_sequences" else f"drop `{name}`")
 
 
+def check_streamer(streamer) -> None:
+    """A streamer is an object with transformers' `BaseStreamer` methods `put(ids)` and `end()` (or None).
+
+    Raises:
+        ValueError: anything else (a list of streamers, a tokenizer, ...).
+    """
+    if streamer is not None and not all(callable(getattr(streamer, name, None)) for name in ("put", "end")):
+        raise invalid("streamer", type(streamer).__name__, "have transformers' streamer methods put(ids) and end() "
+                      "(`BaseStreamer`)", "pass e.g. TextStreamer(tokenizer), or one object with both methods")
+
+
 def check_cache_implementation(value) -> None:
     """The caches the strategies decode over: unset, "dynamic" (the eager runtime) or "static" (the static runtime).
 
@@ -705,5 +717,5 @@ def check_model_pair(target, target_patch, drafter, drafter_patch, generation_co
 
 __all__ = ["DecodePlan", "build_plan", "check_attention_mask", "check_block_budget", "check_cache_implementation",
            "check_drafter_tokens", "check_generation_config", "check_generator", "check_inputs_embeds", "check_loaded",
-           "check_model_kwargs", "check_model_pair", "check_row", "check_single_hypothesis", "check_token_id",
-           "check_vocabulary", "prompt_lengths"]
+           "check_model_kwargs", "check_model_pair", "check_row", "check_single_hypothesis", "check_streamer",
+           "check_token_id", "check_vocabulary", "prompt_lengths"]

@@ -116,9 +116,14 @@ class CriteriaScan:
     then every row's tokens, finished rows continued with `pad_token_id`) and a row ends at the first t where a
     criterion fires for it; criteria may keep per-row state across calls (lm-evaluation-harness's stop sequences do)
     or return one bool for the batch. A block decoder finishes several tokens at once and its rows advance at
-    different paces, so position t is evaluated once every row's token t is final (or the row has ended): each row
-    is then cut at the exact token where a criterion first fires for it, as in stock `generate`; a row that runs
-    ahead of the batch may decode past its cut (the surplus is discarded).
+    different paces, so position t is evaluated once every row's token t is final (or the row has ended), with
+    `scores=None` (per-token scores are not defined for out-of-order commits): each row is then cut at the exact
+    token where a criterion first fires for it, as in stock `generate`; a row that runs ahead of the batch may decode
+    past its cut (the surplus is discarded).
+
+    Raises:
+        ValueError: from :meth:`observe`, when a criterion fails on `scores=None` (a TypeError or AttributeError
+            inside it, chained).
     """
 
     def __init__(self, criteria, input_ids: torch.Tensor, pad_token_id: int | None, max_new_tokens: int) -> None:
@@ -157,7 +162,13 @@ class CriteriaScan:
             length = tokens.shape[0] if self.cut[n] is None else self.cut[n]
             row = tokens[:min(t, length)].to(self.input_ids.device)
             rows.append(torch.cat([row, row.new_full((t - row.shape[0],), self.pad)]))
-        fired = self.criteria(torch.cat([self.input_ids, torch.stack(rows)], dim=1), None)
+        try:
+            fired = self.criteria(torch.cat([self.input_ids, torch.stack(rows)], dim=1), None)
+        except (TypeError, AttributeError) as error:      # e.g. `scores.argmax()` on None
+            raise invalid("stopping_criteria", ", ".join(type(c).__name__ for c in self.criteria),
+                          "judge from `input_ids` alone: they are called with scores=None (per-token scores are not "
+                          f"defined when a decoder commits tokens out of order), and one failed ({error})",
+                          "make the criterion ignore its `scores` argument") from error
         return torch.as_tensor(fired, device=self.input_ids.device).expand(len(rows))
 
     def _apply(self, verdicts: list[tuple[int, torch.Tensor]]) -> None:
