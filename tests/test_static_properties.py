@@ -9,8 +9,8 @@ function; dynamo's "eager" backend, the trace and its guards) give the eager run
 forward calls, and leave the generators in the same state. The compiled steps must have run: a case whose calls all
 fell back to eager steps fails.
 
-4 batches per strategy (each compiles its own keys: 8-18 s per strategy on one core; 8 batches took 22-54 s, which
-put CI over 30 minutes); all but the first strategy only in the full suite (`slow`).
+3 batches per strategy (each compiles its own keys; 4 batches took 14-36 s per strategy in suite runs on 2 cores,
+8 batches 22-54 s, which put CI over 30 minutes); all but the first strategy only in the full suite (`slow`).
 
 The captured property (the static runtime's default mode on a GPU, each decoding step one CUDA graph) runs on the
 CPU with a tape that records each capture's operations and replays them without the Python (`replayed_graphs`,
@@ -91,7 +91,7 @@ def _property(name: str, examples: int, runtimes: tuple = STATIC_AND_COMPILED) -
 @pytest.mark.parametrize("name", fast_first(list(CASES)))
 def test_static_and_compiled_equal_eager(name, monkeypatch):
     calls = StepCalls(monkeypatch)
-    _property(name, 4)
+    _property(name, 3)
     assert calls.count > 0, f"{name}: no compiled decoding step ran"
 
 
