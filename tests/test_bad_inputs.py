@@ -163,6 +163,9 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("force-words", dict(decoding_strategy="s2d2", force_words_ids=[[5]]), "force_words_ids", ValueError),
     # set by transformers on the assistant of its assisted decoding; its criterion read scores the loop has not
     ("is-assistant", dict(decoding_strategy="s2d2", is_assistant=True), "is_assistant", ValueError),
+    # transformers' chunked prefill: each strategy prefills in one forward, so the chunk size was ignored
+    ("prefill-chunk-size", dict(decoding_strategy="s2d2", prefill_chunk_size=2), "prefill_chunk_size", ValueError),
+    ("prefill-chunk-size-ar", dict(decoding_strategy="ar", prefill_chunk_size=2), "prefill_chunk_size", ValueError),
     ("streamer-list", dict(decoding_strategy="s2d2", streamer=[None]), "streamer", ValueError),   # no put / end
     ("cache-quantized", dict(decoding_strategy="s2d2", cache_implementation="quantized"), "cache_implementation",
      ValueError),

@@ -4,7 +4,7 @@ On CPU: bundled models loaded with a `device_map` that offloads decoder layers t
 the plain model's greedy tokens, token for token; an offloaded first parameter (embeddings on disk: `model.device`
 is "meta") runs on the hook's execution device; SimSD / DEER run with an offloaded target and a plain (fp32 or
 bf16) drafter, each cache staying with its own model. Two devices cannot be exercised without a GPU: the moves
-between them are `.to()` no-ops here.
+between them are `.to()` no-ops here. Tensor parallelism: `tests/test_llada2_tp.py` (SDAR and LLaDA2).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
 from hf_dllm_spec.runtime.placement import execution_device
 from hf_dllm_spec.runtime.runner import ModelRunner
 from recipes.arithmetic import format_prompt
-from conftest import crash_report, run_torchrun
 
 SDAR_DIR = ROOT / "models" / "sdar-tiny-arith"
 FAST_DIR = ROOT / "models" / "fast-dllm-v2-tiny"
@@ -218,36 +217,3 @@ def test_multi_gpu_example_runs_offloaded_on_cpu(sdar, capsys):
     assert out.tolist() == plain.generate(ids, decoding_strategy="s2d2", max_new_tokens=8, do_sample=False).tolist()
     with pytest.raises(ValueError, match="--max-memory"):
         example.parse_max_memory("cpu")
-
-
-# -- tensor parallelism (transformers' plan, 2 CPU ranks over gloo) ------------------------------------------------
-_TP_SCRIPT = '''
-import sys, torch, torch.distributed as dist
-import hf_dllm_spec
-from transformers import AutoModelForCausalLM
-from transformers.distributed import DistributedConfig
-from hf_dllm_spec.tools.jobs.evaluation import DEFAULT_MODEL, arithmetic_prompts, load
-hf_dllm_spec.register_auto_classes()
-model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32,
-                                             distributed_config=DistributedConfig(tp_plan="auto")).eval()
-tokenizer, plain = load(DEFAULT_MODEL)
-ids = tokenizer(arithmetic_prompts(DEFAULT_MODEL, 1)[0].text, return_tensors="pt").input_ids
-sharded = type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "DTensor"
-for strategy in ("ar", "s2d2"):
-    same = torch.equal(model.generate(ids, decoding_strategy=strategy, max_new_tokens=16),
-                       plain.generate(ids, decoding_strategy=strategy, max_new_tokens=16))
-    print(f"rank={dist.get_rank()} sharded={sharded} {strategy}={same}")
-'''
-
-
-@pytest.mark.slow
-def test_tensor_parallel_sdar_equals_the_plain_model(tmp_path):
-    """`DistributedConfig(tp_plan="auto")` (SDAR inherits Qwen3's `base_model_tp_plan`) under torchrun."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
-    script = tmp_path / "tp.py"
-    script.write_text(_TP_SCRIPT)
-    done = run_torchrun(script, timeout=300)
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank="))
-    assert done.returncode == 0, crash_report(done)
-    assert lines == [f"rank={r} sharded=True {s}=True" for r in (0, 1) for s in ("ar", "s2d2")], lines

@@ -599,8 +599,9 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
     Raises:
         ValueError: `num_beams`/`num_return_sequences` > 1, `output_scores`-like flags, an option that selects
             another decoding mode (:data:`MODE_OPTIONS`: `penalty_alpha`, `dola_layers`, `prompt_lookup_num_tokens`,
-            ...), `is_assistant`, NaN or infinite `temperature`, `top_p`, `min_p`, ... ; a `cache_implementation`
-            other than unset, "dynamic" or "static"; "static" with `use_cache=False`.
+            ...), `is_assistant`, `prefill_chunk_size` (chunked prefill is not implemented), NaN or infinite
+            `temperature`, `top_p`, `min_p`, ... ; a `cache_implementation` other than unset, "dynamic" or
+            "static"; "static" with `use_cache=False`.
     """
     for name in SINGLE_HYPOTHESIS:
         check_single_hypothesis(name, getattr(generation_config, name, None))
@@ -622,6 +623,10 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
         value = getattr(generation_config, name, None)
         if isinstance(value, float) and not math.isfinite(value):
             raise invalid(name, value, "be a finite number", f"pass a finite `{name}` or drop it")
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:
+        raise invalid("prefill_chunk_size", generation_config.prefill_chunk_size, "be unset for hf_dllm_spec "
+                      "strategies (each strategy prefills the prompt in one forward into its own cache: a chunk size "
+                      "would be ignored)", "drop `prefill_chunk_size`")
     check_cache_implementation(generation_config.cache_implementation)
     if generation_config.cache_implementation == "static" and generation_config.use_cache is False:
         raise invalid("use_cache", False, "be True with cache_implementation='static' (the static runtime decodes "
