@@ -42,6 +42,14 @@ class Parser(argparse.ArgumentParser):
     """`ArgumentParser` whose errors are one line and a pointer to `--help` (no usage dump), status 2."""
 
     def error(self, message: str):
+        """Print `PROG: error: MESSAGE` and a pointer to `PROG --help` on stderr, then exit with status 2.
+
+        Args:
+            message (`str`): what argparse (or a subcommand) found wrong.
+
+        Raises:
+            SystemExit: always, with status 2 (through `ArgumentParser.exit`).
+        """
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
 
 
@@ -149,6 +157,15 @@ def add_strategy_parameters(parser: argparse.ArgumentParser) -> None:
 
 
 def given_strategy_parameters(args: argparse.Namespace) -> dict[str, Any]:
+    """The strategy-parameter options given on the command line (:func:`add_strategy_parameters`).
+
+    Args:
+        args (`argparse.Namespace`): the parsed `generate` arguments.
+
+    Returns:
+        `dict[str, Any]`: parameter name -> converted value, for the options given only (an option not on the
+        command line is absent from `args`, so the strategy's defaults and `--preset` fill it).
+    """
     return {k[len(PARAM_PREFIX):]: v for k, v in vars(args).items() if k.startswith(PARAM_PREFIX)}
 
 
@@ -392,6 +409,13 @@ def _strategies(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `hf-dllm-spec` parser: `--version`, `--debug` and every subcommand (generate, main, bench, bench-batch,
+    bench-gpu, check-gpu, serve, export, strategies). Loads the installed strategy plugins first, so that their
+    parameters become options of `generate`.
+
+    Returns:
+        :class:`Parser`: each subcommand's namespace carries its `handler` and its own `parser`.
+    """
     from . import __version__
     from .tools.jobs import batch, main as main_job, sweep
     from .serving import cli as serve

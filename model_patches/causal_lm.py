@@ -14,6 +14,10 @@ from .base import FamilyPatch
 
 
 class CausalLMPatch(FamilyPatch):
+    """The fallback adapter for any other decoder-only transformers causal LM (see the module docstring):
+    autoregressive (`is_diffusion_lm` False, no native strategy), right-shifted alignment. It claims no
+    `model_type`; :func:`model_patches.get_patch` picks it when :meth:`serves` says so."""
+
     family = "transformers causal LM"
     model_types = ()
     alignment = "right_shift"

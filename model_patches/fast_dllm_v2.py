@@ -137,6 +137,10 @@ class Fast_dLLM_QwenForCausalLM(MaskTokenFromFilesMixin, DllmGenerationMixin, Qw
 
 
 class FastDLLMV2Patch(FamilyPatch):
+    """The Fast-dLLM v2 adapter (`model_type` "Fast_dLLM_Qwen"): right-shifted alignment, native strategy
+    `fast_dllm_v2`, trained block size `config.bd_size`, and the family's classes to register with the Auto
+    classes (see the module docstring)."""
+
     family = "Fast-dLLM v2"
     model_types = ("Fast_dLLM_Qwen",)
     alignment = "right_shift"

@@ -225,6 +225,23 @@ class LLaDA2MoeAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache: DynamicCache | None = None, **kwargs):
+        """Attention of `hidden_states` over the cached keys and values plus its own (not causal: the mask
+        decides).
+
+        Args:
+            hidden_states (`torch.Tensor` of shape `(N, q, hidden_size)`): the normalised layer input.
+            position_embeddings (`tuple[torch.Tensor, torch.Tensor]`): `(cos, sin)` of the rotary embedding at the
+                query positions.
+            attention_mask (`torch.Tensor`, *optional*): the mask :func:`additive_mask` built (e.g. an additive
+                float mask `(N, 1, q, cache_len + q)`), passed to the attention implementation as given.
+            cache (`DynamicCache`, *optional*): this layer's K/V (this rank's heads) are appended to it and the
+                whole cached K/V is attended.
+            **kwargs: passed to the attention implementation (`config._attn_implementation`).
+
+        Returns:
+            `tuple`: the output of `dense`, `(N, q, hidden_size)`, and the attention weights where the
+            implementation returns them (eager), else None.
+        """
         b, q_len, _ = hidden_states.shape
         qkv = self.query_key_value(hidden_states).view(b, q_len, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         query, key, value = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
@@ -264,6 +281,14 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
                                if shared else None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Each token through its routed experts, weighted by the router, plus the shared experts.
+
+        Args:
+            hidden_states (`torch.Tensor` of shape `(N, q, hidden_size)`): the normalised input.
+
+        Returns:
+            `torch.Tensor` of shape `(N, q, hidden_size)`.
+        """
         shape = hidden_states.shape
         _, weights, experts = self.gate(hidden_states)
         out = self.experts(hidden_states.reshape(-1, shape[-1]), experts, weights).view(shape)
@@ -273,6 +298,9 @@ class LLaDA2MoeSparseMoeBlock(nn.Module):
 
 
 class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
+    """One pre-norm decoder layer: attention, then the MLP (dense SwiGLU in the first `first_k_dense_replace`
+    layers, the MoE block after), each on its RMSNorm'ed input and added to the residual stream."""
+
     def __init__(self, config: LLaDA2MoeConfig, layer_idx: int):
         super().__init__()
         self.attention = LLaDA2MoeAttention(config, layer_idx)
@@ -281,6 +309,19 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = Glm4MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+        """Run the layer.
+
+        Args:
+            hidden_states (`torch.Tensor` of shape `(N, q, hidden_size)`): the residual stream.
+            attention_mask (`torch.Tensor`, *optional*): the mask :func:`additive_mask` built.
+            position_embeddings (`tuple[torch.Tensor, torch.Tensor]`): `(cos, sin)` at the query positions.
+            cache (`DynamicCache`, *optional*): the K/V cache (see :meth:`LLaDA2MoeAttention.forward`).
+            **kwargs: passed to the attention.
+
+        Returns:
+            `torch.Tensor` of shape `(N, q, hidden_size)`: the updated residual stream (the attention weights are
+            dropped).
+        """
         attn, _ = self.attention(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
                                  cache=cache, **kwargs)
         hidden_states = hidden_states + attn
@@ -288,6 +329,10 @@ class LLaDA2MoeDecoderLayer(GradientCheckpointingLayer):
 
 
 class LLaDA2MoePreTrainedModel(PreTrainedModel):
+    """Base class of the LLaDA2 models: config class, weight initialisation (router and routed experts included),
+    the router kept in float32 for 16-bit loads, the Hub-layout checkpoint conversion of `from_pretrained` /
+    `save_pretrained` and, under tensor parallelism, each attention module's head group."""
+
     config_class = LLaDA2MoeConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -448,9 +493,11 @@ class LLaDA2MoeModel(LLaDA2MoePreTrainedModel):
         self.post_init()
 
     def get_input_embeddings(self):
+        """The token embedding, `word_embeddings`."""
         return self.word_embeddings
 
     def set_input_embeddings(self, value):
+        """Replace the token embedding `word_embeddings` with `value`."""
         self.word_embeddings = value
 
     @accepts_cache_names
@@ -514,9 +561,11 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
         self.post_init()
 
     def get_output_embeddings(self):
+        """The output head, `lm_head`."""
         return self.lm_head
 
     def set_output_embeddings(self, value):
+        """Replace the output head `lm_head` with `value`."""
         self.lm_head = value
 
     @accepts_cache_names

@@ -7,6 +7,7 @@ answers a good request with the tokens of batch-1 `model.generate` (greedy). Loo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -464,3 +465,42 @@ def test_max_step_tokens_bounds_each_batch_and_refuses_a_longer_prompt(served):
         status, text = post(base, {"prompt": [5] * (2 * width + 1), "max_tokens": 2})
         assert status == 400 and "the server's --max-step-tokens" in message(text)
         still_serving(served, base)
+
+
+# -- shutdown ---------------------------------------------------------------------------------------------------
+
+def test_requests_waiting_at_close_and_submitted_after_it_get_503(served):
+    """`Batcher.close` (the server's shutdown) answers the requests still waiting with a 503 error event, and any
+    request submitted afterwards at once; the batch in progress finishes with its tokens."""
+    from hf_dllm_spec.serving.batcher import Batcher, Job
+    from hf_dllm_spec.serving.protocol import parse_request
+
+    def parsed(body: dict):
+        return parse_request(body, chat=False, tokenizer=served.tokenizer, served_name=served.name,
+                             default_strategy=served.default_strategy, default_params=served.default_params,
+                             generation_config=served.model.generation_config,
+                             default_max_tokens=served.default_max_tokens)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(served.model)
+        running = Job(parsed({"prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}), loop)
+        batcher.submit(running)
+        first = await asyncio.wait_for(running.events.get(), 60)     # the batch runs (its first final tokens)
+        waiting = Job(parsed({"prompt": PROMPT, "max_tokens": 2, "temperature": 0.5, "seed": 1}), loop)
+        batcher.submit(waiting)                                       # other options: waits for the batch
+        await asyncio.to_thread(batcher.close, 60)
+        late = Job(parsed({"prompt": PROMPT, "max_tokens": 2}), loop)
+        batcher.submit(late)
+        events = [first]
+        while events[-1][0] == "tokens":
+            events.append(await asyncio.wait_for(running.events.get(), 60))
+        return (events, await asyncio.wait_for(waiting.events.get(), 5),
+                await asyncio.wait_for(late.events.get(), 5))
+
+    events, waiting, late = asyncio.run(scenario())
+    assert events[-1][0] == "done" and events[-1][1].finish_reason == "length"
+    streamed = [t for _, payload in events[:-1] for t in payload]
+    assert streamed == events[-1][1].tokens == reference(served, PROMPT, 48, eos_token_id=None)
+    for kind, payload in (waiting, late):
+        assert kind == "error" and payload[0] == 503 and "shutting down" in payload[1]

@@ -958,7 +958,7 @@ def test_check_gpu_rows_on_stood_in_graphs(replayed_graphs, monkeypatch, as_user
     assert "1. static" not in alone and "2. memory" not in alone and "3. captured forward" in alone
 
 
-def test_check_gpu_refuses_without_cuda(capsys):
+def test_check_gpu_refuses_without_cuda(capsys, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     from hf_dllm_spec.cli import main
@@ -973,6 +973,15 @@ def test_check_gpu_refuses_without_cuda(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["check-gpu", "--speed-only", "--no-speed"])
     assert exit_info.value.code == 2 and "`--speed-only` (=True) must not be given with --no-speed" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check-gpu", "--calls", "1"])                   # check 2 compares the last call with the second
+    assert exit_info.value.code == 2 and "`--calls` (=1) must be at least 2" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check-gpu", "--device", "cuda:3"])
+    assert exit_info.value.code == 2 and "`--device` (='cuda:3') must name one of the 1 visible CUDA devices" in \
         capsys.readouterr().err
 
 

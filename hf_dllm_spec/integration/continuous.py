@@ -108,6 +108,22 @@ class FeedAdmission(RowAdmission):
 
     # -- the strategy's side ------------------------------------------------------------------------------------
     def take(self, rows: int) -> list[JoiningRow]:
+        """The requests the feed hands out now, checked and registered as new rows (prompt indices after the
+        current ones, in order).
+
+        A request that fails :meth:`check_request` (or whose own warpers cannot be built) goes to its `on_error`
+        and does not join; without `on_error` the error is raised.
+
+        Args:
+            rows (`int`): the rows now decoding (passed to :meth:`RowFeed.take`).
+
+        Returns:
+            `list[JoiningRow]`: one per accepted request: its prompt `(P,)` int64 on the CPU, its generator and,
+            in a sampling call with per-row sampling, its own logits processors.
+
+        Raises:
+            ValueError: a refused request without `on_error`.
+        """
         joining = []
         for request in self.feed.take(rows):
             try:
@@ -143,12 +159,16 @@ class FeedAdmission(RowAdmission):
         return self._lists[key]
 
     def cancelled(self, prompt_index: int) -> bool:
+        """Whether row `prompt_index` leaves now, unfinished: its request's `cancelled` event is set and the row has
+        not already ended (budget or stop id)."""
         return not self.ended[prompt_index] and self.requests[prompt_index].cancelled.is_set()
 
     def left(self, prompt_index: int) -> None:
+        """Row `prompt_index` has left the batch: give its result now (:meth:`report`, once)."""
         self.report(prompt_index)
 
     def budget(self, prompt_index: int) -> int:
+        """Row `prompt_index`'s own budget: its request's `max_new_tokens`, in tokens."""
         return self.requests[prompt_index].max_new_tokens
 
     # -- each row's end -----------------------------------------------------------------------------------------
@@ -172,6 +192,8 @@ class FeedAdmission(RowAdmission):
         return set() if self.requests[prompt_index].ignore_eos else self.stop_set
 
     def stream(self, prompt_index: int) -> None:
+        """Pass row `prompt_index`'s final tokens not yet streamed to its `on_tokens` (none once the request is
+        cancelled); they count as sent either way."""
         request, tokens = self.requests[prompt_index], self.tokens[prompt_index]
         new = tokens[self.sent[prompt_index]:]
         if new and request.on_tokens is not None and not request.cancelled.is_set():

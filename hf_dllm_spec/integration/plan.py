@@ -115,6 +115,7 @@ class DecodePlan:
 
     @property
     def batch_size(self) -> int:
+        """N, the rows the call starts with (`int`; one per entry of `lengths`)."""
         return len(self.lengths)
 
 

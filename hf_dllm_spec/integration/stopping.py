@@ -219,6 +219,18 @@ class RowEnds:
         return self.final_tokens(prompt_index, generated, host_ids=host_ids)[1]
 
     def output_tokens(self, prompt_index: int, generated: torch.Tensor, ended: bool = False) -> torch.Tensor:
+        """What row `prompt_index` returns of its final tokens: :meth:`final_tokens` without the verdict.
+
+        Args:
+            prompt_index (`int`): the row.
+            generated (`torch.Tensor` of shape `(n,)`, int64): the row's final tokens so far.
+            ended (`bool`, defaults to False): the row decodes no more (passed on to the stopping criteria's
+                scan).
+
+        Returns:
+            `torch.Tensor` of shape `(m,)`, `m <= n`: `generated` cut at the budget, after the first stop id and at
+            the first position where a stopping criterion fires.
+        """
         return self.final_tokens(prompt_index, generated, ended)[0]
 
     def finish(self, generated: list[torch.Tensor]) -> list[torch.Tensor]:

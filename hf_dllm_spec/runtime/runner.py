@@ -165,6 +165,7 @@ class ModelRunner:
 
     @property
     def batch_size(self) -> int:
+        """N, the rows in the batch now (`int`; changed by :meth:`select_rows` and :meth:`add_rows`)."""
         return self.valid.shape[0]
 
     def forward(

@@ -378,6 +378,7 @@ class StaticModelRunner(ModelRunner):
 
     @property
     def batch_size(self) -> int:
+        """N, the rows in the batch now (`int`; at most the static buffers' row capacity)."""
         return self.lengths.shape[0]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, intra_mask: torch.Tensor, *, kind: str,

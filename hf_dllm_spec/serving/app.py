@@ -126,6 +126,17 @@ class TextDeltas:
         self.tokenizer, self.ids, self.sent = tokenizer, [], ""
 
     def add(self, ids: list[int], final: bool = False) -> str:
+        """Append `ids` and return the text they add to what was returned before.
+
+        Args:
+            ids (`list[int]`): the new token ids.
+            final (`bool`, defaults to False): no more ids come; the text is returned even when it ends in an
+                incomplete UTF-8 character.
+
+        Returns:
+            `str`: the new text (special tokens skipped); "" while the decoded text ends in "\\ufffd" and
+            `final` is False (the held-back text comes with a later call).
+        """
         self.ids += ids
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd") and not final:

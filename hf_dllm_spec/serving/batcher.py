@@ -41,6 +41,7 @@ from ..integration.continuous import RowFeed, RowRequest
 from .protocol import ParsedRequest, server_terms
 
 _ids = itertools.count()
+_SHUTTING_DOWN = "the server is shutting down and takes no more requests; retry on a running server"
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Result:
     """A finished request: its new tokens, why it ended and the library's statistics of its row."""
 
     tokens: list[int]
-    finish_reason: str            # "stop" (a stop id) or "length" (the budget)
+    finish_reason: str            # "stop" (a stop id), "length" (the budget) or "cancelled" (the client left)
     stats: dict[str, Any]
 
 
@@ -56,7 +57,8 @@ class Result:
 class Job:
     """One request in flight. The worker thread posts `(kind, payload)` events to `events` on the request's event
     loop: `("tokens", [ids])` as tokens become final, then `("done", Result)` or `("error", (status, message))`.
-    Setting `cancelled` (the client went away) ends the row at its next final token. `observer` (the server's
+    Setting `cancelled` (the client went away) ends the row at the batch's next join point (a `stream_drafts` request,
+    which runs alone, at its next final token). `observer` (the server's
     :class:`~hf_dllm_spec.serving.metrics.ServerMetrics`, set by :meth:`Batcher.submit`) sees every event."""
 
     request: ParsedRequest
@@ -69,6 +71,13 @@ class Job:
     tokens_sent: int = 0
 
     def emit(self, kind: str, payload: Any) -> None:
+        """Post the event `(kind, payload)` to `events` on the request's event loop (safe from the worker thread),
+        after showing it to `observer`; when that loop is closed (nobody listens), set `cancelled` instead.
+
+        Args:
+            kind (`str`): "tokens", "draft", "done" or "error".
+            payload: `list[int]` (tokens, draft), a :class:`Result` (done), or `(status, message)` (error).
+        """
         if self.observer is not None:
             self._observe(kind, payload)
         try:
@@ -219,13 +228,20 @@ class Batcher:
 
     # -- the event-loop side ---------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        """Queue `job` (it starts a batch or joins a running one when a worker takes it) and give it the batcher's
+        `observer`; counted in `counts["requests"]`. After :meth:`close` the job gets a 503 error event at once."""
         job.observer = self.observer
         with self.cond:
-            self.queue.append(job)
-            self.counts["requests"] += 1
-            self.cond.notify()
+            if not self.closed:
+                self.queue.append(job)
+                self.counts["requests"] += 1
+                self.cond.notify()
+                return
+        job.emit("error", (503, _SHUTTING_DOWN))
 
     def status(self) -> dict[str, Any]:
+        """A snapshot of the queue: "queued" (jobs waiting, cancelled ones not yet dropped included), "running" (rows
+        taken by a worker and not yet done), and the counters "requests", "batches", "cancelled", "errors"."""
         with self.cond:
             return {"queued": len(self.queue), "running": self.running, **self.counts}
 
@@ -237,10 +253,14 @@ class Batcher:
             return max(1, round(mean * (1 + len(self.queue) // self.max_batch_size)))
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop taking batches; the batches in progress finish first."""
+        """Stop taking requests and batches: the waiting requests (and any submitted later) get a 503 error event;
+        the batches in progress finish first (at most `timeout` seconds per worker thread)."""
         with self.cond:
             self.closed = True
+            waiting, self.queue = list(self.queue), deque()
             self.cond.notify_all()
+        for job in waiting:
+            job.emit("error", (503, _SHUTTING_DOWN))
         for thread in self.threads:
             thread.join(timeout)
 

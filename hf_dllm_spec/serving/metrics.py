@@ -118,6 +118,8 @@ class ServerMetrics:
                 self.acceptance_rate.labels(strategy).set(total["accepted"] / total["drafted"])
 
     def error(self, status: int) -> None:
+        """A queued request was refused or failed with HTTP `status` (400, 500): counted in
+        `request_errors_total{status}`."""
         self.errors.labels(str(status)).inc()
 
     def exposition(self) -> bytes:

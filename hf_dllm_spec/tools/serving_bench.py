@@ -40,6 +40,7 @@ def _baseline(served, prompts: list[str], max_tokens: int):
     latency of each call."""
     from ..integration.generate import dllm_generate
     from ..integration.mixin import DllmGenerationMixin
+    from ..runtime.placement import execution_device
     from ..strategies.registry import get_strategy
 
     entry = {} if isinstance(served.model, DllmGenerationMixin) else {"custom_generate": dllm_generate}
@@ -49,7 +50,7 @@ def _baseline(served, prompts: list[str], max_tokens: int):
     t0 = time.perf_counter()
     for prompt in prompts:
         start = time.perf_counter()
-        ids = served.tokenizer(prompt, return_tensors="pt").input_ids.to(served.model.device)
+        ids = served.tokenizer(prompt, return_tensors="pt").input_ids.to(execution_device(served.model))
         out = served.model.generate(ids, decoding_strategy=served.default_strategy, max_new_tokens=max_tokens,
                                     return_dict_in_generate=True, **served.default_params, **entry)
         n = out.spec_stats_per_row[0].num_generated_tokens
@@ -146,6 +147,12 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    """Parse `argv` (default: `sys.argv[1:]`) and run the benchmark (:func:`run`); a bad argument exits with
+    status 2 (argparse).
+
+    Returns:
+        `list[dict]`: :func:`run`'s rows, one per runtime and setting.
+    """
     parser = argparse.ArgumentParser(prog="python -m hf_dllm_spec.tools.serving_bench",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint (default: the bundled model)")

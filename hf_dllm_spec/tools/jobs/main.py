@@ -126,6 +126,8 @@ def specs(block_size: int, threshold: float, strategies: list[str], extra: dict,
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Add the options of `hf-dllm-spec main` to `ap`: the model and drafter, the strategy rows and their
+    parameters, the prompt sets, the budget, seed, batch size, dtype and progress bars."""
     add_model_argument(ap)
     ap.add_argument("--prompt", action="append", default=[], help="your own prompt (repeatable); skips the sets")
     ap.add_argument("--strategies", default=None,
@@ -153,6 +155,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
+    """The main job: load `--model` and the drafter (`--draft-model`, else the bundled DEER drafter for a DEER row
+    on an AR model), run one untimed warm-up call per strategy row, then decode every prompt set with each row;
+    print up to two sample generations and a table per set (the legend after the last). `argv` is part of the
+    jobs' common signature and is not used here.
+
+    Raises:
+        UsageError: a bad `--set` or `--strategies`, no prompts at all, a checkpoint that cannot be loaded, or a
+            row that needs `--draft-model` without one.
+    """
     import model_patches
 
     dtype = getattr(torch, args.dtype)
@@ -206,6 +217,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run `hf-dllm-spec main` with `argv` (default: `sys.argv[1:]`); returns None, and a bad argument exits with
+    status 2 (:func:`~hf_dllm_spec.tools.jobs.job_main`)."""
     job_main("hf-dllm-spec main", DESCRIPTION, add_arguments, run, argv)
 
 

@@ -55,6 +55,17 @@ def s2d2_presets(block_size: int) -> dict[str, dict]:
 
 
 def sweep_specs(block_sizes: list[int], thresholds: list[float]) -> list[StrategySpec]:
+    """The sweep's rows for a block-diffusion model without a family decoder of its own (e.g. SDAR): AR, then per
+    block size static decoding (one token per step), dynamic decoding at each threshold, and S2D2 with each routing
+    preset of :func:`s2d2_presets` (fallback dynamic 0.9).
+
+    Args:
+        block_sizes (`list[int]`): the block sizes, in tokens.
+        thresholds (`list[float]`): the confidence thresholds of the dynamic rows.
+
+    Returns:
+        `list[StrategySpec]`: AR first, then the rows of each block size in the order of `block_sizes`.
+    """
     out = [StrategySpec("AR", "ar")]
     for b in block_sizes:
         out.append(StrategySpec(f"static B={b}", "block_diffusion",
@@ -189,6 +200,8 @@ def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bund
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Add the options of `hf-dllm-spec bench` to `ap`: the model and drafters, the prompt counts, the block sizes
+    and thresholds swept, the results folder, seed, dtype and progress bars."""
     add_model_argument(ap)
     ap.add_argument("--num-arith", type=non_negative_int, default=50, help="held-out arithmetic prompts (0: none)")
     ap.add_argument("--num-humaneval", type=non_negative_int, default=10, help="HumanEval prompts (0: none)")
@@ -278,6 +291,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run `hf-dllm-spec bench` with `argv` (default: `sys.argv[1:]`); returns None, and a bad argument exits with
+    status 2 (:func:`~hf_dllm_spec.tools.jobs.job_main`)."""
     job_main("hf-dllm-spec bench", DESCRIPTION, add_arguments, run, argv)
 
 
