@@ -281,19 +281,27 @@ def test_stream_drafts_sends_the_drafts_of_generate_marked_as_such(sdar):
     assert code == 400 and "`stream_drafts` (=True) must come with stream=True" in body
 
 
-def test_a_client_that_goes_away_frees_its_row(sdar):
-    """A streamed request whose client closes the connection ends early (its row leaves the batch) and the
-    server keeps serving."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_goes_away_frees_its_row(sdar, stream):
+    """A request whose client closes the connection while it decodes ends early (its row leaves the batch) and
+    the server keeps serving; a non-streamed one too (it decoded its whole budget: the handler never looked)."""
     served, client, base, app = sdar
     history = app.state.batcher.history
     before = len(history)
     conn = http.client.HTTPConnection(base.split("//")[1], timeout=30)
-    body = {"model": served.name, "prompt": "#\n#\n#\n#\n", "max_tokens": 1500, "stream": True}
+    body = {"model": served.name, "prompt": "#\n#\n#\n#\n", "max_tokens": 1500, "stream": stream,
+            "ignore_eos": True}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200
-    assert response.readline().startswith(b"data:")
-    conn.close()                                   # the client goes away after its first chunk
+    if stream:
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data:")
+    else:
+        deadline = time.monotonic() + 30
+        while not health(base)["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert health(base)["running"] == 1
+    conn.close()                                   # the client goes away (after its first chunk, if streamed)
     deadline = time.monotonic() + 30
     while (len(history) == before or health(base)["running"]) and time.monotonic() < deadline:
         time.sleep(0.05)

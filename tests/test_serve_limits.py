@@ -94,6 +94,8 @@ def test_api_key_is_required_on_every_route_but_health(served, server):
             assert status == 401, (path, headers, text)
             assert head.get("www-authenticate") == "Bearer" and "API key" in message(text)
     assert request(server, "GET", "/health")[0] == 200
+    for path in ("/docs", "/redoc", "/openapi.json"):                # FastAPI's pages, unkeyed: off with a key
+        assert request(server, "GET", path, None, AUTH)[0] == 404, path
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0).models.list()] == \
@@ -225,7 +227,13 @@ def test_an_error_quotes_only_an_excerpt_of_a_big_input(served, server):
 # -- bad values -------------------------------------------------------------------------------------------------
 
 BAD_VALUES = [
-    pytest.param({"temperature": -0.5}, "`temperature` (=-0.5) must lie in [0, inf]", id="temperature-negative"),
+    pytest.param({"temperature": -0.5}, "`temperature` (=-0.5) must lie in [0, 3.4e+38]", id="temperature-negative"),
+    # beyond float32: -inf / inf is NaN, which failed the whole batch with a 500
+    pytest.param({"temperature": 1e308}, "`temperature` (=1e+308) must lie in [0, 3.4e+38]", id="temperature-huge"),
+    # only the neutral value of an unimplemented field passes (0 and 1 were taken as neutral for every field)
+    pytest.param({"frequency_penalty": 1}, "`frequency_penalty` (=1) must be left unset", id="penalty-1"),
+    pytest.param({"echo": 1}, "`echo` (=1) must be left unset", id="echo-1"),
+    pytest.param({"best_of": 0}, "`best_of` (=0) must be left unset", id="best-of-0"),
     pytest.param({"temperature": "hot"}, "`temperature` (='hot') must be a number", id="temperature-string"),
     pytest.param({"top_p": 2}, "`top_p` (=2) must lie in (0, 1]", id="top-p-2"),
     pytest.param({"top_p": 0}, "`top_p` (=0) must lie in (0, 1]", id="top-p-0"),
@@ -271,6 +279,22 @@ def test_chat_logprobs_are_refused_for_every_value_but_false(served, server):
     assert post(server, {**base, "logprobs": False}, path="/v1/chat/completions")[0] == 200
     status, text = post(server, {**base, "messages": [{"role": "user", "content": 5}]}, path="/v1/chat/completions")
     assert status == 400 and "`messages`" in message(text)
+    parts = [{"role": "user", "content": [{"type": "text", "text": 5}]}]          # was a 500 (a TypeError)
+    status, text = post(server, {**base, "messages": parts}, path="/v1/chat/completions")
+    assert status == 400 and "`messages`" in message(text)
+
+
+def test_neutral_values_are_served_and_a_tiny_temperature_is_greedy(served, server):
+    """The neutral value of an unimplemented field (penalties 0.0, a text `response_format`) is served; a
+    `temperature` below 1e-5 decodes greedily (vLLM's rule; 1e-300 overflowed the logits and failed with a 500)."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    greedy = client.chat.completions.create(model=served.name, messages=messages, max_tokens=6)
+    for temperature in (1e-300, 1e-9):
+        r = client.chat.completions.create(model=served.name, messages=messages, max_tokens=6, temperature=temperature,
+                                           frequency_penalty=0.0, presence_penalty=0.0,
+                                           response_format={"type": "text"})
+        assert r.choices[0].message.content == greedy.choices[0].message.content
 
 
 # -- vLLM's extensions --------------------------------------------------------------------------------------------
@@ -504,3 +528,85 @@ def test_requests_waiting_at_close_and_submitted_after_it_get_503(served):
     assert streamed == events[-1][1].tokens == reference(served, PROMPT, 48, eos_token_id=None)
     for kind, payload in (waiting, late):
         assert kind == "error" and payload[0] == 503 and "shutting down" in payload[1]
+
+
+# -- the queue's order ------------------------------------------------------------------------------------------
+
+def _parsed(served, body: dict):
+    from hf_dllm_spec.serving.protocol import parse_request
+
+    return parse_request(body, chat=False, tokenizer=served.tokenizer, served_name=served.name,
+                         default_strategy=served.default_strategy, default_params=served.default_params,
+                         generation_config=served.model.generation_config,
+                         default_max_tokens=served.default_max_tokens)
+
+
+async def _outcome(job, timeout: float = 120):
+    """The job's tokens and its last event ("done" with the `Result`, or "error" with `(status, message)`)."""
+    tokens = []
+    while True:
+        kind, payload = await asyncio.wait_for(job.events.get(), timeout)
+        if kind != "tokens":
+            return tokens, (kind, payload)
+        tokens += payload
+
+
+def test_a_refused_request_does_not_split_the_good_ones_of_its_batch(served):
+    """A batch the library refuses (one request's budget beyond the context) is not re-run one request at a time:
+    the bad request gets its 400 and the good ones of the same options still decode as one batch, each with the
+    tokens of its own `generate` call (they decoded one after another, batch size 1)."""
+    from hf_dllm_spec.serving.batcher import Batcher, Job
+
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(served.model)
+        try:
+            holder = Job(_parsed(served, {"prompt": PROMPT, "max_tokens": 48, "temperature": 0.5, "seed": 1}), loop)
+            batcher.submit(holder)                            # other options: the queued batch waits for it
+            await asyncio.wait_for(holder.events.get(), 60)
+            bad = Job(_parsed(served, {"prompt": PROMPT, "max_tokens": 5000}), loop)
+            good = [Job(_parsed(served, {"prompt": p, "max_tokens": 6}), loop) for p in prompts]
+            for job in (bad, *good):
+                batcher.submit(job)
+            outcomes = [await _outcome(job) for job in (bad, *good)]
+            await _outcome(holder)
+            return outcomes, {row["id"]: row for row in batcher.history}, [job.id for job in good]
+        finally:
+            await asyncio.to_thread(batcher.close, 60)
+
+    outcomes, history, ids = asyncio.run(scenario())
+    (_, (kind, (status, text))), *good = outcomes
+    assert kind == "error" and status == 400 and "max_tokens" in text
+    assert [history[i]["batch_size"] for i in ids] == [len(ids)] * len(ids)
+    for prompt, (tokens, (kind, result)) in zip(prompts, good):
+        assert kind == "done" and tokens == result.tokens == reference(served, prompt, 6)
+
+
+def test_a_waiting_request_that_does_not_fit_is_not_passed_over_by_younger_ones(served):
+    """With `max_step_tokens`, the oldest waiting request (a long prompt that does not fit beside the running rows)
+    is not passed over by younger requests of the same options that would fit: the running call takes no more rows
+    and drains, then the oldest runs (before, the younger ones kept joining it and the oldest waited)."""
+    from hf_dllm_spec.serving.batcher import Batcher, Job
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(served.model, max_step_tokens=200)
+        try:
+            running = Job(_parsed(served, {"prompt": PROMPT, "max_tokens": 160, "ignore_eos": True}), loop)
+            batcher.submit(running)
+            await asyncio.wait_for(running.events.get(), 60)
+            oldest = Job(_parsed(served, {"prompt": [5] * 150, "max_tokens": 4, "ignore_eos": True}), loop)
+            younger = [Job(_parsed(served, {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}), loop)
+                       for _ in range(3)]
+            for job in (oldest, *younger):
+                batcher.submit(job)
+            for job in (running, oldest, *younger):
+                await _outcome(job)
+            return [row["id"] for row in batcher.history], oldest.id, [job.id for job in younger]
+        finally:
+            await asyncio.to_thread(batcher.close, 60)
+
+    order, oldest, younger = asyncio.run(scenario())
+    assert all(order.index(oldest) < order.index(i) for i in younger), order

@@ -15,6 +15,7 @@ Source: continuous batching (Orca, OSDI 2022; vLLM, SOSP 2023), at the granulari
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable
@@ -104,6 +105,7 @@ class FeedAdmission(RowAdmission):
         self.tokens: list[list[int]] = [[] for _ in self.requests]    # final tokens per row (host)
         self.ended = [False] * len(self.requests)
         self.reported = [False] * len(self.requests)
+        self.since = [time.perf_counter()] * len(self.requests)      # when each row started or joined (s)
         self.stops = StopScan()
 
     # -- the strategy's side ------------------------------------------------------------------------------------
@@ -135,7 +137,8 @@ class FeedAdmission(RowAdmission):
                 request.on_error(err)
                 continue
             self.requests.append(request)
-            for values, empty in ((self.sent, 0), (self.tokens, []), (self.ended, False), (self.reported, False)):
+            for values, empty in ((self.sent, 0), (self.tokens, []), (self.ended, False), (self.reported, False),
+                                  (self.since, time.perf_counter())):
                 values.append(empty)
             joining.append(JoiningRow(torch.tensor(request.prompt_ids, dtype=torch.long), request.generator,
                                       processors))
@@ -201,7 +204,8 @@ class FeedAdmission(RowAdmission):
         self.sent[prompt_index] = len(tokens)
 
     def report(self, prompt_index: int) -> None:
-        """Give row `prompt_index`'s result once (when it leaves the batch, or when the call ends)."""
+        """Give row `prompt_index`'s result once (when it leaves the batch, or when the call ends); its statistics'
+        `wall_time_s` is the row's own time in the batch, from the call's start or its joining to now."""
         if self.reported[prompt_index]:
             return
         self.reported[prompt_index] = True
@@ -212,6 +216,7 @@ class FeedAdmission(RowAdmission):
             reason = "stop" if tokens and tokens[-1] in self.stops_of(prompt_index) else "length"
         stats = self.stats(prompt_index)
         stats.num_generated_tokens = len(tokens)
+        stats.wall_time_s = time.perf_counter() - self.since[prompt_index]
         if request.on_done is not None:
             request.on_done(list(tokens), reason, stats)
 

@@ -145,6 +145,24 @@ class TextDeltas:
         return delta
 
 
+#: Seconds between two looks for a client that went away while its (non-streamed) request waits or decodes.
+DISCONNECT_POLL_S = 0.25
+
+
+async def _next_event(job, request: Request):
+    """The job's next event, or None once the client has disconnected (its `cancelled` is set then, so its row
+    leaves the batch at the next join point). A streamed response notices by itself (its sends fail); a
+    non-streamed one only by looking (uvicorn does not cancel the handler)."""
+    while True:
+        if await request.is_disconnected():          # before every event too: they may come faster than the poll
+            job.cancelled.set()
+            return None
+        try:
+            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            pass
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -180,7 +198,9 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         batcher.close()
         parser.shutdown(wait=False)
 
-    app = FastAPI(title="hf-dllm-spec", lifespan=lifespan)
+    # FastAPI's own pages (/docs, /redoc, /openapi.json) cannot sit behind the key: off when there is one.
+    pages = {} if limits.api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="hf-dllm-spec", lifespan=lifespan, **pages)
     app.state.served, app.state.batcher, app.state.limits, app.state.metrics = served, batcher, limits, metrics
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     if tuple(limits.allowed_hosts) != ("*",):
@@ -248,10 +268,12 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         job = Job(parsed, loop)
         batcher.submit(job)
         try:
-            first = await job.events.get()        # the library refuses a request before any forward
+            first = await _next_event(job, request)   # the library refuses a request before any forward
         except BaseException:
             job.cancelled.set()
             raise
+        if first is None:
+            return Response(status_code=499)          # the client went away (nobody reads this answer)
         if first[0] == "error":
             return _error(*first[1])
         shape = _ChatShape(job, served.name) if chat else _TextShape(job, served.name)
@@ -259,11 +281,13 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
             return StreamingResponse(_stream(job, first, shape, served.tokenizer), media_type="text/event-stream")
         try:
             event, tokens = first, []
-            while event[0] == "tokens":
+            while event is not None and event[0] == "tokens":
                 tokens += event[1]
-                event = await job.events.get()
+                event = await _next_event(job, request)
         finally:
             job.cancelled.set()                   # no-op once done; frees the row if the client went away
+        if event is None:
+            return Response(status_code=499)
         if event[0] == "error":
             return _error(*event[1])
         result: Result = event[1]

@@ -302,7 +302,8 @@ class Batcher:
 
     def _take_joining(self, key: str, rows: int, width: int) -> list[Job]:
         """Waiting jobs that join a running call of options `key` now, given its `rows` and its widest prompt:
-        none while the oldest waiting job has other options (it runs next: no group is passed over); else the oldest
+        none while the oldest waiting job has other options (it runs next: no group is passed over) or does not fit
+        beside the running rows (the call drains until it does: no younger job passes it over); else the oldest
         jobs of `key` that :meth:`_fit` beside the running rows."""
         with self.cond:
             if self.closed:
@@ -312,6 +313,8 @@ class Batcher:
                 return []
             taken = self._fit([j for j in waiting if j.request.options.batch_key == key
                                and not j.request.stream_drafts], rows, width)
+            if not taken or taken[0] is not waiting[0]:     # the oldest does not fit yet: none passes it over
+                return []
             ids = {id(j) for j in taken}
             self.queue = deque(j for j in self.queue if id(j) not in ids)
             self.running += len(taken)
@@ -340,15 +343,20 @@ class Batcher:
                     self.batch_seconds.append(time.perf_counter() - started)
 
     def _run(self, jobs: list[Job]) -> None:
-        """Decode a batch; if the library refuses it (ValueError or NotImplementedError, before any forward), each
-        request alone, so only the bad one gets the error (a budget that fits one prompt may not fit the batch's
-        largest); the library's message is said in the server's terms (:func:`~.protocol.server_terms`)."""
+        """Decode a batch; if the library refuses it (ValueError or NotImplementedError, before any forward), the
+        oldest request alone, the others back at the head of the queue, where they join it at its first join point
+        (each checked as a row of its own) or start the next batch: only a bad request gets the error (a budget
+        that fits one prompt may not fit the batch's largest), and the good ones still decode together. The
+        library's message is said in the server's terms (:func:`~.protocol.server_terms`)."""
         try:
             self._decode(jobs)
         except (ValueError, NotImplementedError) as err:
             if len(jobs) > 1:
-                for job in jobs:
-                    self._run([job])
+                with self.cond:
+                    self.queue.extendleft(reversed(jobs[1:]))
+                    self.running -= len(jobs) - 1
+                    self.cond.notify_all()
+                self._run(jobs[:1])
                 return
             self._count("errors")
             jobs[0].emit("error", (400, server_terms(str(err))))

@@ -80,17 +80,23 @@ class ServerMetrics:
         self.acceptance_rate = Gauge(PREFIX + "acceptance_rate", "Accepted / drafted tokens, all finished requests.",
                                      ["strategy"], registry=registry)
 
+    def _prune(self, now: float) -> None:
+        """Drop the token events older than the window (under the lock): the buffer holds one window at most."""
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+
     def _rate(self) -> float:
         now = time.monotonic()
         with self._lock:
-            while self._recent and self._recent[0][0] < now - self.window_s:
-                self._recent.popleft()
+            self._prune(now)
             return sum(n for _, n in self._recent) / self.window_s
 
     def tokens(self, strategy: str, count: int, first: bool, waited_s: float) -> None:
         """`count` tokens of a request became final; `first`: its first ones, `waited_s` after it was queued."""
+        now = time.monotonic()
         with self._lock:
-            self._recent.append((time.monotonic(), count))
+            self._prune(now)
+            self._recent.append((now, count))
         self.generation_tokens.labels(strategy).inc(count)
         if first:
             self.ttft.labels(strategy).observe(waited_s)

@@ -8,8 +8,9 @@ them). Everything else in the body is a decoding option of this library, sent wi
 parameters (`block_size`, `confidence_threshold`, ...). They are validated by the library itself
 (:func:`hf_dllm_spec.strategies.registry.resolve_config`), so a bad option gets the library's own message as an HTTP 400.
 
-Sampling: `temperature` omitted or 0 decodes greedily (the tokens of `generate` with `do_sample=False`);
-`temperature > 0` samples, with `top_p` / `top_k`; `seed` makes a sampled request reproducible.
+Sampling: `temperature` omitted, 0 or below 1e-5 (vLLM's rule: float32 logits divided by less can overflow) decodes
+greedily (the tokens of `generate` with `do_sample=False`); a larger one samples, with `top_p` / `top_k`; `seed`
+makes a sampled request reproducible. A `temperature` beyond float32's range (3.4e38) gets a 400.
 
 vLLM's extensions: `ignore_eos=true` decodes to the budget (`generate(eos_token_id=None)`); `min_tokens` (vLLM:
 no stop token before that many tokens) is accepted when it is 0 or the request ignores eos: no strategy of the
@@ -86,9 +87,20 @@ SUPPORTED_FIELDS = frozenset({"model", "prompt", "messages", "max_tokens", "max_
                               "top_p", "stream", "stream_options", "n", "seed", "user", "stop"})
 #: Library options that are not strategy parameters.
 EXTRA_OPTIONS = frozenset({"decoding_strategy", "top_k", "stream_drafts", "ignore_eos", "min_tokens"})
-_NEUTRAL = (None, False, 0, 1, "", [], {})
+#: Neutral values of any unimplemented field (besides null), compared with their type.
+_NEUTRAL = (False, "", [], {})
+#: Numeric fields and their one neutral number (0 and 0.0 alike; never a bool).
+_NUMERIC_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "top_logprobs": 0}
+#: Further neutral values of some fields (what they do by default).
+_MORE_NEUTRAL = {"response_format": ({"type": "text"},), "tool_choice": ("none",)}
 #: Fields whose only neutral values are null and false (`logprobs=0` asks for the chosen token's logprob).
 _NULL_ONLY = frozenset({"logprobs"})
+#: Below this `temperature` a request decodes greedily (vLLM's rule): dividing float32 logits by a smaller one can
+#: overflow (inf / NaN probabilities).
+GREEDY_TEMPERATURE = 1e-5
+#: The largest `temperature` (float32's largest finite value): a larger one is infinite in float32, and a masked
+#: logit (-inf) divided by it is NaN.
+MAX_TEMPERATURE = 3.4e38
 #: Largest seed a request's `torch.Generator` takes (`manual_seed` accepts unsigned 64-bit values).
 MAX_SEED = 2 ** 64 - 1
 
@@ -101,7 +113,7 @@ class DecodingOptions:
     Attributes:
         decoding_strategy (`str`): a registered strategy name.
         params (`dict`): its parameters as given (validated), passed to `generate` as keywords.
-        do_sample (`bool`): sample (`temperature > 0`) or greedy.
+        do_sample (`bool`): sample (`temperature >= GREEDY_TEMPERATURE`, 1e-5) or greedy.
         temperature, top_p, top_k: the sampling warpers (None: the model's generation config).
         seed (`int`, *optional*): seed of the request's own `torch.Generator` (sampling only; a random seed when
             absent): its row draws only from it, so its tokens do not depend on the other rows of its batch.
@@ -166,12 +178,24 @@ def check_fields(body: dict, chat: bool) -> None:
     text_fields, chat_fields = _known_fields()
     for name in sorted((chat_fields if chat else text_fields) - SUPPORTED_FIELDS):
         value = body.get(name)
-        neutral = (None, False) if name in _NULL_ONLY else _NEUTRAL
-        if name in body and not any(value is v or (type(value) is type(v) and value == v) for v in neutral):
+        if name in body and not _neutral(name, value):
             why = ("per-token log-probabilities are not defined when a diffusion decoder commits tokens out of "
                    "order" if "logprobs" in name else "the diffusion server does not implement it")
             raise RequestError(str(invalid(name, excerpt(value), f"be left unset: {why}", f"drop `{name}`")),
                                param=name)
+
+
+def _neutral(name: str, value: Any) -> bool:
+    """Whether an unimplemented OpenAI field's `value` asks for nothing: null; the field's neutral number
+    (:data:`_NUMERIC_NEUTRAL`, int or float); false for `logprobs`; else false, "", [], {} or the field's default
+    (:data:`_MORE_NEUTRAL`), of the same type."""
+    if value is None:
+        return True
+    if name in _NUMERIC_NEUTRAL:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == _NUMERIC_NEUTRAL[name]
+    if name in _NULL_ONLY:
+        return value is False
+    return any(type(value) is type(v) and value == v for v in (*_NEUTRAL, *_MORE_NEUTRAL.get(name, ())))
 
 
 def _check_number(name: str, value: Any, **bounds) -> None:
@@ -223,7 +247,7 @@ def decoding_options(body: dict, *, default_strategy: str, default_params: dict,
                                        "that drafts with the target itself")), param="decoding_strategy")
     temperature, top_p, top_k, seed = (body.get(k) for k in ("temperature", "top_p", "top_k", "seed"))
     if temperature is not None:
-        _check_number("temperature", temperature, low=0.0)
+        _check_number("temperature", temperature, low=0.0, high=MAX_TEMPERATURE)
     if top_p is not None:
         _check_number("top_p", top_p, low=0.0, low_open=True, high=1.0)
     if top_k is not None:
@@ -234,7 +258,7 @@ def decoding_options(body: dict, *, default_strategy: str, default_params: dict,
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise RequestError(str(invalid("ignore_eos", excerpt(ignore_eos), "be a bool", "pass true or false")),
                            param="ignore_eos")
-    do_sample = temperature is not None and temperature > 0
+    do_sample = temperature is not None and temperature >= GREEDY_TEMPERATURE
     return DecodingOptions(strategy, params, do_sample, float(temperature) if do_sample else None,
                            top_p if do_sample else None, top_k if do_sample else None, seed, bool(ignore_eos))
 
@@ -341,7 +365,8 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
     for m in messages:
         content = m.get("content") or ""
         if isinstance(content, list):
-            content = " ".join(part.get("text") or "" for part in content if isinstance(part, dict))
+            texts = [part.get("text") or "" for part in content if isinstance(part, dict)]
+            content = " ".join(texts) if all(isinstance(t, str) for t in texts) else None
         if not isinstance(content, str) or not isinstance(m["role"], str):
             raise RequestError(str(invalid("messages", excerpt(m), "hold a string `role` and a string (or list of "
                                            "text parts) `content`", "pass {'role': 'user', 'content': '...'}")),
