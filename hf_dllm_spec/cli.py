@@ -120,6 +120,8 @@ def strategy_parameters() -> dict[str, dict[str, Any]]:
         config = strategy.config_class
         hints = typing.get_type_hints(config)
         for f in dataclasses.fields(config):
+            if f.name in config.unused_fields:
+                continue
             entry = out.setdefault(f.name, {"annotation": hints[f.name], "owner": _owner(config, f.name),
                                             "strategies": [], "defaults": [], "config": config})
             entry["strategies"].append(strategy_name)

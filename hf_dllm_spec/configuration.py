@@ -36,6 +36,8 @@ class DecodingConfig:
 
     decoding_strategy: ClassVar[str] = ""
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: Inherited fields this strategy does not read: any value but None is refused (never silently ignored).
+    unused_fields: ClassVar[tuple[str, ...]] = ()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "DecodingConfig":
         # Remember which parameters the caller set, so a config object overrides exactly those (merge_parameters).
@@ -48,7 +50,12 @@ class DecodingConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise `ValueError` naming the first bad parameter, its value, the rule and the fix."""
+        """Raise `ValueError` naming the first bad parameter, its value, the rule and the fix (here: a value for
+        one of :attr:`unused_fields`)."""
+        for name in self.unused_fields:
+            if getattr(self, name) is not None:
+                raise invalid(name, getattr(self, name), f"be unset for decoding_strategy="
+                              f"{self.decoding_strategy!r}, which does not read it", f"drop `{name}`")
 
     def stochastic_acceptance(self) -> tuple[str, str] | None:
         """`(parameter, value)` when this config asks for a random acceptance rule (rejection sampling of the
@@ -107,8 +114,14 @@ class DecodingConfig:
         return cls.from_kwargs(**data)
 
     def save_to_generation_config(self, generation_config: GenerationConfig) -> GenerationConfig:
-        """Store this config under ``generation_config.dllm_decoding``; `save_pretrained` then writes it."""
+        """Store this config under ``generation_config.dllm_decoding``; `save_pretrained` then writes it.
+
+        The generation config is marked as not derived from the model config (`_from_model_config = False`, as
+        transformers does when a generation config is edited): transformers drops every key it does not know
+        (this one) when it loads a `generation_config.json` marked as derived, which a model's default config is.
+        """
         setattr(generation_config, GENERATION_CONFIG_KEY, self.to_dict())
+        generation_config._from_model_config = False
         return generation_config
 
     @classmethod

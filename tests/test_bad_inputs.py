@@ -164,6 +164,7 @@ CASES: list[tuple[str, dict, str, type]] = [
     # set by transformers on the assistant of its assisted decoding; its criterion read scores the loop has not
     ("is-assistant", dict(decoding_strategy="s2d2", is_assistant=True), "is_assistant", ValueError),
     # transformers' chunked prefill: each strategy prefills in one forward, so the chunk size was ignored
+    ("deer-draft-block-size", dict(decoding_strategy="deer", draft_block_size=3), "draft_block_size", ValueError),
     ("prefill-chunk-size", dict(decoding_strategy="s2d2", prefill_chunk_size=2), "prefill_chunk_size", ValueError),
     ("prefill-chunk-size-ar", dict(decoding_strategy="ar", prefill_chunk_size=2), "prefill_chunk_size", ValueError),
     ("streamer-list", dict(decoding_strategy="s2d2", streamer=[None]), "streamer", ValueError),   # no put / end

@@ -72,6 +72,22 @@ def test_a_malformed_value_is_a_usage_error(capsys):
     assert code == 2 and "invalid int" in err and "--block-size" in err
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (["--device", "foo"], "argument --device: must be a torch device"),
+    (["--device-map", '{"": "foo"}'], "argument --device-map: must be a torch device"),
+    (["--strategy", "deer", "--draft-model", "models/deer-drafter-tiny", "--draft-device", "foo"],
+     "argument --draft-device: must be a torch device"),
+    (["--device", "cuda:0"], "argument --device: names a CUDA device"),
+])
+def test_a_device_torch_cannot_use_is_a_usage_error_before_loading(capsys, argv, expected):
+    """Devices are checked before anything loads (they failed inside `.to()` / `from_pretrained`: exit 1 and a
+    traceback)."""
+    if "cuda" in argv[-1] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, out, err = run_cli(capsys, "generate", "--prompt", "x", *argv)
+    assert code == 2 and expected in err and out == "", err
+
+
 @pytest.mark.parametrize("argv,strategy,overrides,preset", [
     (["--confidence-threshold", "1.5"], "s2d2", {"confidence_threshold": 1.5}, None),
     (["--strategy", "ar", "--min-ssd-span-length", "2"], "ar", {"min_ssd_span_length": 2}, None),

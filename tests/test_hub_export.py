@@ -176,6 +176,17 @@ def test_export_refuses_families_without_own_classes(qwen_model, tmp_path):
         hf_dllm_spec.export_checkpoint(tmp_path / "missing", tmp_path / "out")
 
 
+
+def test_export_refuses_an_output_inside_the_source_or_a_file(tiny_export, tmp_path):
+    """An OUTPUT_DIR inside SOURCE copied a partial export into itself; a file there failed with an OSError."""
+    with pytest.raises(ValueError, match=r"`output_dir` \(=.*\) must not lie inside the source directory"):
+        hf_dllm_spec.export_checkpoint(tiny_export, tiny_export / "out")
+    assert not (tiny_export / "out").exists()
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match=r"`output_dir` \(=.*\) must be a directory \(a file is there\)"):
+        hf_dllm_spec.export_checkpoint(tiny_export, tmp_path / "a-file")
+
+
 TASK = """\
 task: sdar_tiny_arith
 dataset_path: json

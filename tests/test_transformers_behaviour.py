@@ -110,6 +110,26 @@ def test_no_strategy_uses_the_stored_strategy_and_parameters(sdar_model):
         sdar_model.generation_config = saved
 
 
+def test_stored_strategy_survives_save_pretrained(sdar_model, tmp_path):
+    """Defaults stored on a model's own generation config (derived from its model config, so marked
+    `_from_model_config`) are written by `save_pretrained` and read back by `from_pretrained` (transformers dropped
+    the key on load: the reloaded model ran its native strategy)."""
+    import copy
+
+    saved = sdar_model.generation_config
+    try:
+        sdar_model.generation_config = S2D2Config(confidence_threshold=0.6, min_ssd_span_length=1) \
+            .save_to_generation_config(copy.deepcopy(saved))
+        sdar_model.save_pretrained(tmp_path)
+    finally:
+        sdar_model.generation_config = saved
+    reloaded = SDARForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.default_decoding_strategy() == "s2d2"
+    explicit = sdar_model.generate(PROMPT, decoding_strategy="s2d2", confidence_threshold=0.6, min_ssd_span_length=1,
+                                   max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(reloaded.generate(PROMPT, max_new_tokens=12, eos_token_id=None), explicit)
+
+
 def test_plain_ar_models_keep_stock_generate():
     """A transformers Qwen model is untouched; `custom_generate` without a strategy is transformers' own call."""
     qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()

@@ -119,7 +119,8 @@ def export_checkpoint(source: Any, output_dir: str | os.PathLike, *, tokenizer: 
 
     Raises:
         ValueError: for a source that is neither a model nor a checkpoint directory, a family without its own
-            classes (plain Qwen3 needs no remote code), or a non-empty `output_dir` without `overwrite=True`.
+            classes (plain Qwen3 needs no remote code), a non-empty `output_dir` without `overwrite=True`, an
+            `output_dir` inside a source directory (other than the source itself) or one that is a file.
     """
     output = pathlib.Path(output_dir)
     is_model = hasattr(source, "save_pretrained") and hasattr(source, "config")
@@ -128,8 +129,14 @@ def export_checkpoint(source: Any, output_dir: str | os.PathLike, *, tokenizer: 
             raise invalid("source", source, "be a loaded model or a checkpoint directory with a config.json",
                           "pass the model object, or the directory that save_pretrained wrote")
         in_place = output.resolve() == pathlib.Path(source).resolve()
+        if not in_place and pathlib.Path(source).resolve() in output.resolve().parents:
+            raise invalid("output_dir", str(output), "not lie inside the source directory (the copy of the source "
+                          "would copy itself)", "pass a directory outside the source, or the source itself to "
+                          "export in place")
     else:
         in_place = False
+    if output.exists() and not output.is_dir():
+        raise invalid("output_dir", str(output), "be a directory (a file is there)", "pass another path")
     if not in_place and output.is_dir() and any(output.iterdir()) and not overwrite:
         raise invalid("output_dir", str(output), "be empty or new", "pass overwrite=True or another directory")
 

@@ -86,15 +86,22 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
     runtime requires.
 
     Raises:
-        ValueError: no strategy can be chosen (a plain causal LM: pass `strategy`), or a bad strategy parameter.
+        ValueError: no strategy can be chosen (a plain causal LM: pass `strategy`), a bad strategy parameter, or
+            a default strategy that drafts with a separate model and no `draft_model`.
     """
-    from ..strategies.registry import resolve_config
+    from ..strategies.registry import get_strategy, resolve_config
     from .loading import load_models
+
+    def check_drafter(name: str, has_drafter: bool) -> None:
+        if get_strategy(name).uses_drafter and not has_drafter:
+            raise invalid("strategy", name, "have a drafter to serve as the default strategy: it drafts with a "
+                          "separate model", "pass --draft-model PATH (draft_model=...), or another --strategy")
 
     loading = loading if loading is not None else LoadOptions(dtype=dtype, device=device)
     loading.check()
     if strategy is not None:             # a bad option fails before anything is loaded
         resolve_config(strategy, overrides=params or {})
+        check_drafter(strategy, draft_model is not None)
     tokenizer, model, drafter = load_models(path, draft_model, loading)
     if cache_implementation is not None:
         model.generation_config.cache_implementation = cache_implementation
@@ -104,6 +111,7 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
         raise invalid("strategy", None, f"be given for model_type `{model.config.model_type}`, which stores no "
                       "decoding strategy", "pass --strategy ar (or a strategy with --draft-model)")
     resolve_config(default, generation_config=model.generation_config, overrides=params or {})
+    check_drafter(default, drafter is not None)
     ensure_chat_template(tokenizer)
     return ServedModel(name or pathlib.Path(path).name, model, tokenizer, default, drafter, dict(params or {}),
                        **options)

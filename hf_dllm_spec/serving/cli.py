@@ -148,6 +148,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
                              ("--limit-concurrency", args.limit_concurrency, 1)):
         if value is not None and value < low and parser is not None:
             parser.error(f"{name} must be >= {low} (got {value})")
+    if not 0 <= args.port <= 65535 and parser is not None:
+        parser.error(f"--port must be in [0, 65535] (got {args.port})")
     if args.max_concurrent_batches > 1 and args.cache_implementation == "static" and parser is not None:
         parser.error("--max-concurrent-batches must be 1 with --cache-implementation static (the static runtime "
                      "keeps its buffers on the model)")

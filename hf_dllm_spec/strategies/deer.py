@@ -68,14 +68,18 @@ class DeerConfig(DrafterConfig):
             causal prefix, full attention inside the drafted block: block-diffusion drafters and the D2A
             recipe) or "full" (bidirectional over everything, recomputed each cycle: Open-dCoder-style).
         sep_token_id (`int`, *optional*): a SEP token appended to the drafted block (DEER Stage I); none by
-            default. sep_position (`str`, defaults to "after_masks"): "after_masks" or "before_masks".
-        draft_block_size: inherited; unused by DEER (k is `block_size`, whatever the drafter's trained size).
+            default.
+        sep_position (`str`, defaults to "after_masks"): where the SEP token goes, "after_masks" or
+            "before_masks".
+        draft_block_size: inherited and refused (:attr:`unused_fields`): k is `block_size`, whatever the drafter's
+            trained size.
 
     Raises:
         ValueError: for an out-of-range or unknown value, naming the parameter.
     """
 
     decoding_strategy: ClassVar[str] = "deer"
+    unused_fields: ClassVar[tuple[str, ...]] = ("draft_block_size",)
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         # DEER App. B.2 sweeps k in {4, 8, 16, 32}; the main tables use 32.
         "deer-k4": {"block_size": 4},

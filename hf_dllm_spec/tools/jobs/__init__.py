@@ -17,7 +17,8 @@ from ...cli_args import UsageError, did_you_mean
 from .evaluation import DEFAULT_MODEL
 
 
-def add_model_argument(parser: argparse.ArgumentParser, help: str = "checkpoint directory (SDAR layout)") -> None:
+def add_model_argument(parser: argparse.ArgumentParser,
+                       help: str = "checkpoint directory or Hub id (any supported family)") -> None:
     """`--model PATH`, defaulting to the bundled model of the source checkout."""
     parser.add_argument("--model", default=str(DEFAULT_MODEL), metavar="PATH",
                         help=f"{help}; default: the bundled model models/sdar-tiny-arith")
