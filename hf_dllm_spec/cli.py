@@ -207,7 +207,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0, help="seed of the torch.Generator passed to generate (default 0)")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help="seed of the torch.Generator passed to generate, in [0, 2**64) (default 0)")
     add_loading_arguments(p)               # --dtype, --device, --device-map, --quantization, --draft-device
     p.add_argument("--cache-implementation", default=None, choices=CACHE_IMPLEMENTATIONS,
                    help="transformers' name: `static` runs the static runtime (preallocated cache; CUDA graphs on a "
@@ -441,13 +442,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _flag_of(message: str) -> str | None:
-    """The option a library message is about: its leading "`name` (=...)" when `name` is a strategy parameter or
-    `preset`."""
+def _flag_of(message: str, parser: argparse.ArgumentParser) -> str | None:
+    """The option a library message is about: its leading "`name` (=...)" when `name` is a strategy parameter,
+    `preset`, or a `generate` argument the subcommand has as `--name-with-dashes` (`max_new_tokens`,
+    `draft_model`, `do_sample`, ...)."""
     m = re.match(r"`(\w+)` \(=", message)
-    if m and (m.group(1) in strategy_parameters() or m.group(1) == "preset"):
-        return "--" + m.group(1).replace("_", "-")
+    if m is None:
+        return None
+    flag = "--" + m.group(1).replace("_", "-")
+    if m.group(1) in strategy_parameters() or m.group(1) == "preset" or flag in parser._option_string_actions:
+        return flag
     return None
+
+
+#: A library message's Python fixes and the option of the subcommand that says the same (used when it has it).
+_CLI_TERMS = (("draft_model=<", "--draft-model <", "--draft-model"), ("draft_model=", "--draft-model", "--draft-model"),
+              ("max_new_tokens", "--max-new-tokens", "--max-new-tokens"),
+              ("do_sample=False", "no --do-sample", "--do-sample"), ("do_sample=True", "--do-sample", "--do-sample"))
+
+
+def _cli_terms(message: str, parser: argparse.ArgumentParser) -> str:
+    """A library message with its Python fixes said in the subcommand's options (`max_new_tokens` ->
+    `--max-new-tokens`, `draft_model=` -> `--draft-model`, ...), for the options the subcommand has."""
+    for python, cli, option in _CLI_TERMS:
+        if option in parser._option_string_actions:
+            message = message.replace(python, cli)
+    return message
+
+
+def _seed(text: str) -> int:
+    """`--seed`: an integer `torch.Generator.manual_seed` takes, in [0, 2**64)."""
+    value = int(text)
+    if not 0 <= value < 2 ** 64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64) (a torch.Generator seed), got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -466,7 +494,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if debug:
             raise
         message = suggest(str(err).strip())
-        flag = None if isinstance(err, UsageError) else _flag_of(message)
+        flag = None if isinstance(err, UsageError) else _flag_of(message, args.parser)
+        message = _cli_terms(message, args.parser)
         if flag is not None:
             message = f"argument {flag}: {message}"
         args.parser.exit(2, f"{args.parser.prog}: error: {message}\n(run with --debug for the traceback)\n")

@@ -73,9 +73,27 @@ def test_a_malformed_value_is_a_usage_error(capsys):
 
 
 @pytest.mark.parametrize("argv,expected", [
+    (["--seed", str(2 ** 70)], "argument --seed: must be in [0, 2**64)"),             # was an OverflowError
+    (["--max-new-tokens", "5000"], "lower --max-new-tokens."),                 # the library says max_new_tokens
+    (["--strategy", "deer"], "the diffusion model as --draft-model."),         # ... as draft_model=
+    (["--strategy", "deer", "--model", str(DEFAULT_MODEL.parent / "qwen2-tiny-ar")],
+     "argument --draft-model: `draft_model` (=None) must be given for decoding_strategy='deer'; pass --draft-model <"),
+])
+def test_errors_name_the_subcommands_options(capsys, argv, expected):
+    code, out, err = run_cli(capsys, "generate", "--prompt", "x", *argv)
+    assert code == 2 and expected in err and out == "", err
+
+
+def test_main_refuses_a_bad_threshold_before_loading(capsys):
+    """It named `--confidence-threshold`, an option of `generate`, after the model had loaded."""
+    code, out, err = run_cli(capsys, "main", "--num-arith", "1", "--num-humaneval", "0", "--threshold", "2")
+    assert code == 2 and out == "" and "argument --threshold: `confidence_threshold` (=2.0)" in err
+
+
+@pytest.mark.parametrize("argv,expected", [
     (["--device", "foo"], "argument --device: must be a torch device"),
     (["--device-map", '{"": "foo"}'], "argument --device-map: must be a torch device"),
-    (["--strategy", "deer", "--draft-model", "models/deer-drafter-tiny", "--draft-device", "foo"],
+    (["--strategy", "deer", "--draft-model", str(DEFAULT_MODEL.parent / "deer-drafter-tiny"), "--draft-device", "foo"],
      "argument --draft-device: must be a torch device"),
     (["--device", "cuda:0"], "argument --device: names a CUDA device"),
 ])

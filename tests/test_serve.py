@@ -384,9 +384,9 @@ def test_serve_command_refuses_a_bad_option_before_serving(capsys):
     assert exit_info.value.code == 2 and "`block_size` (=0) must be an integer >= 1" in capsys.readouterr().err
     # a default strategy that can never run (no drafter), a port out of range, a device torch cannot use: usage
     # errors before anything loads (the first served 400s to every default request, the others were tracebacks)
-    for argv, expected in ((["models/qwen2-tiny-ar", "--strategy", "deer"], "pass --draft-model PATH"),
-                           (["models/sdar-tiny-arith", "--port", "70000"], "--port must be in [0, 65535]"),
-                           (["models/sdar-tiny-arith", "--device", "foo"], "argument --device: must be a torch")):
+    for argv, expected in (([str(MODELS / "qwen2-tiny-ar"), "--strategy", "deer"], "pass --draft-model PATH"),
+                           ([str(MODELS / "sdar-tiny-arith"), "--port", "70000"], "--port must be in [0, 65535]"),
+                           ([str(MODELS / "sdar-tiny-arith"), "--device", "foo"], "argument --device: must be a")):
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", *argv])
         assert exit_info.value.code == 2 and expected in capsys.readouterr().err, argv

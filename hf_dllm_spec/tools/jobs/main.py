@@ -26,6 +26,7 @@ import ast
 import torch
 
 from ...cli_args import UsageError, add_dtype_argument, did_you_mean, non_negative_int, positive_int, suggest
+from ...validation import check_range
 from .evaluation import Prompt, StrategySpec, arithmetic_prompts, humaneval_prompts, run as run_spec, table
 from . import DEFAULT_MODEL, add_model_argument, job_main, load_checkpoint
 
@@ -170,6 +171,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     extra = parse_set(args.set)                   # bad --set values fail before anything loads
     if args.strategies:
         check_strategy_names(args.strategies.split(","))
+    try:                                          # every row's confidence threshold, before anything loads
+        check_range("confidence_threshold", args.threshold, low=0.0, low_open=True, high=1.0, fix="pass e.g. 0.9")
+    except ValueError as err:
+        raise UsageError("--threshold", str(err)) from None
     if not args.prompt and args.num_arith == 0 and args.num_humaneval == 0:
         raise UsageError("--num-arith", "--num-arith 0 and --num-humaneval 0 leave no prompts; pass a count > 0 "
                                         "or --prompt TEXT")
