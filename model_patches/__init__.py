@@ -12,7 +12,7 @@ from .causal_lm import CausalLMPatch
 from .llada2 import LLaDA2MoeConfig, LLaDA2MoeModel, LLaDA2MoeModelLM, LLaDA2Patch
 from .fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM, Fast_dLLM_QwenModel, FastDLLMV2Patch
 from .qwen import QwenPatch
-from .sdar import SDARConfig, SDARForCausalLM, SDARPatch
+from .sdar import SDARConfig, SDARForCausalLM, SDARModel, SDARPatch
 
 PATCHES: tuple[FamilyPatch, ...] = (SDARPatch(), FastDLLMV2Patch(), LLaDA2Patch(), QwenPatch())
 #: Serves any other decoder-only transformers causal LM (autoregressive): `ar` and DEER targets.
@@ -57,5 +57,5 @@ def get_patch(model) -> FamilyPatch:
 
 
 __all__ = ["ALIGNMENTS", "CAUSAL_LM_PATCH", "CausalLMPatch", "FamilyPatch", "FastDLLMV2Patch", "Fast_dLLM_QwenConfig", "Fast_dLLM_QwenForCausalLM",
-           "Fast_dLLM_QwenModel", "LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM", "LLaDA2Patch", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARPatch",
+           "Fast_dLLM_QwenModel", "LLaDA2MoeConfig", "LLaDA2MoeModel", "LLaDA2MoeModelLM", "LLaDA2Patch", "PATCHES", "QwenPatch", "SDARConfig", "SDARForCausalLM", "SDARModel", "SDARPatch",
            "get_patch", "register_auto_classes"]

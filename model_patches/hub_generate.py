@@ -50,13 +50,15 @@ class MaskTokenFromFilesMixin:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, then `config.mask_token_id` from the tokenizer files if unset."""
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        """`PreTrainedModel.from_pretrained`, then `config.mask_token_id` from the tokenizer files if unset
+        (also under `output_loading_info=True`, which returns `(model, loading_info)`)."""
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
         if getattr(model.config, "mask_token_id", None) is None:
             hub_kwargs = {k: kwargs[k] for k in HUB_FILE_KWARGS if k in kwargs}
             model.config.mask_token_id = mask_token_from_files(pretrained_model_name_or_path, cls.hub_mask_token,
                                                                **hub_kwargs)
-        return model
+        return loaded
 
 
 def rename_hub_keywords(kwargs: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SD
 
 from __future__ import annotations
 
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from .base import FamilyPatch
 from .generation import DllmGenerationMixin
@@ -50,6 +50,13 @@ class SDARConfig(ShimsConfigMixin, Qwen3Config):
         if kwargs.get("attn_implementation") == "flex_attention":
             self.hub_attn_implementation = kwargs.pop("attn_implementation")
         super().__init__(**kwargs)
+
+
+class SDARModel(Qwen3Model):
+    """The SDAR decoder stack (the Hub `auto_map`'s `AutoModel`, `modeling_sdar.SDARModel`): transformers' Qwen3
+    model, with the Hub's parameter names (`embed_tokens`, `layers.*`, `norm`)."""
+
+    config_class = SDARConfig
 
 
 class SDARForCausalLM(DllmGenerationMixin, Qwen3ForCausalLM):
@@ -81,3 +88,4 @@ class SDARPatch(FamilyPatch):
     #: per block and grows by the tokens each step commits). Same as the base default, stated for the record.
     ucb_progress_counts_prompt_tail = False
     auto_classes = ((SDARConfig, SDARForCausalLM),)
+    base_model_classes = ((SDARConfig, SDARModel),)

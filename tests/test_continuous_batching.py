@@ -165,12 +165,50 @@ def test_a_bad_joining_request_is_refused_alone():
     assert results[2][0] == _alone("block_diffusion", 2)
 
 
+def test_the_returned_rows_are_the_rows_on_done_got():
+    """The call's sequences hold each starting row as its request ended it (its own budget, here 10 and 6 under a
+    call budget of 8; they were cut by the call's budget and stop ids), and the statistics a callback got do not
+    change afterwards."""
+    results: dict = {}
+    feed = ScriptedFeed(_requests([0, 1], results), {})
+    width = len(PROMPTS[0])
+    ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
+    out = _call("block_diffusion", ids, (ids != PAD).long(), 8, row_feed=feed, return_dict_in_generate=True)
+    for n in (0, 1):
+        tokens, _, stats = results[n]
+        assert len(tokens) == BUDGETS[n] and stats.num_generated_tokens == len(tokens)
+        row = out.sequences[n, width:].tolist()
+        assert row[: len(tokens)] == tokens and set(row[len(tokens):]) <= {PAD}
+        assert out.spec_stats_per_row[n].num_generated_tokens == len(tokens)
+
+
+def test_joining_requests_of_a_wrong_form_are_refused_alone():
+    """In a sampling call, a joining request without its own generator (it failed the whole call, no row reported)
+    and one whose prompt is a tensor (a RuntimeError mid-call) get their `on_error`; the other rows finish."""
+    results, errors = {}, []
+    seeds = [3, 4, 5]
+    no_generator = RowRequest(PROMPTS[3], 4, on_error=errors.append)
+    tensor_prompt = RowRequest(torch.tensor(PROMPTS[4]), 4, generator=torch.Generator().manual_seed(9),
+                               on_error=errors.append)
+    initial = _requests([0, 1], results, seeds)
+    feed = ScriptedFeed(initial, {2: [no_generator, tensor_prompt, *_requests([2], results, seeds)]})
+    width = len(PROMPTS[0])
+    ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
+    _call("block_diffusion", ids, (ids != PAD).long(), 12, row_feed=feed, do_sample=True,
+          generator=[r.generator for r in initial])
+    assert [type(e) for e in errors] == [ValueError, ValueError]
+    assert str(errors[0]).startswith("`generator` (='NoneType')") and "`prompt_ids` (='<Tensor>')" in str(errors[1])
+    assert sorted(results) == [0, 1, 2]
+
+
 def test_row_feed_misuse_is_refused_before_any_forward():
     results: dict = {}
     feed = ScriptedFeed(_requests([0], results), {})
     ids = torch.tensor([PROMPTS[0], PROMPTS[0]])
     with pytest.raises(ValueError, match="row_feed"):
         _call("block_diffusion", ids, None, 10, row_feed=feed)
+    with pytest.raises(ValueError, match=r"`max_time` \(='MaxTimeCriteria'\) must not be combined with `row_feed`"):
+        _call("block_diffusion", torch.tensor([PROMPTS[0]]), None, 10, row_feed=feed, max_time=5.0)
     with pytest.raises(ValueError, match="generator"):
         _call("block_diffusion", torch.tensor([PROMPTS[0]]), None, 10, row_feed=feed, do_sample=True,
               generator=torch.Generator().manual_seed(0))

@@ -94,6 +94,22 @@ def test_ar_sends_no_drafts(one_thread):
     assert "draft" not in [kind for kind, _ in recorder.events]
 
 
+def test_no_draft_follows_a_stop_string_cut(one_thread):
+    """A stop string that ends the row inside a block: its final tokens are put, then `end()`, with no draft
+    between (the block's later steps still showed drafts of tokens after the cut)."""
+    tokenizer, model = bundled("sdar-tiny-arith")
+    ids = tokenizer("12+34=", return_tensors="pt").input_ids
+    free = model.generate(ids, decoding_strategy="block_diffusion", max_new_tokens=16)[0, ids.shape[1]:].tolist()
+    recorder = Recorder()
+    cut = model.generate(ids, decoding_strategy="block_diffusion", max_new_tokens=16, streamer=recorder,
+                         stop_strings=[tokenizer.decode(free[2:4])], tokenizer=tokenizer)[0, ids.shape[1]:].tolist()
+    assert len(cut) < len(free) and free[: len(cut)] == cut
+    kinds = [kind for kind, _ in recorder.events]
+    assert "draft" in kinds
+    last_put = max(i for i, kind in enumerate(kinds) if kind == "put")
+    assert kinds[last_put + 1:] == ["end"], recorder.events
+
+
 def test_text_diffusion_streamer_prints_drafts_then_the_returned_text(one_thread, capsys):
     """transformers' own `TextDiffusionStreamer`: drafts are printed and erased (ANSI save / restore-and-clear);
     what stays on the terminal is the returned text."""

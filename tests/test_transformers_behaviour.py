@@ -130,6 +130,22 @@ def test_stored_strategy_survives_save_pretrained(sdar_model, tmp_path):
     assert torch.equal(reloaded.generate(PROMPT, max_new_tokens=12, eos_token_id=None), explicit)
 
 
+@pytest.mark.parametrize("name", ["sdar-tiny-arith", "fast-dllm-v2-tiny", "llada2-tiny"])
+def test_auto_classes_load_every_family_as_transformers_users_do(name):
+    """`AutoModel` gives the family's decoder stack (SDAR was refused) with the causal LM's weights, and
+    `output_loading_info=True` returns `(model, info)` with nothing missing (Fast-dLLM v2 and LLaDA2 failed)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "models" / name
+    hf_dllm_spec.register_auto_classes()
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert model.config.mask_token_id is not None
+    stack = AutoModel.from_pretrained(path)
+    assert isinstance(stack, type(model.model))
+    assert all(torch.equal(v, model.model.state_dict()[k]) for k, v in stack.state_dict().items())
+
+
 def test_plain_ar_models_keep_stock_generate():
     """A transformers Qwen model is untouched; `custom_generate` without a strategy is transformers' own call."""
     qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()

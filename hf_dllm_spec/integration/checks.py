@@ -9,6 +9,7 @@ library's format (`hf_dllm_spec.validation.invalid`): the argument, its value, t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -88,4 +89,17 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
     check_cache_implementation(kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)))
 
 
-__all__ = ["check_call"]
+@contextlib.contextmanager
+def ending_streamer_on_error(streamer):
+    """Call `streamer.end()` when the block raises (then re-raise): the checks of a raw call run before
+    :func:`~hf_dllm_spec.integration.generate.dllm_generate`, whose own `finally` ends the streamer, so without
+    this a consumer iterating a `TextIteratorStreamer` would wait forever for a call that was refused."""
+    try:
+        yield
+    except BaseException:
+        if streamer is not None and callable(getattr(streamer, "end", None)):
+            streamer.end()
+        raise
+
+
+__all__ = ["check_call", "ending_streamer_on_error"]

@@ -14,6 +14,7 @@ Source: continuous batching (Orca, OSDI 2022; vLLM, SOSP 2023), at the granulari
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -217,8 +218,8 @@ class FeedAdmission(RowAdmission):
         stats = self.stats(prompt_index)
         stats.num_generated_tokens = len(tokens)
         stats.wall_time_s = time.perf_counter() - self.since[prompt_index]
-        if request.on_done is not None:
-            request.on_done(list(tokens), reason, stats)
+        if request.on_done is not None:            # a copy: the call's own statistics go on changing
+            request.on_done(list(tokens), reason, copy.copy(stats))
 
     def finish(self) -> None:
         """The call ended: report every row not yet reported."""
@@ -238,8 +239,15 @@ def check_request(request: RowRequest, strategy: type[DecodingStrategy], do_samp
     ids, budget = request.prompt_ids, request.max_new_tokens
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise invalid("max_new_tokens", budget, "be an integer >= 1", "pass a positive budget")
+    if not isinstance(ids, (list, tuple)):
+        raise invalid("prompt_ids", f"<{type(ids).__name__}>", "be a list of int token ids",
+                      "pass a list (e.g. `ids.tolist()` of a tensor)")
     if not ids:
         raise invalid("prompt_ids", "[]", "hold at least one token", "send a non-empty prompt")
+    if do_sample and not isinstance(request.generator, torch.Generator):
+        raise invalid("generator", type(request.generator).__name__, "be a torch.Generator for every request of "
+                      "a sampling call (each row draws from its own)", "pass RowRequest(..., generator="
+                      "torch.Generator(device).manual_seed(seed))")
     if request.ignore_eos and not strategy.per_row_stops:
         raise invalid("ignore_eos", True, f"be set per request only for strategies with per-row stop rules "
                       f"({strategy.name!r} reads the stop ids while it decodes)", "pass eos_token_id=None to "

@@ -47,7 +47,7 @@ from ..strategies import DecodingSession
 from ..strategies.registry import on_register, strategy_parameter_names
 from ..strategies.streaming import TokenStream
 from ..validation import invalid
-from .checks import check_call
+from .checks import check_call, ending_streamer_on_error
 from .continuous import FeedAdmission, RowFeed
 from .plan import DecodePlan, build_plan, check_row
 from .stopping import RowEnds, criteria_to_scan, stop_strings_as_criteria
@@ -129,14 +129,17 @@ def dllm_generate(
         NotImplementedError: an unsupported model family or logits processor.
     """
     call = generate_call_arguments(model)
-    if stop_strings is not None:
-        tokenizer = kwargs.pop("tokenizer", None)                          # a direct call keeps it
-        tokenizer = tokenizer if tokenizer is not None else call.get("tokenizer")
-        stopping_criteria = stop_strings_as_criteria(
-            {"stop_strings": stop_strings, "tokenizer": tokenizer, "stopping_criteria": stopping_criteria})[
-            "stopping_criteria"]
+    streamer = streamer if streamer is not None else call.get("streamer")
+    with ending_streamer_on_error(streamer):                # the `finally` below is not reached yet
+        if stop_strings is not None:
+            tokenizer = kwargs.pop("tokenizer", None)                          # a direct call keeps it
+            tokenizer = tokenizer if tokenizer is not None else call.get("tokenizer")
+            stopping_criteria = stop_strings_as_criteria(
+                {"stop_strings": stop_strings, "tokenizer": tokenizer, "stopping_criteria": stopping_criteria})[
+                "stopping_criteria"]
+        if not call:
+            check_call(model, (input_ids,), {**kwargs, "generation_config": generation_config, "streamer": streamer})
     if not call:
-        check_call(model, (input_ids,), {**kwargs, "generation_config": generation_config, "streamer": streamer})
         # A direct call: hand it to transformers' `generate` with this callable, so the logits processors,
         # stopping criteria and generation options are prepared exactly as on the other entry points.
         return generate_with_callable(
@@ -145,7 +148,6 @@ def dllm_generate(
             custom_generate=dllm_generate, decoding_strategy=decoding_strategy, generator=generator,
             mask_token_id=mask_token_id, strategy_config=strategy_config, preset=preset, draft_model=draft_model,
             draft_mask_token_id=draft_mask_token_id, row_feed=row_feed, **kwargs)
-    streamer = streamer if streamer is not None else call.get("streamer")
     try:
         generation_config = generation_config if generation_config is not None else model.generation_config
         names = set(strategy_parameter_names())
@@ -182,15 +184,18 @@ def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_k
         session = _session(plan, input_ids, logits_processor, model_kwargs, streamer, ends)
         with session.target.timer.span("wall"):
             generated = plan.strategy(plan.config, session).decode()[:plan.batch_size]
-    if session.admission is not None:
-        session.admission.finish()
-    return _output(plan, input_ids, ends.finish(generated), session)
+    if session.admission is None:
+        return _output(plan, input_ids, ends.finish(generated), session)
+    session.admission.finish()                  # each row ended by its own request's budget and stop rule
+    final = [torch.tensor(session.admission.tokens[n], dtype=torch.long, device=plan.device)
+             for n in range(plan.batch_size)]
+    return _output(plan, input_ids, final, session)
 
 
 def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, streamer, ends: RowEnds) -> DecodingSession:
     """The strategy's session: the prompts, a runtime per model (the target's forward timer shared by the drafter),
     the counters, the sampler, the stop rule, the stream and the rows that join (continuous batching)."""
-    stream = TokenStream(streamer, lambda final: ends.output_tokens(0, final)) if streamer is not None else None
+    stream = TokenStream(streamer, lambda final: ends.final_tokens(0, final)) if streamer is not None else None
     stats = BatchStats(plan.batch_size)
     admission = (FeedAdmission(plan.row_feed, plan.stop_ids, lambda ids, budget: check_row(plan, ids, budget),
                                lambda prompt_index: stats.per_row[prompt_index], plan.strategy, plan.do_sample)

@@ -15,7 +15,7 @@ from transformers import GenerationMixin
 from model_patches.generation import DllmGenerationMixin
 
 from .candidate_generator import draft_as_assistant, is_assistant_call
-from .checks import check_call
+from .checks import check_call, ending_streamer_on_error
 from .generate import dllm_generate, stop_strings_as_criteria
 from ..strategies.registry import get_strategy
 
@@ -66,12 +66,13 @@ def generate_with_strategy(model, args: tuple, kwargs: dict[str, Any], decoding_
     get_strategy(decoding_strategy)  # unknown names fail here, before input preparation
     if is_assistant_call(kwargs):    # a stock target's assisted decoding asks this diffusion model for drafts
         return draft_as_assistant(model, *args, **kwargs)
-    check_call(model, args, kwargs)
-    if kwargs.get("custom_generate") is None:
-        kwargs["custom_generate"] = dllm_generate
-    args, kwargs = heal_tokens_first(model, args, kwargs)
-    return GenerationMixin.generate(model, *args, decoding_strategy=decoding_strategy,
-                                    **stop_strings_as_criteria(kwargs))
+    with ending_streamer_on_error(kwargs.get("streamer")):      # the callable's own `finally` is not reached yet
+        check_call(model, args, kwargs)
+        if kwargs.get("custom_generate") is None:
+            kwargs["custom_generate"] = dllm_generate
+        args, kwargs = heal_tokens_first(model, args, kwargs)
+        kwargs = stop_strings_as_criteria(kwargs)
+    return GenerationMixin.generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)
 
 
 __all__ = ["DllmGenerationMixin", "generate_with_strategy", "heal_tokens_first", "stop_strings_as_criteria"]

@@ -182,8 +182,11 @@ def _check_feed(plan: DecodePlan, feed: RowFeed, streamer) -> None:
         raise invalid("row_feed", f"<{len(feed.initial)} initial requests>", f"hold one request per row of input_ids "
                       f"({plan.batch_size}), with the row's prompt", "build the feed from the same prompts")
     if plan.criteria:
-        raise invalid("stopping_criteria", type(plan.criteria[0]).__name__, "not be combined with `row_feed` (each "
-                      "row ends at its own budget and stop ids)", "drop stopping_criteria / stop_strings")
+        name = {"MaxTimeCriteria": "max_time", "StopStringCriteria": "stop_strings"}.get(
+            type(plan.criteria[0]).__name__, "stopping_criteria")             # what transformers built it from
+        raise invalid(name, type(plan.criteria[0]).__name__, "not be combined with `row_feed` (each row ends at "
+                      "its own budget and stop ids; cancel a row through its request's `cancelled`)",
+                      f"drop `{name}`")
     if streamer is not None:
         raise invalid("streamer", type(streamer).__name__, "not be combined with `row_feed` (each request streams "
                       "through its on_tokens)", "drop `streamer`")
