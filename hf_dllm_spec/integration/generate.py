@@ -195,7 +195,7 @@ def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_k
 def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, streamer, ends: RowEnds) -> DecodingSession:
     """The strategy's session: the prompts, a runtime per model (the target's forward timer shared by the drafter),
     the counters, the sampler, the stop rule, the stream and the rows that join (continuous batching)."""
-    stream = TokenStream(streamer, lambda final: ends.final_tokens(0, final)) if streamer is not None else None
+    stream = TokenStream(streamer, lambda final: ends.output_tokens(0, final)) if streamer is not None else None
     stats = BatchStats(plan.batch_size)
     admission = (FeedAdmission(plan.row_feed, plan.stop_ids, lambda ids, budget: check_row(plan, ids, budget),
                                lambda prompt_index: stats.per_row[prompt_index], plan.strategy, plan.do_sample)

@@ -300,13 +300,14 @@ class DecodingStrategy(ABC):
     def stream_draft(self, final: torch.Tensor, provisional: torch.Tensor) -> None:
         """Batch 1 with a streamer: show `provisional` `(k,)`, the tokens that follow the row's `final` tokens
         `(n,)` and that a later step may still change, to a streamer with `put_draft` (transformers'
-        `TextDiffusionStreamer` protocol); cut to the budget, nothing once a stop id is final. No-op without one."""
+        `TextDiffusionStreamer` protocol); cut to the budget, nothing once the row's output is complete (a stop
+        id, the budget or a stopping criterion, e.g. a stop string, ends it: :meth:`should_stop`). No-op without
+        one."""
         s = self.session
         if s.stream is None or not s.stream.takes_drafts:
             return
         room = s.max_new_tokens - final.shape[0]
-        stops = torch.tensor(s.stop_token_ids, device=final.device)
-        if room <= 0 or bool(torch.isin(final, stops).any()):
+        if room <= 0 or self.should_stop(0, final):
             return
         s.stream.draft(provisional[:room])
 

@@ -24,40 +24,35 @@ class TokenStream:
 
     Args:
         streamer (`BaseStreamer`): e.g. `TextStreamer` or `TextIteratorStreamer`.
-        output (`callable`): `(final tokens (n,)) -> ((m,), ended)`, the part of them the returned sequence holds
-            (a prefix that never shrinks as more final tokens arrive) and whether the row's output is complete (a
-            stop id, the budget or a stopping criterion ended it): no draft is shown after that.
+        output (`callable`): `(final tokens (n,)) -> (m,)`, the part of them the returned sequence holds; a
+            prefix that never shrinks as more final tokens arrive.
 
     The plan has checked the streamer (batch size 1, no `_takes_logits`) before any forward.
 
     >>> class Printer:
     ...     def put(self, ids): print(ids.tolist())
     ...     def end(self): print("end")
-    >>> stream = TokenStream(Printer(), lambda tokens: (tokens[:3], tokens.shape[0] >= 3))
+    >>> stream = TokenStream(Printer(), lambda tokens: tokens[:3])
     >>> stream.push(torch.tensor([5, 6]))
     [5, 6]
     >>> stream.push(torch.tensor([5, 6, 9, 7]))
     [9]
-    >>> stream.closed
-    True
     """
 
     def __init__(self, streamer, output: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.streamer, self.output = streamer, output
         self.sent = 0
-        self.closed = False             # the row's output is complete: no more drafts
         self.takes_drafts = callable(getattr(streamer, "put_draft", None))
 
     def push(self, final_tokens: torch.Tensor) -> None:
         """Stream what `final_tokens` `(n,)` (all final tokens of the row so far) adds to what was sent."""
-        tokens, ended = self.output(final_tokens)
-        self.closed = self.closed or bool(ended)
+        tokens = self.output(final_tokens)
         if tokens.shape[0] > self.sent:
             self.streamer.put(tokens[self.sent:].cpu())
             self.sent = tokens.shape[0]
 
     def draft(self, provisional: torch.Tensor) -> None:
         """Show `provisional` `(k,)` (tokens after the final ones that a later step may still change) to a streamer
-        with `put_draft`, as `(1, k)`; nothing for other streamers, an empty draft or a complete output."""
-        if self.takes_drafts and provisional.numel() and not self.closed:
+        with `put_draft`, as `(1, k)`; nothing for other streamers or an empty draft."""
+        if self.takes_drafts and provisional.numel():
             self.streamer.put_draft(provisional[None].cpu())
