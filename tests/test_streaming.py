@@ -148,17 +148,18 @@ def test_stop_string_inside_a_block_cuts_output_and_stream(bundled, strategy, kw
 @pytest.mark.parametrize("bad,name", [
     (dict(confidence_threshold=2.0), "confidence_threshold"),
     # checks of the raw call, before the callable's own `finally` (the consumer waited forever)
-    (dict(num_beams=2), "num_beams"), (dict(stop_strings=["x"]), "tokenizer")])
+    (dict(num_beams=2), "num_beams"), (dict(stop_strings=["x"]), "tokenizer"),
+    (dict(decoding_strategy="no-such-strategy"), "decoding_strategy")])
 def test_end_is_called_when_a_check_fails(bundled, entry, bad, name):
     """transformers puts the prompt before the callable runs: a failing check must still end the stream."""
     _, model, ids = bundled
     rec = Recorder()
     with pytest.raises(ValueError, match=name):
-        ENTRY_POINTS[entry](model, ids, decoding_strategy="s2d2", streamer=rec, **bad)
+        ENTRY_POINTS[entry](model, ids, streamer=rec, **{"decoding_strategy": "s2d2", **bad})
     assert rec.ended == 1
     rec = Recorder()
     with pytest.raises(ValueError, match=name):               # a direct call of the callable
-        hf_dllm_spec.dllm_generate(model, ids, decoding_strategy="s2d2", streamer=rec, **bad)
+        hf_dllm_spec.dllm_generate(model, ids, streamer=rec, **{"decoding_strategy": "s2d2", **bad})
     assert rec.ended == 1
 
 

@@ -63,15 +63,18 @@ def generate_with_strategy(model, args: tuple, kwargs: dict[str, Any], decoding_
         ValueError: for an unknown strategy, `input_ids` that are not a 2D integer tensor, a budget that is not
             an integer, a model on the meta device (all before transformers prepares the inputs).
     """
-    get_strategy(decoding_strategy)  # unknown names fail here, before input preparation
-    if is_assistant_call(kwargs):    # a stock target's assisted decoding asks this diffusion model for drafts
-        return draft_as_assistant(model, *args, **kwargs)
     with ending_streamer_on_error(kwargs.get("streamer")):      # the callable's own `finally` is not reached yet
-        check_call(model, args, kwargs)
-        if kwargs.get("custom_generate") is None:
-            kwargs["custom_generate"] = dllm_generate
-        args, kwargs = heal_tokens_first(model, args, kwargs)
-        kwargs = stop_strings_as_criteria(kwargs)
+        get_strategy(decoding_strategy)  # unknown names fail here, before input preparation
+        # a stock target's assisted decoding asks this diffusion model for drafts
+        assistant = is_assistant_call(kwargs)
+        if not assistant:
+            check_call(model, args, kwargs)
+            if kwargs.get("custom_generate") is None:
+                kwargs["custom_generate"] = dllm_generate
+            args, kwargs = heal_tokens_first(model, args, kwargs)
+            kwargs = stop_strings_as_criteria(kwargs)
+    if assistant:
+        return draft_as_assistant(model, *args, **kwargs)
     return GenerationMixin.generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)
 
 
