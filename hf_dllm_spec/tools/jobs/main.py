@@ -26,7 +26,7 @@ import ast
 import torch
 
 from ...cli_args import UsageError, add_dtype_argument, did_you_mean, non_negative_int, positive_int, suggest
-from ...validation import check_range
+from ...strategies.registry import resolve_config
 from .evaluation import Prompt, StrategySpec, arithmetic_prompts, humaneval_prompts, run as run_spec, table
 from . import DEFAULT_MODEL, add_model_argument, job_main, load_checkpoint
 
@@ -44,8 +44,6 @@ def parse_set(items: list[str]) -> dict:
     Raises:
         UsageError: an item without "=", or a key or value S2D2 refuses (the library's message, naming --set).
     """
-    from ...strategies.registry import resolve_config
-
     out = {}
     for item in items:
         if "=" not in item:
@@ -171,8 +169,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     extra = parse_set(args.set)                   # bad --set values fail before anything loads
     if args.strategies:
         check_strategy_names(args.strategies.split(","))
-    try:                                          # every row's confidence threshold, before anything loads
-        check_range("confidence_threshold", args.threshold, low=0.0, low_open=True, high=1.0, fix="pass e.g. 0.9")
+    try:                     # every row's confidence threshold, by the library's own rule, before anything loads
+        resolve_config("block_diffusion", overrides={"confidence_threshold": args.threshold})
     except ValueError as err:
         raise UsageError("--threshold", str(err)) from None
     if not args.prompt and args.num_arith == 0 and args.num_humaneval == 0:
