@@ -8,7 +8,9 @@
 #                                             # check with what is left until $DEADLINE s (default 585)
 #   BENCH_RUNTIME=compiled BENCH_ROWS='dynamic 0.9 B=4,S2D2 hysteresis 1/-5 B=4' BENCH_GROUPS=sdar BENCH_LIMIT=400 \
 #     bash benchmarks/gpu_session.sh speed   # bench-gpu --runtime compiled (compile_config=CompileConfig(): every
-#                                             # width and step shape compiles first) on some rows ($BENCH_ROWS)
+#                                             # width and step shape compiles first) on some rows ($BENCH_ROWS);
+#                                             # 39-50 s per compile at 1.7B shapes on an H200: even one row with
+#                                             # its group's AR row needs about 10 minutes (docs/performance.md)
 # It installs this package over the machine's own torch / transformers (no dependency is fetched), then runs
 # (about 580 s in all at most; 321 s on an H200 without step 3 and the compiled widths, 2026-11-27; the speed mode
 # 436 s on an H200, 2026-11-28: bench-gpu 61 / 42 / 11 / 86 s per group plus about 25 s of start-up each, then the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import random
 import shutil
 import threading
@@ -367,6 +368,21 @@ def test_stats_name_the_runtime_and_its_warmup(sdar_model, prompt):
     assert static.spec_stats.runtime.startswith("target: static cache")
     assert static.spec_stats.warmup_time_s == 0.0            # nothing is captured or compiled on the CPU
     assert torch.equal(eager.sequences, static.sequences)
+
+
+def test_compile_config_that_does_not_compile_is_said_once(sdar_model, prompt, caplog):
+    """A `compile_config` on the CPU (transformers compiles on accelerators only) is warned about once per process
+    and reason, as transformers' own `warning_once`, not on every call of a loop."""
+    from hf_dllm_spec.runtime import static
+
+    static._warn_not_compiled.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_dllm_spec.runtime.static"):
+        for _ in range(3):
+            sdar_model.generate(prompt, decoding_strategy="block_diffusion", max_new_tokens=4, eos_token_id=None,
+                                cache_implementation="static", compile_config=CompileConfig())
+    said = [r.getMessage() for r in caplog.records if "is not compiled" in r.getMessage()]
+    assert said == ["hf_dllm_spec: `compile_config` is set but SDARForCausalLM is not compiled: no compilation on "
+                    "cpu (transformers compiles on accelerators, or with `CompileConfig._compile_all_devices`)."]
 
 
 # -- host synchronisations: none inside a forward (a CUDA graph can capture it), few per decoding step ------------

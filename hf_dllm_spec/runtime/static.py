@@ -51,6 +51,7 @@ and CUDA graphs" and "CUDA graphs: what breaks a capture"); transformers `Static
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from typing import Any
@@ -798,6 +799,13 @@ def drop_prepared_static_cache(generation_config: GenerationConfig, model_kwargs
         pop_cache(model_kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_not_compiled(model_class: str, reason: str) -> None:
+    """Say once per process and (model class, reason) that a `compile_config` does not compile, as transformers'
+    own warning for it (`logger.warning_once`): a loop of calls repeats the same words otherwise."""
+    logger.warning("hf_dllm_spec: `compile_config` is set but %s is not compiled: %s.", model_class, reason)
+
+
 def make_runner(model, patch, stats: BatchStats, *, batch_size: int, generation_config: GenerationConfig,
                 max_cache_len: int, use_cache: bool = True, cache=None, timer: ForwardTimer | None = None,
                 timer_span: str | None = None) -> ModelRunner:
@@ -815,8 +823,7 @@ def make_runner(model, patch, stats: BatchStats, *, batch_size: int, generation_
                            timer_span=timer_span)
     mode, reason = compile_plan(model, generation_config)
     if reason and generation_config.compile_config is not None and not generation_config.disable_compile:
-        logger.warning("hf_dllm_spec: `compile_config` is set but %s is not compiled: %s.",
-                       type(model).__name__, reason)
+        _warn_not_compiled(type(model).__name__, reason)
     max_cache_len = max(max_cache_len, getattr(generation_config, "max_cache_len", None) or 0)
     return StaticModelRunner(model, patch, stats, batch_size=batch_size, max_cache_len=max_cache_len,
                              compile_mode=mode, compile_config=generation_config.compile_config,
