@@ -34,6 +34,14 @@ def generate_args(*argv: str):
     return cli.given_strategy_parameters(args)
 
 
+def test_every_strategy_parameter_has_a_description():
+    """Each strategy option's help says what it does (its config docstring's own "name (`type`, ...):" entry), not
+    only its default: an entry that names two fields at once gave neither a description."""
+    undescribed = sorted(name for name, entry in cli.strategy_parameters().items()
+                         if not cli._doc_text(entry["config"], name))
+    assert undescribed == []
+
+
 def test_help_lists_the_subcommands(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0
@@ -96,6 +104,7 @@ def test_main_refuses_a_bad_threshold_before_loading(capsys):
     (["--strategy", "deer", "--draft-model", str(DEFAULT_MODEL.parent / "deer-drafter-tiny"), "--draft-device", "foo"],
      "argument --draft-device: must be a torch device"),
     (["--device", "cuda:0"], "argument --device: names a CUDA device"),
+    (["--draft-device", "cpu"], "argument --draft-device: places the drafter (='cpu'), and no --draft-model"),
 ])
 def test_a_device_torch_cannot_use_is_a_usage_error_before_loading(capsys, argv, expected):
     """Devices are checked before anything loads (they failed inside `.to()` / `from_pretrained`: exit 1 and a
@@ -227,6 +236,21 @@ def test_bad_arguments_name_the_flag_and_exit_2(capsys, argv, flag, words):
     assert code == 2, err
     assert flag in err and words in err, err
     assert "Traceback" not in err and len(err.splitlines()) <= 4, err   # one message, not a usage dump
+
+
+@pytest.mark.parametrize("argv,flag,words", [
+    (["--model", "models/fast-dllm-v2-tiny", "--block-sizes", "4"], "--block-sizes", "Fast-dLLM v2 rows"),
+    (["--model", "models/llada2-tiny", "--block-sizes", "8"], "--block-sizes", "drop --block-sizes"),
+    (["--model", "models/qwen2-tiny-ar", "--draft-model", "models/deer-drafter-tiny", "--thresholds", "0.9"],
+     "--thresholds", "DEER rows"),
+    (["--model", "models/sdar-large", "--draft-model", "models/sdar-tiny-arith", "--thresholds", "0.9"],
+     "--thresholds", "SimSD rows"),
+])
+def test_bench_refuses_a_sweep_list_its_rows_do_not_use(capsys, argv, flag, words):
+    """`bench` on a family whose rows have no block size (Fast-dLLM v2, LLaDA2.1: the checkpoint's blocks) or no
+    threshold (SimSD, DEER) refuses the list given for them instead of ignoring it (once the model says its family)."""
+    code, _, err = run_cli(capsys, "bench", "--num-arith", "1", "--num-humaneval", "0", *argv)
+    assert code == 2 and flag in err and words in err and "Traceback" not in err, err
 
 
 def test_export_speaks_of_flags(capsys, tmp_path):

@@ -26,7 +26,9 @@ from hf_dllm_spec.integration.generate import dllm_generate  # noqa: E402
 from hf_dllm_spec.integration.mixin import DllmGenerationMixin  # noqa: E402
 from hf_dllm_spec.strategies.registry import get_strategy  # noqa: E402
 from hf_dllm_spec.runtime.static import STATE_ATTRIBUTE  # noqa: E402
-from hf_dllm_spec.serving.app import create_app, load_served_model, serve_in_background  # noqa: E402
+from hf_dllm_spec.serving.app import TextDeltas, create_app, load_served_model, serve_in_background  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 MODELS = pathlib.Path(__file__).resolve().parents[1] / "models"
 QUESTIONS = [json.loads(line)["question"] for line in (MODELS / "sdar-tiny-arith" / "heldout_arithmetic.jsonl")
@@ -238,6 +240,56 @@ def test_requests_with_their_own_sampling_settings_share_a_batch(sdar):
                          generator=[torch.Generator().manual_seed(200 + i)], **settings[i])
         assert text == tok.decode(want, skip_special_tokens=True), (i, settings[i])
     assert max(r["batch_size"] for r in list(app.state.batcher.history)[before:]) > 1
+
+
+# -- text deltas: what a streamed response's chunks carry -----------------------------------------------------------
+_TEXT = "12+30=42 你好 😀 é x\n日本語 🙂🙂 done"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODELS / "sdar-tiny-arith")
+
+
+@given(cuts=st.lists(st.integers(0, 64), max_size=12))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_text_deltas_join_to_the_whole_decode_in_any_split(tokenizer, cuts):
+    """Streamed in any split of its ids (byte tokens of multi-byte characters included), the chunks join to the
+    non-streamed text, and no chunk but the last shows an incomplete character."""
+    ids = tokenizer(_TEXT, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    bounds = sorted({min(c, len(ids)) for c in cuts} | {0, len(ids)})
+    deltas, sent = TextDeltas(tokenizer), []
+    for start, end in zip(bounds, bounds[1:]):
+        sent.append(deltas.add(ids[start:end]))
+    sent.append(deltas.add([], final=True))
+    assert "".join(sent) == tokenizer.decode(ids, skip_special_tokens=True) == _TEXT
+    assert not any("\ufffd" in text for text in sent)
+
+
+def test_text_deltas_decode_a_window_not_the_whole_output(tokenizer, monkeypatch):
+    """One id at a time over a long output, each decode reads a few ids (it decoded the whole output per chunk:
+    quadratic in the output's length)."""
+    ids = tokenizer(_TEXT * 40, add_special_tokens=False).input_ids
+    deltas, seen, decode = TextDeltas(tokenizer), [], tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda x, **kw: seen.append(len(x)) or decode(x, **kw))
+    text = "".join(deltas.add([i]) for i in ids) + deltas.add([], final=True)
+    assert text == _TEXT * 40 and len(ids) > 800
+    assert max(seen) <= 8, max(seen)
+
+
+def test_a_draft_continues_the_text_sent_so_far(tokenizer):
+    """A draft that completes a character whose first bytes are final (held back) shows that character, not
+    "\\ufffd" and a loss of the held-back bytes; a character the draft leaves incomplete is not shown."""
+    ids = tokenizer("ok 😀🙂", add_special_tokens=False).input_ids
+    split = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    deltas = TextDeltas(tokenizer)
+    sent = deltas.add(ids[:split])
+    assert "\ufffd" not in sent
+    assert sent + deltas.draft(ids[split:]) == "ok 😀🙂"
+    assert sent + deltas.draft(ids[split:-1]) == tokenizer.decode(ids[:-1]).rstrip("\ufffd")
+    assert "\ufffd" not in deltas.draft(ids[split:split + 1])
 
 
 def test_stream_drafts_sends_the_drafts_of_generate_marked_as_such(sdar):

@@ -127,11 +127,23 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
 
 
 class TextDeltas:
-    """Token ids -> text increments: the decoded text grows by what each call adds (held back while it ends in an
-    incomplete UTF-8 character, "\\ufffd")."""
+    """Token ids -> text increments, decoded over a short window of ids (incremental detokenization as TGI and
+    vLLM do it): each call decodes only the ids since the one before the last text sent, not the whole output, and
+    text that ends in an incomplete UTF-8 character ("\\ufffd") is held back until the character is complete.
+
+    The window starts one emission back so that a tokenizer's context-dependent decoding (a leading space, a
+    byte sequence) reads the same as in the whole decode; the increments join to
+    `tokenizer.decode(all ids, skip_special_tokens=True)`.
+    """
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+        self.tokenizer, self.ids = tokenizer, []
+        self.prefix = self.read = 0         # ids[prefix:read]: the context of the text sent; ids[:read]: sent
+
+    def _new_text(self, extra: list[int] = ()) -> str:
+        """The text of `ids[read:] + extra`, decoded after its context `ids[prefix:read]`."""
+        context = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        return self.tokenizer.decode(self.ids[self.prefix:] + list(extra), skip_special_tokens=True)[len(context):]
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """Append `ids` and return the text they add to what was returned before.
@@ -142,15 +154,27 @@ class TextDeltas:
                 incomplete UTF-8 character.
 
         Returns:
-            `str`: the new text (special tokens skipped); "" while the decoded text ends in "\\ufffd" and
-            `final` is False (the held-back text comes with a later call).
+            `str`: the new text (special tokens skipped); "" while it ends in "\\ufffd" and `final` is False (the
+            held-back text comes with a later call).
         """
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not final:
+        text = self._new_text()
+        if not text or (text.endswith("\ufffd") and not final):
             return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text
+
+    def draft(self, draft_ids: list[int]) -> str:
+        """The text a provisional draft adds to what was returned so far: it carries the held-back ids (the bytes
+        of a character the draft completes), and a character the draft itself leaves incomplete is dropped.
+
+        Args:
+            draft_ids (`list[int]`): the draft's token ids, after every id given to :meth:`add`.
+
+        Returns:
+            `str`: the text that "text so far + draft" shows.
+        """
+        return self._new_text(draft_ids).rstrip("\ufffd")
 
 
 #: Seconds between two looks for a client that went away while its (non-streamed) request waits or decodes.
@@ -382,7 +406,7 @@ async def _stream(job: Job, first: tuple, shape: _TextShape, tokenizer):
             if ids and (text := deltas.add(ids)):
                 yield _sse(shape.chunk(text))
             if event is not None and event[0] == "draft":
-                yield _sse(shape.draft(tokenizer.decode(event[1], skip_special_tokens=True), event[1]))
+                yield _sse(shape.draft(deltas.draft(event[1]), event[1]))
                 event = None
             if event is None:
                 event = await job.events.get()

@@ -76,6 +76,9 @@ class LoadOptions:
         """
         options = cls(args.dtype, args.device, _device_map(args.device_map), args.quantization, args.draft_device)
         options.check()
+        if options.draft_device is not None and getattr(args, "draft_model", None) is None:
+            raise UsageError("--draft-device", f"places the drafter (={options.draft_device!r}), and no "
+                                               "--draft-model is given: pass --draft-model PATH or drop --draft-device")
         return options
 
     def check(self) -> None:

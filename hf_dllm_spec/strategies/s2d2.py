@@ -103,14 +103,27 @@ class S2D2Config(BlockDiffusionConfig, EditingConfig):
         do_verify_score_threshold (`float`, defaults to 0.0): tau_score.
         do_verify_score_type (`str`, defaults to "difference_dynamic"): Eq. 6 static or dynamic score.
         score_penalty_coef (`float`, defaults to 2.0): c of Eq. 6, >= 0.
-        hysteresis_threshold_on / hysteresis_threshold_off (`float`, defaults to 0.0 / -1.0): on > off.
+        hysteresis_threshold_on (`float`, defaults to 0.0): "score_hysteresis" switches verification on when
+            the score reaches it (Alg. 4); greater than `hysteresis_threshold_off`.
+        hysteresis_threshold_off (`float`, defaults to -1.0): "score_hysteresis" switches verification off when
+            the score falls below it.
         token_acceptance_estimator (`str`, defaults to "hard_margin_threshold"): alpha_i of Eq. 5 (the paper's
             main experiments use "soft_entropy_negexp"; the presets do).
-        ssd_confidence_margin_threshold (`float`, 0.05), ssd_entropy_temperature (`float`, 1.0),
-        ssd_entropy_threshold (`float`, 0.5), ssd_confidence_power (`float`, 1.0),
-        ssd_confidence_margin_coef (`float`, 1.0): estimator parameters.
-        ucb_beta (`float`, 1.0), ucb_span_length_bins / ucb_block_progress_bins / ucb_entropy_bins (`int`, 2),
-        ucb_entropy_source (`str`, "span" or "masked"): UCB bandit (App. A.6).
+        ssd_confidence_margin_threshold (`float`, defaults to 0.05): "hard_margin_threshold": alpha_i = 1 when
+            the top-1 minus top-2 draft probability reaches it, in [0, 1].
+        ssd_entropy_temperature (`float`, defaults to 1.0): "soft_entropy_negexp": alpha_i = exp(-t * H_i / log V).
+        ssd_entropy_threshold (`float`, defaults to 0.5): "hard_entropy_threshold": alpha_i = 1 when H_i / log V
+            is below it.
+        ssd_confidence_power (`float`, defaults to 1.0): "soft_confidence_power": alpha_i = confidence ** power.
+        ssd_confidence_margin_coef (`float`, defaults to 1.0): "soft_clipped_linear_margin": alpha_i =
+            clip(coef * margin, 0, 1).
+        ucb_beta (`float`, defaults to 1.0): "contextual_bandit_ucb": weight of the exploration bonus
+            (App. A.6, Eq. 16-18).
+        ucb_span_length_bins (`int`, defaults to 2): "contextual_bandit_ucb": bins of the span length |C_t|.
+        ucb_block_progress_bins (`int`, defaults to 2): "contextual_bandit_ucb": bins of the block's progress.
+        ucb_entropy_bins (`int`, defaults to 2): "contextual_bandit_ucb": bins of the normalised entropy.
+        ucb_entropy_source (`str`, defaults to "span"): "contextual_bandit_ucb": mean entropy over the span C_t
+            ("span") or over every masked position ("masked").
     Acceptance:
         ssd_ratio_tempering_factor (`float`, defaults to 1.0): gamma of min(1, (q/p)^gamma), > 0 (App. A.8).
         allow_resample (`bool`, defaults to True): draw the recovered token from (q - p)+ on rejection; False

@@ -199,14 +199,33 @@ def frontier_plot(all_results: dict, path: pathlib.Path, model_name: str = "bund
     fig.savefig(path, dpi=130)
 
 
+#: The lists swept when `--block-sizes` / `--thresholds` are not given.
+DEFAULT_BLOCK_SIZES, DEFAULT_THRESHOLDS = "4,8,16,32", "0.9,0.7"
+
+
+def _refuse_unused(args: argparse.Namespace, flag: str, rows: str) -> None:
+    """A sweep option given for rows that have no such parameter is a usage error, not a silent no-op.
+
+    Raises:
+        UsageError: `flag` was given.
+    """
+    value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+    if value is not None:
+        raise UsageError(flag, f"{flag} {value} does not apply to the {rows} this --model gives: drop {flag}")
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """Add the options of `hf-dllm-spec bench` to `ap`: the model and drafters, the prompt counts, the block sizes
     and thresholds swept, the results folder, seed, dtype and progress bars."""
     add_model_argument(ap)
     ap.add_argument("--num-arith", type=non_negative_int, default=50, help="held-out arithmetic prompts (0: none)")
     ap.add_argument("--num-humaneval", type=non_negative_int, default=10, help="HumanEval prompts (0: none)")
-    ap.add_argument("--block-sizes", default="4,8,16,32", help="comma list of block sizes >= 1 (DEER: k)")
-    ap.add_argument("--thresholds", default="0.9,0.7", help="comma list of confidence thresholds in (0, 1]")
+    ap.add_argument("--block-sizes", default=None,
+                    help="comma list of block sizes >= 1 of the block-diffusion, SimSD and DEER (k) rows; default "
+                         f"{DEFAULT_BLOCK_SIZES} (Fast-dLLM v2 and LLaDA2.1 keep their checkpoints' blocks)")
+    ap.add_argument("--thresholds", default=None,
+                    help="comma list of confidence thresholds in (0, 1] of the block-diffusion, Fast-dLLM v2 and "
+                         f"LLaDA2.1 rows; default {DEFAULT_THRESHOLDS} (SimSD and DEER rows have none)")
     ap.add_argument("--draft-model", action="append", default=[], metavar="[NAME=]PATH",
                     help="drafters (repeatable): DEER drafters for an AR --model, e.g. "
                          "aligned=models/deer-drafter-tiny (the DEER rows sweep --block-sizes as k); SimSD drafters "
@@ -226,8 +245,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     import model_patches
 
     dtype = getattr(torch, args.dtype)
-    thresholds = float_list("--thresholds", args.thresholds)        # bad lists fail before anything loads
-    block_sizes = int_list("--block-sizes", args.block_sizes)
+    # bad lists fail before anything loads
+    thresholds = float_list("--thresholds", DEFAULT_THRESHOLDS if args.thresholds is None else args.thresholds)
+    block_sizes = int_list("--block-sizes", DEFAULT_BLOCK_SIZES if args.block_sizes is None else args.block_sizes)
     if args.num_arith == 0 and args.num_humaneval == 0:
         raise UsageError("--num-arith", "--num-arith 0 and --num-humaneval 0 leave no prompts; pass a count > 0")
     tokenizer, model = load_checkpoint(args.model, dtype)
@@ -240,13 +260,17 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         if not drafters:
             raise UsageError("--draft-model", "an AR --model is benchmarked with DEER: pass --draft-model "
                                               "[NAME=]PATH (repeatable), e.g. models/deer-drafter-tiny")
+        _refuse_unused(args, "--thresholds", "DEER rows (an AR --model with drafters)")
         specs = deer_specs(drafters, block_sizes)
     elif drafters:
+        _refuse_unused(args, "--thresholds", "SimSD rows (a diffusion --model with drafters)")
         specs = simsd_specs(drafters, block_sizes)
     elif patch.native_strategy == "fast_dllm_v2":
-        specs = fast_dllm_v2_specs(thresholds)        # blocks of bd_size; --block-sizes does not apply
+        _refuse_unused(args, "--block-sizes", "Fast-dLLM v2 rows (blocks of the checkpoint's bd_size)")
+        specs = fast_dllm_v2_specs(thresholds)
     elif patch.native_strategy == "llada2":
-        specs = llada2_specs(thresholds)              # blocks of 32; --block-sizes does not apply
+        _refuse_unused(args, "--block-sizes", "LLaDA2.1 rows (blocks of 32, as the checkpoint was trained)")
+        specs = llada2_specs(thresholds)
     else:
         specs = sweep_specs(block_sizes, thresholds)
     sets = {
