@@ -199,6 +199,54 @@ def test_deer_meta_target_equals_plain_and_greedy_ar(deer_models, runners, draft
             assert out == ar.generate(ids, draft_model=drafter32, **kwargs).tolist()
 
 
+# -- what transformers' assisted decoding cannot take: refused before any forward, with the call that works ----------
+def test_assisted_decoding_refuses_models_whose_device_is_meta(deer_models, sdar_meta, tmp_path_factory):
+    """transformers' assisted decoding moves the ids to `model.device` / `assistant_model.device` ("meta" when the
+    first parameter is offloaded): the drafter as a stock target's `assistant_model`, and the target of
+    `deer_assisted_generate`, are refused with the call that runs them (they failed inside torch or accelerate);
+    the same pair through `custom_generate` decodes."""
+    from hf_dllm_spec.integration.candidate_generator import deer_assisted_generate
+
+    ar, ar_meta, drafter, _, prompts = deer_models
+    drafter_meta = _offloaded(DEER_DRAFTER_DIR, tmp_path_factory, embeddings="disk")
+    with pytest.raises(ValueError, match=r"`assistant_model` .*first parameter is offloaded.*custom_generate"):
+        ar.generate(prompts[0], assistant_model=drafter_meta, max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match=r"`model` .*first parameter is offloaded.*decoding_strategy='deer'"):
+        deer_assisted_generate(ar_meta, prompts[0], drafter, max_new_tokens=8, num_draft_tokens=4)
+    out = ar.generate(prompts[0], custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="deer",
+                      draft_model=drafter_meta, block_size=4, max_new_tokens=8)
+    assert out.tolist() == ar.generate(prompts[0], max_new_tokens=8, do_sample=False).tolist()
+
+
+def test_a_never_loaded_assistant_is_named_as_passed(deer_models):
+    """A drafter on the meta device given as `assistant_model` is refused under that name (it said `draft_model`)."""
+    from transformers import AutoConfig
+
+    ar, _, _, _, prompts = deer_models
+    with torch.device("meta"):
+        never_loaded = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEER_DRAFTER_DIR))
+    with pytest.raises(ValueError, match=r"^`assistant_model` \(='<SDARForCausalLM on the meta device>'\)"):
+        ar.generate(prompts[0], assistant_model=never_loaded, max_new_tokens=8, do_sample=False)
+
+
+def test_a_model_with_a_part_on_meta_and_no_hook_is_refused(sdar):
+    """A layer moved to "meta" by hand (no accelerate hook brings it in per forward) is refused, naming the first
+    such weight, as target and as SimSD drafter (it failed inside torch at the first forward); offloaded layers,
+    on "meta" under their hooks, pass."""
+    import copy
+
+    tokenizer, plain, offloaded, prompts = sdar
+    part = copy.deepcopy(plain)
+    part.model.layers[2].to("meta")
+    with pytest.raises(ValueError, match=r"`model` .*`model\.layers\.2\..*` is on the meta device"):
+        part.generate(prompts[0], decoding_strategy="s2d2", max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"`draft_model` .*`model\.layers\.2\..*` is on the meta device"):
+        plain.generate(prompts[0], decoding_strategy="simsd", draft_model=part, max_new_tokens=8)
+    assert any(p.device.type == "meta" for p in offloaded.parameters())
+    assert offloaded.generate(prompts[0], decoding_strategy="s2d2", max_new_tokens=8).tolist() == \
+        plain.generate(prompts[0], decoding_strategy="s2d2", max_new_tokens=8).tolist()
+
+
 # -- the example -------------------------------------------------------------------------------------------------
 def _example():
     spec = importlib.util.spec_from_file_location("multi_gpu_example", ROOT / "examples" / "multi_gpu.py")

@@ -50,6 +50,8 @@ class DeerCandidateGenerator(CandidateGenerator):
         generator (`torch.Generator`, *optional*): for the draft samples (transformers' acceptance uses the
             global RNG).
         stop_token_ids (`list[int]`, *optional*): the stop ids of the call; the mask token must not be one.
+        role (`str`, defaults to "draft_model"): the argument that passed the drafter, named in the errors
+            ("assistant_model" for transformers' stock assisted decoding).
 
     Attributes:
         stats (`BatchStats`): drafter forwards ("draft") of this generator.
@@ -64,10 +66,10 @@ class DeerCandidateGenerator(CandidateGenerator):
                  do_sample: bool = False, max_length: int | None = None, mask_token_id: int | None = None,
                  draft_attention: str = "causal_prefix", sep_token_id: int | None = None,
                  sep_position: str = "after_masks", generator: torch.Generator | None = None,
-                 stop_token_ids: list[int] | None = None) -> None:
+                 stop_token_ids: list[int] | None = None, role: str = "draft_model") -> None:
         check_int("num_draft_tokens", num_draft_tokens, 1, "pass e.g. 16")
-        check_loaded(draft_model, "draft_model")
-        check_quantized_model(draft_model, "assistant_model")
+        check_loaded(draft_model, role)
+        check_quantized_model(draft_model, role)
         check_token_id("mask_token_id", mask_token_id, "pass the drafter's mask token's integer id")
         if sep_token_id is not None:
             check_int("sep_token_id", sep_token_id, 0, "pass a token id of the drafter's vocabulary, or None")
@@ -116,6 +118,25 @@ class DeerCandidateGenerator(CandidateGenerator):
         """k stays fixed (DEER drafts a whole block per cycle)."""
 
 
+def _check_first_parameter_placed(model, name: str) -> None:
+    """Refuse a model whose first parameter accelerate offloaded (`model.device` is "meta" while its forward runs
+    on the hook's execution device) where transformers' assisted decoding drives it: `_assisted_decoding` and
+    `AssistedCandidateGenerator` move the ids to `model.device`, so they would reach the forward as meta tensors
+    (a `NotImplementedError` inside torch or accelerate). The library's own loops place inputs on the execution
+    device and take such models.
+
+    Raises:
+        ValueError: naming `name` ("model", "assistant_model"), with the call that decodes it instead.
+    """
+    check_loaded(model, name)                   # a model never loaded is refused as such first
+    if model.device.type == "meta":
+        raise invalid(name, f"<{type(model).__name__} whose first parameter is offloaded (its `.device` is meta)>",
+                      "have its first parameter on a real device: transformers' assisted decoding moves the ids to "
+                      "`.device`", "decode with generate(custom_generate=hf_dllm_spec.custom_generate, "
+                      "decoding_strategy='deer', draft_model=<drafter>), which runs offloaded models on their "
+                      "execution device, or keep the input embeddings on a device in the `device_map`")
+
+
 def is_assistant_call(kwargs: dict[str, Any]) -> bool:
     """Whether a `generate` call comes from transformers' stock assisted decoding (`AssistedCandidateGenerator`
     sets `generation_config.is_assistant`): a stock target's `generate(assistant_model=<diffusion drafter>)`."""
@@ -149,13 +170,14 @@ def draft_as_assistant(draft_model, input_ids: torch.LongTensor, *, generation_c
 
     Raises:
         ValueError: what :class:`DeerCandidateGenerator` refuses (a batch of more than one row, a drafter without
-            a mask token, ...).
+            a mask token, ...), named `assistant_model`; a drafter whose first parameter is offloaded.
     """
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+    _check_first_parameter_placed(draft_model, "assistant_model")
     k = max_new_tokens if max_new_tokens is not None else generation_config.max_new_tokens
     drafter = DeerCandidateGenerator(draft_model, num_draft_tokens=max(1, int(k)), logits_processor=logits_processor,
-                                     do_sample=bool(generation_config.do_sample))
+                                     do_sample=bool(generation_config.do_sample), role="assistant_model")
     sequences, logprobs = drafter.get_candidates(input_ids)
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(logprobs.unbind(1)))
 
@@ -192,9 +214,10 @@ def deer_assisted_generate(model, input_ids: torch.LongTensor, draft_model, *, n
     Raises:
         ValueError: as `generate` and :class:`DeerCandidateGenerator` raise; first of all (before transformers
             validates the pair and would advise an `assistant_tokenizer`, which does not apply) a model on the meta
-            device or a drafter of another vocabulary.
+            device, a target whose first parameter is offloaded (transformers' loop reads `model.device`) or a
+            drafter of another vocabulary.
     """
-    check_loaded(model, "model")
+    _check_first_parameter_placed(model, "model")
     check_loaded(draft_model, "draft_model")
     check_vocabulary(model, model_patches.get_patch(model), draft_model, model_patches.get_patch(draft_model))
 
