@@ -370,6 +370,23 @@ def test_stats_name_the_runtime_and_its_warmup(sdar_model, prompt):
     assert torch.equal(eager.sequences, static.sequences)
 
 
+@pytest.mark.parametrize("strategy", ["block_diffusion", "s2d2"])
+def test_autocast_and_plain_calls_share_a_model(sdar_model, prompt, strategy):
+    """A call under `torch.autocast` and a plain one, in either order, each give the eager runtime's tokens under
+    the same setting: autocast changes the dtype of the K/V, so each keeps its own static state (the second one
+    failed in the cache's `scatter_` until `clear_static_state`)."""
+    kwargs = dict(decoding_strategy=strategy, block_size=4, max_new_tokens=8, eos_token_id=None)
+
+    def run(autocast: bool, **more):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return sdar_model.generate(prompt, **kwargs, **more).tolist()
+
+    clear_static_state(sdar_model)
+    for autocast in (False, True, False, True):
+        assert run(autocast, cache_implementation="static") == run(autocast), autocast
+    clear_static_state(sdar_model)
+
+
 def test_compile_config_that_does_not_compile_is_said_once(sdar_model, prompt, caplog):
     """A `compile_config` on the CPU (transformers compiles on accelerators only) is warned about once per process
     and reason, as transformers' own `warning_once`, not on every call of a loop."""

@@ -337,7 +337,7 @@ class StaticModelRunner(ModelRunner):
                           "use `compile_plan(model, generation_config)`")
         dtype = model.dtype if model.dtype.is_floating_point else torch.float32
         device = execution_device(model)
-        role = f"{'drafter' if timer_span == DRAFT_MODEL_SPAN else 'target'}:{dtype}:{device}"
+        role = f"{'drafter' if timer_span == DRAFT_MODEL_SPAN else 'target'}:{dtype}:{device}{_autocast_of(device)}"
         self._state = _state_of(model, role, batch_size, max_cache_len)
         super().__init__(model, patch, stats, batch_size=batch_size, cache=self._state.cache, timer=timer,
                          timer_span=timer_span)
@@ -797,6 +797,16 @@ def drop_prepared_static_cache(generation_config: GenerationConfig, model_kwargs
     cache = find_cache(model_kwargs)
     if isinstance(cache, StaticCache) and prepared_by_generate(cache):
         pop_cache(model_kwargs)
+
+
+def _autocast_of(device: torch.device) -> str:
+    """":autocast <dtype>" while `torch.autocast` is on for `device`'s type, else "": part of a kept state's key,
+    since autocast changes the dtype of the K/V the cache holds (a plain call and an autocast call each keep their
+    own state, as they would their own eager caches)."""
+    kind = device.type
+    if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+        return ""
+    return f":autocast {torch.get_autocast_dtype(kind)}"
 
 
 @functools.lru_cache(maxsize=None)
