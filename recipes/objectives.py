@@ -18,6 +18,7 @@ the schedule, the resumable loop and the training log of `recipes.train`.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import ClassVar
 
@@ -268,13 +269,29 @@ def random_segments(b: int, seq_len: int, max_len: int, gen: torch.Generator, fi
     return starts.long().cumsum(dim=1) - 1
 
 
+def cut_at_continuation_edges(segment: torch.Tensor, maskable: torch.Tensor) -> torch.Tensor:
+    """`segment` re-cut wherever a continuation starts or ends, `(b, L)` int64: a segment never holds prompt and
+    continuation tokens together, so masked continuation tokens see only their own segment and the clean copy
+    before it (the drafter's inference layout, DEER Eq. 1-4: one answer's prefix and its masked suffix), never the
+    next example's prompt in a packed window (which tells where the answer ends).
+
+    Args:
+        segment (`torch.Tensor` of shape `(b, L)`, int64): non-decreasing segment index of each position.
+        maskable (`torch.Tensor` of shape `(b, L)`, bool): continuation tokens (prompts are context only).
+    """
+    starts = torch.ones_like(maskable)
+    starts[:, 1:] = (segment[:, 1:] != segment[:, :-1]) | (maskable[:, 1:] != maskable[:, :-1])
+    return starts.long().cumsum(dim=1) - 1
+
+
 class D2AObjective(BlockDiffusionObjective):
     """DEER's two-stage drafter alignment (D2A, arXiv 2512.15176 §3.1, Eq. 1-4; `strategies.md` §7.2).
 
     Data: the teacher (`--teacher`, an AR model of the same tokenizer, e.g. models/qwen2-tiny-ar) continues
     every training prompt greedily: arithmetic questions, and windows of standard-library code; the drafter
     learns the teacher's continuations (question / code-prefix tokens are context only). A window of the
-    stream is cut into segments; each segment start is a truncation point whose past is the clean, causal
+    stream is cut into segments, and again wherever a continuation starts or ends
+    (:func:`cut_at_continuation_edges`); each segment start is a truncation point whose past is the clean, causal
     prefix (`[noisy | clean]` layout, :func:`d2a_training_mask`, as the drafter attends at inference).
 
     - Stage I (`--d2a-stage 1`, AR-style continuation distillation, Eq. 1-2): segments of k in {4, 8, 16, 32}
@@ -297,6 +314,24 @@ class D2AObjective(BlockDiffusionObjective):
         if getattr(args, "d2a_sep_token_id", None) is not None:
             raise NotImplementedError("--d2a-sep-token-id: the packed layout does not insert SEP tokens yet; "
                                       "train without SEP (the default).")
+        alpha, refine = getattr(args, "d2a_alpha", 1.01), getattr(args, "d2a_max_refine", 96)
+        if not (math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"--d2a-alpha (={alpha}) must be > 0 (the weights alpha^(R - i) of DEER Eq. 3; a "
+                             "negative base alternates their sign): pass e.g. 1.01 (the paper uses 1.01-1.05).")
+        if refine < 1:
+            raise ValueError(f"--d2a-max-refine (={refine}) must be >= 1 (R ~ U(1, R_max)): pass e.g. 96.")
+        cache = getattr(args, "d2a_teacher_cache", None)
+        if hasattr(args, "teacher") and args.teacher is None and not (cache and pathlib.Path(cache).exists()):
+            raise ValueError("--teacher (=None) is required for --objective d2a (the AR model whose continuations "
+                             "the drafter learns): pass e.g. --teacher models/qwen2-tiny-ar, or an existing "
+                             "--d2a-teacher-cache.")
+
+    def _teacher_settings(self) -> dict:
+        """What the teacher's continuations depend on, kept in `--d2a-teacher-cache` and checked on reuse."""
+        args = self.args
+        return {"teacher": args.teacher, "seed": args.seed, "teacher_problems": args.d2a_teacher_problems,
+                "teacher_code_windows": args.d2a_teacher_code, "max_operand": args.max_operand,
+                "train_problems": args.train_problems}
 
     def build_model(self, args, tokenizer, init_from):
         if not init_from:
@@ -310,9 +345,16 @@ class D2AObjective(BlockDiffusionObjective):
         args = self.args
         cache = pathlib.Path(args.d2a_teacher_cache) if getattr(args, "d2a_teacher_cache", None) else None
         if cache is not None and cache.exists():
-            streams = torch.load(cache)
-            self.teacher_tokens = {name: int(m.sum()) for name, (_, m) in streams.items()}
-            return streams
+            saved = torch.load(cache)
+            settings, current = saved.pop("settings", None), self._teacher_settings()
+            if settings != current:
+                differ = sorted(k for k in current if (settings or {}).get(k) != current[k])
+                raise ValueError(f"--d2a-teacher-cache {cache} was written with other settings ({settings}; differ: "
+                                 f"{', '.join(differ)}): pass the same --teacher, --seed, --d2a-teacher-problems, "
+                                 "--d2a-teacher-code, --max-operand and --train-problems as when it was written, or another file "
+                                 "(delete it to rebuild).")
+            self.teacher_tokens = {name: int(m.sum()) for name, (_, m) in saved.items()}
+            return saved
         prompts = tokenizer([format_prompt(p["question"]) for p in problems[: args.d2a_teacher_problems]],
                             add_special_tokens=False)["input_ids"]
         gen = torch.Generator().manual_seed(args.seed)
@@ -327,7 +369,7 @@ class D2AObjective(BlockDiffusionObjective):
         code = teacher_stream(teacher, code_prompts, max_new_tokens=64)
         self.teacher_tokens = {"arith": int(arith[1].sum()), "code": int(code[1].sum())}
         if cache is not None:
-            torch.save({"arith": arith, "code": code}, cache)
+            torch.save({"arith": arith, "code": code, "settings": self._teacher_settings()}, cache)
         return {"arith": arith, "code": code}
 
 
@@ -337,12 +379,12 @@ class D2AObjective(BlockDiffusionObjective):
         if args.d2a_stage == 1:
             sizes = list(self.block_sizes)
             k = sizes[int(torch.multinomial(torch.tensor(list(self.block_sizes.values())), 1, generator=gen))]
-            segment = random_segments(b, seq_len, k, gen, fixed=k)
+            segment = cut_at_continuation_edges(random_segments(b, seq_len, k, gen, fixed=k), maskable)
             t = torch.rand(b, generator=gen) * (1 - 1e-3) + 1e-3
             noise = (torch.rand(b, seq_len, generator=gen) < t[:, None]) & maskable
             weights = (1.0 / t)[:, None].expand(b, seq_len)
         else:
-            segment = random_segments(b, seq_len, args.d2a_max_refine, gen)
+            segment = cut_at_continuation_edges(random_segments(b, seq_len, args.d2a_max_refine, gen), maskable)
             noise = maskable.clone()
             starts = torch.cat([torch.ones(b, 1, dtype=torch.bool), segment[:, 1:] != segment[:, :-1]], dim=1)
             index = torch.arange(seq_len)[None].expand(b, -1)

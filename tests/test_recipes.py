@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
 from recipes.objectives import (AutoregressiveObjective, D2AObjective, FastDLLMV2Objective, bd_training_mask,
-                                d2a_training_mask, random_segments)
+                                cut_at_continuation_edges, d2a_training_mask, random_segments)
 
 SMALL = dict(vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=True, attn_implementation="sdpa")
@@ -91,9 +93,31 @@ def test_random_segments_cover_every_position_in_order():
             assert torch.bincount(row).max() <= longest
 
 
-def test_d2a_stage2_loss_equals_separate_inference_layout_forwards():
+def test_segments_are_cut_where_a_continuation_starts_or_ends():
+    """No segment holds prompt and continuation tokens together (a masked answer token saw the next example's
+    prompt in its own segment, which tells where the answer ends); every cut of the input segments is kept."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        segment = random_segments(3, 40, 9, gen)
+        maskable = torch.rand(3, 40, generator=gen) < 0.6
+        cut = cut_at_continuation_edges(segment, maskable)
+        steps = cut[:, 1:] - cut[:, :-1]
+        assert (cut[:, 0] == 0).all() and ((steps == 0) | (steps == 1)).all()
+        same = cut[:, 1:] == cut[:, :-1]
+        assert not (same & (maskable[:, 1:] != maskable[:, :-1])).any()
+        assert not (same & (segment[:, 1:] != segment[:, :-1])).any()
+
+
+_PROMPTS_AND_ANSWERS = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1],
+                                     [1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("maskable", [torch.ones(2, 12, dtype=torch.bool), _PROMPTS_AND_ANSWERS],
+                         ids=["continuations only", "packed prompts and answers"])
+def test_d2a_stage2_loss_equals_separate_inference_layout_forwards(maskable):
     """The packed Stage II loss equals, segment by segment, the drafter's inference forward over
-    `[clean prefix (causal) | MASK x R (full)]` with weights alpha^(R - i): the mask trick replaces them exactly."""
+    `[clean prefix (causal) | MASK x R (full)]` with weights alpha^(R - i): the mask trick replaces them exactly,
+    also in a window that packs several prompts and answers (a masked answer token never sees a later token)."""
     from model_patches.sdar import SDARConfig, SDARForCausalLM
 
     torch.manual_seed(0)
@@ -101,13 +125,14 @@ def test_d2a_stage2_loss_equals_separate_inference_layout_forwards():
     args = SimpleNamespace(d2a_stage=2, d2a_max_refine=5, d2a_alpha=1.3)
     b, seq_len = 2, 12
     x = torch.randint(3, 40, (b, seq_len))
-    maskable = torch.ones(b, seq_len, dtype=torch.bool)
     loss = D2AObjective(args).loss(model, x, maskable, torch.Generator().manual_seed(4))
 
-    segment = random_segments(b, seq_len, 5, torch.Generator().manual_seed(4))
+    segment = cut_at_continuation_edges(random_segments(b, seq_len, 5, torch.Generator().manual_seed(4)), maskable)
     total = 0.0
     for row in range(b):
         for s_id in segment[row].unique().tolist():
+            if not maskable[row][segment[row] == s_id].any():
+                continue                                           # a prompt: context only
             cols = (segment[row] == s_id).nonzero()[:, 0]
             start, length = int(cols[0]), cols.numel()
             ids = torch.cat([x[row, :start], torch.full((length,), 2)])
@@ -120,6 +145,34 @@ def test_d2a_stage2_loss_equals_separate_inference_layout_forwards():
             weights = 1.3 ** (length - torch.arange(1, length + 1).float())
             total = total + (ce * weights).sum()
     torch.testing.assert_close(loss, total / maskable.sum(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("settings,words", [
+    (dict(d2a_alpha=-1.0), "--d2a-alpha (=-1.0) must be > 0"),
+    (dict(d2a_alpha=float("nan")), "--d2a-alpha (=nan) must be > 0"),
+    (dict(d2a_max_refine=0), "--d2a-max-refine (=0) must be >= 1"),
+    (dict(teacher=None, d2a_teacher_cache=None), "--teacher (=None) is required"),
+])
+def test_d2a_refuses_bad_settings_before_any_data(settings, words):
+    """They trained with a negative loss (alpha <= 0), failed after the teacher's generation (R_max 0) or inside
+    `from_pretrained(None)` after the data loaded (no teacher)."""
+    args = SimpleNamespace(**{"d2a_stage": 2, "d2a_alpha": 1.01, "d2a_max_refine": 96, **settings})
+    with pytest.raises(ValueError, match=re.escape(words)):
+        D2AObjective(args)
+
+
+def test_d2a_teacher_cache_of_other_settings_is_refused(tmp_path):
+    """A cache written for another teacher, seed or counts was reused silently (and the log named the new ones)."""
+    args = SimpleNamespace(d2a_stage=1, teacher="models/qwen2-tiny-ar", seed=5, d2a_teacher_problems=40,
+                           d2a_teacher_code=20, max_operand=20, train_problems=1000,
+                           d2a_teacher_cache=str(tmp_path / "teacher.pt"))
+    stream = (torch.arange(8), torch.ones(8, dtype=torch.bool))
+    objective = D2AObjective(args)
+    torch.save({"arith": stream, "code": stream, "settings": objective._teacher_settings()}, args.d2a_teacher_cache)
+    assert objective.build_streams(None, [], [], None)["arith"][0].tolist() == list(range(8))
+    args.seed = 9
+    with pytest.raises(ValueError, match=r"other settings .*differ: seed\)"):
+        D2AObjective(args).build_streams(None, [], [], None)
 
 
 def test_d2a_stage1_loss_is_finite_and_only_on_continuations():
