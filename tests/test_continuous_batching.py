@@ -96,6 +96,10 @@ def test_joining_rows_get_their_batch_1_tokens(case):
         assert tokens == _alone(case, n)[: len(tokens)] and len(tokens) == BUDGETS[n], (case, n)
         assert reason == "length" and stats.num_generated_tokens == len(tokens)
         assert stats.nfe > 0
+        # the discarded tokens as a batch-1 call reports them (they were left at 0)
+        alone = _call(case, torch.tensor([PROMPTS[n]]), None, BUDGETS[n], return_dict_in_generate=True)
+        assert stats.num_discarded_tokens == stats.num_committed_tokens - len(tokens) \
+            == alone.spec_stats_per_row[0].num_discarded_tokens, (case, n)
 
 
 @pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "llada2", "simsd", "deer"])
