@@ -209,3 +209,28 @@ def test_reported_batches_that_crashed_equal_one_by_one(model_name, drafter_name
             row = out[i, enc.input_ids.shape[1]:]
             assert row[:len(alone)].tolist() == alone, f"row {i}: {text!r}"
             assert (row[len(alone):] == tokenizer.pad_token_id).all()
+
+
+@pytest.mark.parametrize("runtime", [{}, {"cache_implementation": "static"}], ids=["eager", "static"])
+def test_deer_rows_near_their_budget_keep_their_counters(one_thread, runtime):
+    """A DEER row one token short of its budget drafts nothing and takes one AR step: the cycle's drafter forward,
+    run for the other rows, is not charged to it (its `nfe` and drafter forwards were one more than alone)."""
+    import hf_dllm_spec
+    from hf_dllm_spec.tools.jobs.evaluation import load
+
+    tokenizer, target = load(BUNDLED / "qwen2-tiny-ar")
+    drafter = load(BUNDLED / "deer-drafter-tiny")[1]
+    prompts = [tokenizer("Question: 3 + 4?\nAnswer:").input_ids, [349]]     # rows that end different cycles
+    pad = tokenizer.pad_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    common = dict(custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="deer", draft_model=drafter,
+                  block_size=4, eos_token_id=None, pad_token_id=pad, return_dict_in_generate=True, **runtime)
+    for budget in (5, 7, 9):
+        out = target.generate(ids, attention_mask=(ids != pad).long(), max_new_tokens=budget, **common)
+        for i, prompt in enumerate(prompts):
+            alone = target.generate(torch.tensor([prompt]), max_new_tokens=budget, **common)
+            got, want = out.spec_stats_per_row[i], alone.spec_stats
+            assert {k: v for k, v in counters(got).items() if not k.endswith("_time_s")} == \
+                {k: v for k, v in counters(want).items() if not k.endswith("_time_s")}, (budget, i)
+            assert (got.nfe, got.num_forward_calls) == (want.nfe, want.num_forward_calls), (budget, i)

@@ -220,11 +220,12 @@ class DeerStrategy(DecodingStrategy):
         if self.compiled:                 # the drafter reads the joining rows' whole prompts: a wider first input
             self.pending = self.first_input()
 
-    def num_drafts(self) -> tuple[int, torch.Tensor]:
-        """k for this cycle (never beyond the budget) and drafts per row `(N,)`: a row one token short of its
-        budget drafts nothing and takes one AR step."""
+    def num_drafts(self) -> tuple[int, list[int], torch.Tensor]:
+        """k for this cycle (never beyond the budget) and drafts per row, on the host and `(N,)` on the device: a
+        row one token short of its budget drafts nothing and takes one AR step."""
         per_row = self.host_drafts()
-        return max(per_row, default=0), torch.tensor(per_row, dtype=torch.long, device=self.session.target.device)
+        return (max(per_row, default=0), per_row,
+                torch.tensor(per_row, dtype=torch.long, device=self.session.target.device))
 
     def host_drafts(self) -> list[int]:
         """Drafts per row this cycle, on the host (no device read): k, fewer near the row's budget."""
@@ -236,13 +237,14 @@ class DeerStrategy(DecodingStrategy):
         """One draft/verify cycle for every active row; returns each row's committed tokens `(n_i,)` and the same
         tokens as read on the host (the cycle's one device read)."""
         s = self.session
-        k, per_row = self.num_drafts()
+        k, drafts, per_row = self.num_drafts()
         n = self.last.shape[0]
         if k:
             # The drafter keeps its own device: it reads the ids there, its block logits come back here. It always
             # drafts a whole block of `block_size` masks (full attention inside it: fewer masks would change the
             # first ones' logits), so a row's drafts never depend on the budgets of the other rows in the batch.
-            draft_logits = self.drafter.draft(self.new_tokens, self.config.block_size)[:, :k]
+            draft_logits = self.drafter.draft(self.new_tokens, self.config.block_size,
+                                              rows=[d > 0 for d in drafts])[:, :k]    # counted where it drafts
             draft_logits = draft_logits.to(self.last.device)                                       # (N, k, V)
             draft_probs = self.draft_sampler.probs(draft_logits)
             drawn = torch.arange(k, device=per_row.device)[None] < per_row[:, None]             # a row's own k
@@ -443,12 +445,14 @@ class DeerStrategy(DecodingStrategy):
             ids, valid = drafter.pad(drafter.context, width_bucket(max(c.shape[0] for c in drafter.context)))
             m = ids.shape[1]
             return s.drafter.run_step(deer_full_draft_step, self, ("deer-draft-full", m, *self.step_key),
-                                      (ids, valid, noise), q=m + b, store_len=0, logits_to_keep=b, kind="draft")
+                                      (ids, valid, noise), q=m + b, store_len=0, logits_to_keep=b, kind="draft",
+                                      rows=[d > 0 for d in drafts])
         new_ids, new_valid = self.pending
         m = new_ids.shape[1]                      # k + 1 (the first cycle, after a join: a width bucket)
         seen, *out = s.drafter.run_step(deer_draft_step, self, ("deer-draft", m, *self.step_key),
                                         (drafter.lengths, new_ids, new_valid, noise),
-                                        q=m + b, store_len=m, logits_to_keep=b, kind="draft")
+                                        q=m + b, store_len=m, logits_to_keep=b, kind="draft",
+                                        rows=[d > 0 for d in drafts])
         drafter.lengths = seen
         return out
 

@@ -106,13 +106,16 @@ class OneStepDrafter:
         self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(count)])
         self.context += [torch.empty(0, dtype=torch.long, device=device) for _ in range(count)]
 
-    def draft(self, new_tokens: list[torch.Tensor], num_draft_tokens: int) -> torch.Tensor:
+    def draft(self, new_tokens: list[torch.Tensor], num_draft_tokens: int, rows: list[bool] | None = None
+              ) -> torch.Tensor:
         """One drafter forward; returns the raw logits of the k draft positions.
 
         Args:
             new_tokens (`list[torch.Tensor]`): per row, the tokens committed since the previous call, `(m_n,)`
                 int64 (the prompt on the first call; may be empty).
             num_draft_tokens (`int`): k >= 1.
+            rows (`list[bool]`, *optional*): the rows whose drafts are used, for the per-row counters (all when
+                omitted): a row that drafts nothing this cycle is not charged the forward.
 
         Returns:
             `torch.Tensor` of shape `(N, k, V)`, float32: entry i scores the token at position j + i, where j is
@@ -124,14 +127,14 @@ class OneStepDrafter:
             self.extend_context(new_tokens)
             padded, valid, _ = left_pad(self.context, device)
             query, positions, intra = self.full_query(padded, valid, num_draft_tokens)
-            return runner.forward(query, positions, intra, kind="draft", logits_to_keep=len(ids))[:, slots]
+            return runner.forward(query, positions, intra, kind="draft", logits_to_keep=len(ids), rows=rows)[:, slots]
         counts = torch.tensor([t.shape[0] for t in new_tokens], dtype=torch.long, device=device)
         padded, valid, _ = left_pad(new_tokens, device)
         query, positions, intra = self.block_query(padded, valid, self.lengths, num_draft_tokens)
         self.lengths = self.lengths + counts
         width = padded.shape[1]
         logits = runner.forward(query, positions, intra, kind="draft", store_len=width,
-                                store_valid=valid if width else None, logits_to_keep=len(ids))
+                                store_valid=valid if width else None, logits_to_keep=len(ids), rows=rows)
         return logits[:, slots]
 
     def extend_context(self, new_tokens: list[torch.Tensor]) -> None:
