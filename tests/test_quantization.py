@@ -228,8 +228,10 @@ def test_8bit_weights_with_float32_activations_are_refused_as_target_and_drafter
         models("sdar-large").generate(ids, decoding_strategy="simsd", assistant_model=int8_fp32, max_new_tokens=8)
     from hf_dllm_spec.integration.candidate_generator import DeerCandidateGenerator
 
+    with pytest.raises(ValueError, match=r"`draft_model` \(=.*float32 activations"):
+        DeerCandidateGenerator(int8_fp32, num_draft_tokens=4)        # its own argument's name
     with pytest.raises(ValueError, match=r"`assistant_model` \(=.*float32 activations"):
-        DeerCandidateGenerator(int8_fp32, num_draft_tokens=4)        # transformers' assisted-decoding path
+        DeerCandidateGenerator(int8_fp32, num_draft_tokens=4, role="assistant_model")    # transformers' path
 
 
 def test_16bit_8bit_and_float32_4bit_compute_are_accepted(models, prompts, caplog):
@@ -272,6 +274,53 @@ def test_quantized_weights_on_the_meta_device_are_refused():
     assert quantization_of(skeleton) == "8bit"                 # read from the layers: no quantization config
     with pytest.raises(ValueError, match=r"`draft_model` \(=.*8bit weights on the meta device"):
         check_quantized_model(skeleton, "draft_model")
+
+
+@pytest.mark.parametrize("config", [dict(load_in_8bit=True), dict(load_in_4bit=True)], ids=["8bit", "4bit"])
+def test_quantized_layers_offloaded_by_accelerate_are_refused(config, tmp_path):
+    """bitsandbytes layers under accelerate's offload hooks (here placed on disk by `device_map="auto"` within a
+    small `max_memory`) passed the check, then failed inside bitsandbytes or accelerate at the first or second
+    forward: refused before any forward, naming the model and the way that works."""
+    model = AutoModelForCausalLM.from_pretrained(
+        MODELS / "sdar-tiny-arith", dtype=torch.float16, device_map="auto", max_memory={"cpu": "6MB"},
+        offload_folder=str(tmp_path), quantization_config=BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True,
+                                                                             **config)).eval()
+    assert "disk" in model.hf_device_map.values() and quantization_of(model) is not None
+    with pytest.raises(ValueError, match=r"`model` \(=.*layers offloaded by accelerate.*give the quantized modules"):
+        model.generate(torch.tensor([[5, 6, 7]]), decoding_strategy="ar", max_new_tokens=4)
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    from hf_dllm_spec import cli
+
+    try:
+        cli.main(list(argv))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    return code, capsys.readouterr().err
+
+
+def test_cli_names_the_drafter_when_its_checkpoint_is_refused(capsys, tmp_path):
+    """A drafter checkpoint saved 8-bit with float32 activations was refused under `--quantization` and as `model`
+    (the target's flag and role): now `--draft-model` and `draft_model`."""
+    saved = tmp_path / "sdar-8bit-fp32"
+    hf_dllm_spec.register_auto_classes()
+    int8 = BitsAndBytesConfig(load_in_8bit=True)
+    AutoModelForCausalLM.from_pretrained(MODELS / "sdar-tiny-arith", dtype=torch.float32, device_map="cpu",
+                                         quantization_config=int8).save_pretrained(saved)
+    PreTrainedTokenizerFast.from_pretrained(MODELS / "sdar-tiny-arith").save_pretrained(saved)
+    code, err = _cli(capsys, "generate", "--prompt", "Question: 3 + 4?", "--model", str(MODELS / "sdar-large"),
+                     "--draft-model", str(saved), "--strategy", "simsd", "--quantization", "4bit")
+    assert code == 2 and "argument --draft-model: `draft_model` (=" in err, err
+    assert "saved 8-bit keeps its saved dtype" in err
+
+
+def test_cli_refuses_disk_placement_with_quantization_before_loading(capsys):
+    """transformers' own refusal spoke of GPU RAM and a Python keyword, naming no flag."""
+    code, err = _cli(capsys, "generate", "--prompt", "x", "--dtype", "float16", "--quantization", "8bit",
+                     "--device-map", '{"": "disk"}')
+    assert code == 2 and "argument --device-map: places modules on disk" in err, err
 
 
 # --- outputs ---------------------------------------------------------------------------------------------------

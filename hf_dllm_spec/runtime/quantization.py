@@ -20,8 +20,11 @@ Refused by :func:`check_quantized_model` before any forward (bitsandbytes 0.50.2
   embedding (possible on a transformers class when `llm_int8_skip_modules` replaces transformers' default skips),
   which fails at the first forward inside bitsandbytes (`AttributeError: 'Parameter' object has no attribute
   'CB'` for 8-bit, a bare `AssertionError` for 4-bit).
-- Quantized weights on the meta device (a skeleton never loaded), which fail inside bitsandbytes; layers under
-  an accelerate offload hook, whose weights arrive per forward, are not concerned.
+- Quantized weights on the meta device (a skeleton never loaded), which fail inside bitsandbytes; and quantized
+  layers under an accelerate offload hook (weights on "meta", brought in per forward): on the CPU, 8-bit fails
+  moving them to device 0 and 4-bit loses its quantization state after the first forward (bitsandbytes 0.50.2;
+  not checked next to an accelerator). transformers' documented way keeps offloaded modules unquantized
+  (`llm_int8_enable_fp32_cpu_offload=True`), which is not concerned.
 
 Not refused: 8-bit with bfloat16 activations works (bitsandbytes casts to float16 and logs the same warning per
 matmul; float16 is the dtype that runs without a cast), 4-bit with any compute dtype, quantized drafter with an
@@ -135,9 +138,15 @@ def check_quantized_model(model: torch.nn.Module, role: str = "model") -> None:
         return
     name = type(model).__name__
     modules = _quantized_modules(model)
-    # A layer under an accelerate offload hook (`_hf_hook`) is on "meta" by design: its weight arrives per forward.
-    on_meta = [n for n, m in modules if getattr(m, "weight", None) is not None and m.weight.device.type == "meta"
-               and not hasattr(m, "_hf_hook")]
+    on_meta = [n for n, m in modules if getattr(m, "weight", None) is not None and m.weight.device.type == "meta"]
+    offloaded = [n for n in on_meta if hasattr(dict(modules)[n], "_hf_hook")]
+    if offloaded:
+        raise invalid(role, f"<{name} with {kind} layers offloaded by accelerate ({offloaded[0]}, ...)>",
+                      "keep its bitsandbytes layers on a device: accelerate's offload hooks cannot bring them in "
+                      "per forward (8-bit fails moving them, 4-bit loses their quantization state after the first "
+                      "forward)", "give the quantized modules a device in `device_map` (with "
+                      "`llm_int8_enable_fp32_cpu_offload=True`, the modules you place on \"cpu\" stay unquantized), or "
+                      "load without quantization")
     if on_meta:
         raise invalid(role, f"<{name} with {kind} weights on the meta device ({on_meta[0]}, ...)>",
                       "hold real quantized weights to decode", "load it with `from_pretrained(..., "
@@ -158,4 +167,6 @@ def check_quantized_model(model: torch.nn.Module, role: str = "model") -> None:
                           "every 8-bit matmul to float16 (and logs a warning each time), so float32 activations "
                           "buy no precision",
                           "load with dtype=torch.float16 or torch.bfloat16 (float16 runs without the cast), or "
-                          "load 4-bit weights (`load_in_4bit=True`), which take any `bnb_4bit_compute_dtype`")
+                          "load 4-bit weights (`load_in_4bit=True`), which take any `bnb_4bit_compute_dtype`; a "
+                          "checkpoint saved 8-bit keeps its saved dtype whatever `dtype` says: quantize its "
+                          "unquantized weights again")

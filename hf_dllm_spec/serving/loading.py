@@ -103,6 +103,10 @@ class LoadOptions:
                 _check_device("--device-map", device)
         if self.quantization is None:
             return
+        if "disk" in places:
+            raise UsageError("--device-map", "places modules on disk, and bitsandbytes layers cannot be offloaded "
+                                             "(they fail inside bitsandbytes or accelerate at a forward): place every "
+                                             "module on a device, or drop --quantization")
         if self.quantization not in QUANTIZATIONS:
             raise UsageError("--quantization", f"must be one of {', '.join(QUANTIZATIONS)}, got "
                                                f"{self.quantization!r}")
@@ -206,9 +210,9 @@ def load_model(path: str, options: LoadOptions, *, flag: str = "--model", quanti
     if "device_map" not in kwargs:
         model.to(device or options.device or "cpu")
     try:
-        check_quantized_model(model, "model")
-    except ValueError as err:
-        raise UsageError("--quantization" if options.quantization else flag, str(err)) from err
+        check_quantized_model(model, "draft_model" if flag == "--draft-model" else "model")
+    except ValueError as err:         # the checkpoint's own quantization (a drafter is loaded unquantized)
+        raise UsageError("--quantization" if options.quantization and quantized else flag, str(err)) from err
     return tokenizer, model
 
 
