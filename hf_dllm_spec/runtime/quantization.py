@@ -139,7 +139,8 @@ def check_quantized_model(model: torch.nn.Module, role: str = "model") -> None:
     name = type(model).__name__
     modules = _quantized_modules(model)
     on_meta = [n for n, m in modules if getattr(m, "weight", None) is not None and m.weight.device.type == "meta"]
-    offloaded = [n for n in on_meta if hasattr(dict(modules)[n], "_hf_hook")]
+    hooked = {n for n, m in modules if hasattr(m, "_hf_hook")}
+    offloaded = [n for n in on_meta if n in hooked]
     if offloaded:
         raise invalid(role, f"<{name} with {kind} layers offloaded by accelerate ({offloaded[0]}, ...)>",
                       "keep its bitsandbytes layers on a device: accelerate's offload hooks cannot bring them in "
