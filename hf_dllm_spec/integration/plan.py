@@ -35,7 +35,7 @@ from model_patches.compat import CACHE_KWARG, CACHE_NAMES, find_cache
 from ..bridge import caller_stacklevel
 from ..configuration import DecodingConfig
 from ..maths.masks import left_padded_valid
-from ..runtime.placement import execution_device
+from ..runtime.placement import execution_device, unplaced_weight
 from ..runtime.quantization import check_quantized_model
 from ..runtime.static import drop_prepared_static_cache, static_cache_length
 from ..strategies.base import DecodingStrategy
@@ -404,28 +404,13 @@ def check_loaded(model, name: str) -> torch.device:
     if device.type == "meta":
         raise invalid(name, f"<{type(model).__name__} on the meta device>", "hold real weights to decode",
                       "load it with `from_pretrained` (or `to_empty` and load a state dict) before calling generate")
-    missing = _unhooked_meta_tensor(model)
+    missing = unplaced_weight(model)
     if missing is not None:
         raise invalid(name, f"<{type(model).__name__} whose `{missing}` is on the meta device>",
                       "hold real weights to decode (only accelerate's offload hooks bring meta weights in per "
                       "forward)", "load the missing weights (or place the model with `from_pretrained(..., "
                       "device_map=...)`, which offloads with hooks) before calling generate")
     return device
-
-
-def _unhooked_meta_tensor(model) -> str | None:
-    """The name of a parameter or buffer of `model` on the meta device that no accelerate hook (`_hf_hook` on its
-    module or an enclosing one) loads per forward, else None: a part moved to "meta" by hand, which fails
-    inside torch at the first forward."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    if not any(t.device.type == "meta" for _, t in tensors):
-        return None
-    hooked = {n for n, m in model.named_modules() if getattr(m, "_hf_hook", None) is not None}
-    for tensor_name, tensor in tensors:
-        parts = tensor_name.split(".")[:-1]
-        if tensor.device.type == "meta" and not any(".".join(parts[:i]) in hooked for i in range(len(parts) + 1)):
-            return tensor_name
-    return None
 
 
 def check_inputs_embeds(inputs_embeds: Any) -> None:

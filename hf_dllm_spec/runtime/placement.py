@@ -36,3 +36,25 @@ def execution_device(model) -> torch.device:
             if device is not None:
                 return torch.device(device)                     # an int is an accelerator index
     return model.device
+
+
+def unplaced_weight(model) -> str | None:
+    """The name of a parameter or buffer of `model` that is on no device: on "meta" with no accelerate hook
+    (`_hf_hook` on its module or an enclosing one) to bring it in per forward, as a part moved to "meta" by hand
+    (it fails inside torch at the first forward). None when every weight is placed (offloaded ones included).
+
+    Args:
+        model (`torch.nn.Module`): a (possibly dispatched) model.
+
+    Returns:
+        `str` or None: the first such tensor's qualified name.
+    """
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    if not any(t.device.type == "meta" for _, t in tensors):
+        return None
+    hooked = {n for n, m in model.named_modules() if getattr(m, "_hf_hook", None) is not None}
+    for tensor_name, tensor in tensors:
+        parts = tensor_name.split(".")[:-1]
+        if tensor.device.type == "meta" and not any(".".join(parts[:i]) in hooked for i in range(len(parts) + 1)):
+            return tensor_name
+    return None
