@@ -173,6 +173,31 @@ def test_stop_strings_with_tokenizer(bundled, entry):
         ENTRY_POINTS[entry](model, ids, decoding_strategy="block_diffusion", stop_strings=["apples"])
 
 
+@pytest.mark.parametrize("entry", ["model_class", "hub_folder"])
+def test_stop_strings_of_the_generation_config(bundled, entry):
+    """Stop strings in a passed `GenerationConfig` stop as the keyword does (transformers refused them: no tokenizer
+    reached its criteria); in the model's own generation config, where transformers cannot be kept from reading
+    them, they are refused with the fix (it said no tokenizer was passed, though one was)."""
+    from transformers import GenerationConfig
+
+    tokenizer, model, ids = bundled
+    common = dict(decoding_strategy="block_diffusion", block_size=4, max_new_tokens=40, eos_token_id=None)
+    want = ENTRY_POINTS[entry](model, ids, stop_strings=["apples"], tokenizer=tokenizer, **common)
+    assert tokenizer.decode(want[0, ids.shape[1]:]).endswith("apples")
+    passed = GenerationConfig(stop_strings=["apples"], max_new_tokens=40, eos_token_id=None)
+    assert torch.equal(ENTRY_POINTS[entry](model, ids, generation_config=passed, tokenizer=tokenizer,
+                                           decoding_strategy="block_diffusion", block_size=4), want)
+    assert passed.stop_strings == ["apples"]
+    with pytest.raises(ValueError, match=r"`stop_strings` .* must come with `tokenizer`"):
+        ENTRY_POINTS[entry](model, ids, generation_config=passed, decoding_strategy="block_diffusion")
+    model.generation_config.stop_strings = ["apples"]
+    try:
+        with pytest.raises(ValueError, match=r"`generation_config.stop_strings` .*set `model\.generation_config"):
+            ENTRY_POINTS[entry](model, ids, tokenizer=tokenizer, **common)
+    finally:
+        model.generation_config.stop_strings = None
+
+
 def test_direct_call_prepares_options_like_generate(bundled):
     """A direct call goes through transformers' preparation: options are applied or refused, never dropped."""
     _, model, ids = bundled

@@ -156,6 +156,29 @@ def test_plain_ar_models_keep_stock_generate():
     assert torch.equal(stock, via_ar)
 
 
+@pytest.mark.parametrize("options", [dict(renormalize_logits=True), dict(remove_invalid_values=True),
+                                     dict(top_h=0.5), dict(bad_words_ids="first")],
+                         ids=["renormalize_logits", "remove_invalid_values", "top_h", "single-token bad_words_ids"])
+def test_more_position_independent_options_run_as_stock(options):
+    """Options whose processors read each position's logits alone were refused (`top_h` and `renormalize_logits`
+    under the name `logits_processor`): the library's AR gives stock transformers' seeded tokens with them, and
+    S2D2 never emits a bad word; multi-token bad words stay refused under their own name."""
+    qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
+    first = qwen.generate(PROMPT, max_new_tokens=1, do_sample=False)[0, -1].item()
+    options = {"bad_words_ids": [[first]]} if options == dict(bad_words_ids="first") else options
+    runs = []
+    for custom in ({}, dict(custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="ar")):
+        torch.manual_seed(7)
+        runs.append(qwen.generate(PROMPT, max_new_tokens=8, do_sample=True, **custom, **options))
+    assert torch.equal(runs[0], runs[1])
+    if "bad_words_ids" in options:
+        sdar = SDARForCausalLM(SDARConfig(block_size=4, mask_token_id=MASK_ID, **TINY)).eval()
+        out = sdar.generate(PROMPT, decoding_strategy="s2d2", max_new_tokens=12, eos_token_id=None, **options)
+        assert first not in out[0, PROMPT.shape[1]:].tolist()
+        with pytest.raises(NotImplementedError, match="`bad_words_ids`"):
+            sdar.generate(PROMPT, decoding_strategy="s2d2", max_new_tokens=4, bad_words_ids=[[first, 3]])
+
+
 @pytest.fixture(scope="module")
 def bundled():
     from transformers import AutoModelForCausalLM, AutoTokenizer

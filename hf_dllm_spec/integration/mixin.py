@@ -72,7 +72,7 @@ def generate_with_strategy(model, args: tuple, kwargs: dict[str, Any], decoding_
             if kwargs.get("custom_generate") is None:
                 kwargs["custom_generate"] = dllm_generate
             args, kwargs = heal_tokens_first(model, args, kwargs)
-            kwargs = stop_strings_as_criteria(kwargs)
+            kwargs = stop_strings_as_criteria(kwargs, model.generation_config)
     if assistant:
         return draft_as_assistant(model, *args, **kwargs)
     return GenerationMixin.generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)

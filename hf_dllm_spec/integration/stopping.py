@@ -9,6 +9,7 @@ from each row's final tokens, whether the row ends and what it returns, calling 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -17,18 +18,36 @@ from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaLi
 from ..validation import invalid
 
 
-def stop_strings_as_criteria(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Turn `stop_strings=` (+ `tokenizer=`) into a `StopStringCriteria` in `stopping_criteria`.
+def stop_strings_as_criteria(kwargs: dict[str, Any], model_config=None) -> dict[str, Any]:
+    """Turn `stop_strings=` (+ `tokenizer=`) into a `StopStringCriteria` in `stopping_criteria`; without the
+    keyword, the stop strings of a passed `generation_config`, which then goes on to transformers with None there.
 
     transformers drops `tokenizer` before calling a `custom_generate` callable and then cannot build the
-    stop-string criterion itself; built here, it reaches the decoding loop like any other criterion. (On a plain
-    transformers model's `custom_generate=` path, `stop_strings` is a parameter of the callable, which reads the
-    tokenizer from the `generate` call: :func:`dllm_generate`.)
+    stop-string criterion itself (it raises that no tokenizer was given); built here, it reaches the decoding loop
+    like any other criterion. Stop strings in the model's own generation config cannot be taken out of
+    transformers' way (it fills every unset field of a passed config from the model's), so they are refused with
+    the fix. (On a plain transformers model's `custom_generate=` path, `stop_strings` is a parameter of the
+    callable, which reads the tokenizer from the `generate` call: :func:`dllm_generate`.)
+
+    Args:
+        kwargs (`dict`): the keywords of a `generate` call of the library's model classes.
+        model_config (`GenerationConfig`, *optional*): the model's generation config.
 
     Raises:
-        ValueError: if `stop_strings` is given without `tokenizer`.
+        ValueError: stop strings given without `tokenizer`, or set in the model's generation config.
     """
+    configured = getattr(model_config, "stop_strings", None)
+    if configured is not None:
+        raise invalid("generation_config.stop_strings", configured, "be None in the model's generation config: "
+                      "transformers drops `tokenizer` before a custom decoding loop and then refuses them",
+                      "set `model.generation_config.stop_strings = None` and pass stop_strings=... with "
+                      "tokenizer=... to generate")
+    config = kwargs.get("generation_config")
     stop_strings = kwargs.pop("stop_strings", None)
+    if getattr(config, "stop_strings", None) is not None:
+        stop_strings = config.stop_strings if stop_strings is None else stop_strings
+        kwargs["generation_config"] = copy.deepcopy(config)
+        kwargs["generation_config"].stop_strings = None
     if stop_strings is None:
         return kwargs
     tokenizer = kwargs.pop("tokenizer", None)

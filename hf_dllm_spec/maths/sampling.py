@@ -38,10 +38,14 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
     SequenceBiasLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
+    TopHLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
@@ -60,6 +64,14 @@ POSITION_INDEPENDENT_PROCESSORS: tuple[type, ...] = (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     SuppressTokensLogitsProcessor,
+)
+
+#: Position-independent too (`renormalize_logits`, `remove_invalid_values`, `top_h`), applied by the eager step
+#: only: a compiled step keys and traces the classes above.
+EAGER_POSITION_INDEPENDENT_PROCESSORS: tuple[type, ...] = (
+    LogitNormalization,
+    InfNanRemoveLogitsProcessor,
+    TopHLogitsWarper,
 )
 
 
@@ -87,10 +99,10 @@ _PROCESSOR_OPTIONS = {
 
 def _position_independent(proc) -> bool:
     """Exact class match (a user subclass may read `input_ids`, which the sampler cannot supply per position);
-    a sequence bias on single tokens only is a fixed per-token bias."""
-    if type(proc) in POSITION_INDEPENDENT_PROCESSORS:
+    a sequence bias (or bad words) on single tokens only is a fixed per-token bias."""
+    if type(proc) in POSITION_INDEPENDENT_PROCESSORS + EAGER_POSITION_INDEPENDENT_PROCESSORS:
         return True
-    if type(proc) is SequenceBiasLogitsProcessor:
+    if type(proc) in (SequenceBiasLogitsProcessor, NoBadWordsLogitsProcessor):
         return all(len(sequence) == 1 for sequence in proc.sequence_bias)
     return False
 
@@ -98,8 +110,9 @@ def _position_independent(proc) -> bool:
 def check_logits_processors(processors: LogitsProcessorList | None) -> None:
     """Raise `NotImplementedError` unless every processor depends on each position's logits alone.
 
-    Accepted by exact class: the processors of :data:`POSITION_INDEPENDENT_PROCESSORS` and a
-    `SequenceBiasLogitsProcessor` whose sequences are single tokens (what transformers' token healing builds).
+    Accepted by exact class: the processors of :data:`POSITION_INDEPENDENT_PROCESSORS` and
+    :data:`EAGER_POSITION_INDEPENDENT_PROCESSORS`, and a `SequenceBiasLogitsProcessor` or
+    `NoBadWordsLogitsProcessor` whose sequences are single tokens (what transformers' token healing builds).
 
     Raises:
         NotImplementedError: naming the `generate` option that added the processor (e.g. `repetition_penalty`),
@@ -111,7 +124,8 @@ def check_logits_processors(processors: LogitsProcessorList | None) -> None:
         name = type(proc).__name__
         option = _PROCESSOR_OPTIONS.get(name, "logits_processor") if type(proc).__module__.startswith(
             "transformers.") else "logits_processor"
-        supported = ", ".join(c.__name__ for c in POSITION_INDEPENDENT_PROCESSORS)
+        supported = ", ".join(c.__name__ for c in (*POSITION_INDEPENDENT_PROCESSORS,
+                                                   *EAGER_POSITION_INDEPENDENT_PROCESSORS))
         raise invalid(option, f"<{name}>", "add only processors that depend on each position's logits alone "
                       "(the context of a position is ill-defined when a diffusion decoder commits tokens out of "
                       f"order; subclasses are refused because they may read `input_ids`). Supported: {supported}",
