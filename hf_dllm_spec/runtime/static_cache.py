@@ -66,12 +66,19 @@ class RowStaticLayer(StaticLayer):
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, rows: int = 0) -> None:
         """Allocate the buffers on the first write, `(R, kv_heads, L, head_dim)` with R the owner's rows, at least
-        `key_states`' and `rows` (dtype and device of `key_states`), outside `inference_mode`; no-op afterwards."""
+        `key_states`' and `rows` (the keys' dtype and device; the values' dtype), outside `inference_mode`; no-op
+        afterwards."""
         if self.is_initialized:
             return
         rows = max(self.writes.rows, key_states.shape[0], rows)
         with torch.inference_mode(False):
             self.lazy_initialization(key_states[:1].expand(rows, -1, -1, -1), value_states[:1].expand(rows, -1, -1, -1))
+            if self.values.dtype != value_states.dtype:
+                # transformers 5.17 gives both buffers the keys' dtype (5.24 each its own); under `torch.autocast`
+                # the keys can come out of the rotary embedding in float32 while the values are 16-bit, as in eager
+                self.values = self.values.to(value_states.dtype)
+                if not torch.compiler.is_compiling():
+                    torch._dynamo.mark_static_address(self.values)
 
     def get_seq_length(self) -> int:
         """0: the stored length is per row and lives in the runner (`StaticModelRunner.lengths`); transformers only
