@@ -351,8 +351,8 @@ class D2AObjective(BlockDiffusionObjective):
                 differ = sorted(k for k in current if (settings or {}).get(k) != current[k])
                 raise ValueError(f"--d2a-teacher-cache {cache} was written with other settings ({settings}; differ: "
                                  f"{', '.join(differ)}): pass the same --teacher, --seed, --d2a-teacher-problems, "
-                                 "--d2a-teacher-code, --max-operand and --train-problems as when it was written, or another file "
-                                 "(delete it to rebuild).")
+                                 "--d2a-teacher-code, --max-operand and --train-problems as when it was written, or "
+                                 "another file (delete it to rebuild).")
             self.teacher_tokens = {name: int(m.sum()) for name, (_, m) in saved.items()}
             return saved
         prompts = tokenizer([format_prompt(p["question"]) for p in problems[: args.d2a_teacher_problems]],
