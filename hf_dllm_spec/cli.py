@@ -328,7 +328,8 @@ def _export(args: argparse.Namespace, argv: list[str]) -> None:
                              ("`source`", "SOURCE"), ("pass the model object, or the directory", "pass the directory")):
             message = message.replace(python, flag)
         flag = "OUTPUT_DIR" if "OUTPUT_DIR" in message else "SOURCE"
-        raise UsageError(flag, message.removeprefix(flag + " ")) from err
+        message = re.sub(r"^\(=(.*?)\) must ", r"\1 must ", message.removeprefix(flag + " "))   # 'x' must ...
+        raise UsageError(flag, message) from err
     print(f"exported {args.source} -> {result if result is not None else args.output_dir}")
 
 

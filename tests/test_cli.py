@@ -258,6 +258,7 @@ def test_export_speaks_of_flags(capsys, tmp_path):
     (tmp_path / "full" / "x").write_text("x")
     code, _, err = run_cli(capsys, "export", str(DEFAULT_MODEL), str(tmp_path / "full"))
     assert code == 2 and "OUTPUT_DIR" in err and "--overwrite" in err and "overwrite=True" not in err, err
+    assert f"argument OUTPUT_DIR: '{tmp_path / 'full'}' must be empty or new" in err, err    # it read "(='...')"
 
 
 def test_the_console_script_exits_2_without_a_traceback_and_debug_shows_it():
