@@ -100,6 +100,12 @@ class SpecDecodingStats:
         self.num_forward_calls += 1
         self.num_draft_model_forwards += int(draft_model)
 
+    def record_output(self, num_tokens: int) -> None:
+        """The row returned `num_tokens` tokens: `num_generated_tokens`, and the committed tokens beyond them
+        (after its stop or past its budget) as `num_discarded_tokens`."""
+        self.num_generated_tokens = num_tokens
+        self.num_discarded_tokens = self.num_committed_tokens - num_tokens
+
     def observe_verification(self, num_draft_tokens: int, num_accepted: int, recovered: bool, bonus: bool) -> None:
         """Record one verification cycle (vLLM `observe_draft` analogue)."""
         if num_draft_tokens == 0:

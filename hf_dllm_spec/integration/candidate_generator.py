@@ -128,7 +128,6 @@ def _check_first_parameter_placed(model, name: str) -> None:
     Raises:
         ValueError: naming `name` ("model", "assistant_model"), with the call that decodes it instead.
     """
-    check_loaded(model, name)                   # a model never loaded is refused as such first
     if model.device.type == "meta":
         raise invalid(name, f"<{type(model).__name__} whose first parameter is offloaded (its `.device` is meta)>",
                       "have its first parameter on a real device: transformers' assisted decoding moves the ids to "
@@ -174,10 +173,10 @@ def draft_as_assistant(draft_model, input_ids: torch.LongTensor, *, generation_c
     """
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    _check_first_parameter_placed(draft_model, "assistant_model")
     k = max_new_tokens if max_new_tokens is not None else generation_config.max_new_tokens
     drafter = DeerCandidateGenerator(draft_model, num_draft_tokens=max(1, int(k)), logits_processor=logits_processor,
                                      do_sample=bool(generation_config.do_sample), role="assistant_model")
+    _check_first_parameter_placed(draft_model, "assistant_model")     # once it is known to be loaded
     sequences, logprobs = drafter.get_candidates(input_ids)
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(logprobs.unbind(1)))
 
@@ -217,6 +216,7 @@ def deer_assisted_generate(model, input_ids: torch.LongTensor, draft_model, *, n
             device, a target whose first parameter is offloaded (transformers' loop reads `model.device`) or a
             drafter of another vocabulary.
     """
+    check_loaded(model, "model")
     _check_first_parameter_placed(model, "model")
     check_loaded(draft_model, "draft_model")
     check_vocabulary(model, model_patches.get_patch(model), draft_model, model_patches.get_patch(draft_model))

@@ -216,8 +216,7 @@ class FeedAdmission(RowAdmission):
         else:
             reason = "stop" if tokens and tokens[-1] in self.stops_of(prompt_index) else "length"
         stats = self.stats(prompt_index)
-        stats.num_generated_tokens = len(tokens)
-        stats.num_discarded_tokens = stats.num_committed_tokens - stats.num_generated_tokens    # as `_output`
+        stats.record_output(len(tokens))
         stats.wall_time_s = time.perf_counter() - self.since[prompt_index]
         if request.on_done is not None:            # a copy: the call's own statistics go on changing
             request.on_done(list(tokens), reason, copy.copy(stats))

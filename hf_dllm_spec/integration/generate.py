@@ -230,8 +230,7 @@ def _output(plan: DecodePlan, input_ids, generated: list[torch.Tensor], session:
                         for role, runner in (("target", session.target), ("drafter", session.drafter)) if runner)
     stats.flush()
     for n, row in enumerate(stats.per_row[:plan.batch_size]):
-        row.num_generated_tokens = generated[n].shape[0]
-        row.num_discarded_tokens = row.num_committed_tokens - row.num_generated_tokens
+        row.record_output(generated[n].shape[0])
         row.wall_time_s, row.forward_time_s, row.prefill_time_s = (timer.total("wall"), timer.total("forward"),
                                                                    timer.total("prefill"))
         row.draft_model_time_s, row.warmup_time_s = timer.total(DRAFT_MODEL_SPAN), timer.total("warmup")

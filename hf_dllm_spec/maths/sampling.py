@@ -73,6 +73,7 @@ EAGER_POSITION_INDEPENDENT_PROCESSORS: tuple[type, ...] = (
     InfNanRemoveLogitsProcessor,
     TopHLogitsWarper,
 )
+_ACCEPTED_PROCESSORS = POSITION_INDEPENDENT_PROCESSORS + EAGER_POSITION_INDEPENDENT_PROCESSORS
 
 
 #: The `generate` option that makes transformers add each context-dependent processor (for the error message).
@@ -100,7 +101,7 @@ _PROCESSOR_OPTIONS = {
 def _position_independent(proc) -> bool:
     """Exact class match (a user subclass may read `input_ids`, which the sampler cannot supply per position);
     a sequence bias (or bad words) on single tokens only is a fixed per-token bias."""
-    if type(proc) in POSITION_INDEPENDENT_PROCESSORS + EAGER_POSITION_INDEPENDENT_PROCESSORS:
+    if type(proc) in _ACCEPTED_PROCESSORS:
         return True
     if type(proc) in (SequenceBiasLogitsProcessor, NoBadWordsLogitsProcessor):
         return all(len(sequence) == 1 for sequence in proc.sequence_bias)
@@ -124,8 +125,7 @@ def check_logits_processors(processors: LogitsProcessorList | None) -> None:
         name = type(proc).__name__
         option = _PROCESSOR_OPTIONS.get(name, "logits_processor") if type(proc).__module__.startswith(
             "transformers.") else "logits_processor"
-        supported = ", ".join(c.__name__ for c in (*POSITION_INDEPENDENT_PROCESSORS,
-                                                   *EAGER_POSITION_INDEPENDENT_PROCESSORS))
+        supported = ", ".join(c.__name__ for c in _ACCEPTED_PROCESSORS)
         raise invalid(option, f"<{name}>", "add only processors that depend on each position's logits alone "
                       "(the context of a position is ill-defined when a diffusion decoder commits tokens out of "
                       f"order; subclasses are refused because they may read `input_ids`). Supported: {supported}",
