@@ -7,7 +7,7 @@ per block, at some risk to quality. Importing this module registers it; then eve
     import examples.custom_strategy                              # registers "burst"
     out = model.generate(ids, decoding_strategy="burst", first_step_tokens=3, max_new_tokens=32)
     out = qwen.generate(ids, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="burst",
-                        first_step_tokens=3, mask_token_id=mask_id)
+                        first_step_tokens=3, mask_token_id=mask_id, block_size=4)   # no trained block size
 
 The command line and the server find strategies that an installed package declares under the entry point group
 `hf_dllm_spec.strategies` (in that package's pyproject.toml):

@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterable
 import torch
 from transformers import GenerationConfig, GenerationMixin
 
+from .validation import invalid
+
 #: The code object of transformers' `generate` (under its decorators): how its frame is recognised.
 GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 
@@ -83,13 +85,39 @@ def caller_stacklevel() -> int:
     return level - 1
 
 
+#: Keywords of a `generate` call that are no generation option: the model inputs it prepares and the arguments it
+#: pops (`tokenizer`, `assistant_tokenizer`, `trust_remote_code`, ...).
+GENERATE_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache_position",
+                             "past_key_values", "cache", "use_cache", "tokenizer", "assistant_tokenizer",
+                             "trust_remote_code", "use_model_defaults", "kwargs"})
+
+
+def generate_keywords() -> frozenset[str]:
+    """The keywords transformers' `generate` takes for itself: its parameters, every public `GenerationConfig`
+    option and :data:`GENERATE_INPUTS`. A `custom_generate` callable that names one in its signature receives it
+    instead of transformers' generation config."""
+    options = {name for name in vars(GenerationConfig()) if not name.startswith("_")}
+    return frozenset(options | set(inspect.signature(GenerationMixin.generate).parameters) | GENERATE_INPUTS)
+
+
 def route_keywords(function: Callable, base: inspect.Signature, names: Iterable[str], default: Any) -> None:
     """Give `function` the signature `base` plus keyword-only parameters `names` (default `default`), so that
-    transformers' `generate` routes those keywords to it as a `custom_generate` callable and still rejects typos."""
+    transformers' `generate` routes those keywords to it as a `custom_generate` callable and still rejects typos.
+
+    Raises:
+        ValueError: a name of `names` that is a parameter of `base` or one of :func:`generate_keywords`
+            (transformers would route that keyword away from its own use, for every strategy); nothing changes.
+    """
     params = [p for p in base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    taken = {p.name for p in params}
-    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-               for name in names if name not in taken]
+    taken = {p.name for p in params} | generate_keywords()
+    names = list(names)
+    clash = next((name for name in names if name in taken), None)
+    if clash is not None:
+        raise invalid("strategy parameter", clash, "not be named like an argument of transformers' `generate`, a "
+                      f"`GenerationConfig` option or an argument of `{function.__name__}` (transformers would hand "
+                      "that keyword to the strategies instead of using it, for every strategy)",
+                      f"rename the config field, e.g. `my_{clash}`")
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default) for name in names]
     params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
     function.__signature__ = base.replace(parameters=params)
 

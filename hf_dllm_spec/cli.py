@@ -112,19 +112,21 @@ def _doc_text(cls: type, name: str) -> str:
 
 
 def strategy_parameters() -> dict[str, dict[str, Any]]:
-    """name -> {annotation, owner, strategies, defaults, config} over every registered strategy config."""
+    """name -> {annotation, annotations (per strategy), owner, strategies, defaults, config} over every registered
+    strategy config."""
     from .strategies.registry import STRATEGIES
 
     out: dict[str, dict[str, Any]] = {}
-    for strategy_name, strategy in STRATEGIES.items():
+    for strategy_name, strategy in tuple(STRATEGIES.items()):
         config = strategy.config_class
         hints = typing.get_type_hints(config)
         for f in dataclasses.fields(config):
             if f.name in config.unused_fields:
                 continue
             entry = out.setdefault(f.name, {"annotation": hints[f.name], "owner": _owner(config, f.name),
-                                            "strategies": [], "defaults": [], "config": config})
+                                            "strategies": [], "defaults": [], "config": config, "annotations": {}})
             entry["strategies"].append(strategy_name)
+            entry["annotations"][strategy_name] = hints[f.name]
             default = f.default if f.default is not dataclasses.MISSING else None
             if default not in entry["defaults"]:
                 entry["defaults"].append(default)
@@ -141,6 +143,8 @@ def add_strategy_parameters(parser: argparse.ArgumentParser) -> None:
                 f"strategy parameters ({owner.__name__})",
                 "only the ones given are passed to generate; the strategy's defaults (and --preset) fill the rest")
         convert, is_bool = _converter(entry["annotation"])
+        if len(set(entry["annotations"].values())) > 1:     # typed per strategy: read as text, converted later
+            convert, is_bool = _as_text, False
         default = (f"default {entry['defaults'][0]!r}" if len(entry["defaults"]) == 1
                    else "default per strategy")
         if type(None) in typing.get_args(entry["annotation"]):
@@ -166,9 +170,35 @@ def given_strategy_parameters(args: argparse.Namespace) -> dict[str, Any]:
 
     Returns:
         `dict[str, Any]`: parameter name -> converted value, for the options given only (an option not on the
-        command line is absent from `args`, so the strategy's defaults and `--preset` fill it).
+        command line is absent from `args`, so the strategy's defaults and `--preset` fill it). A parameter whose
+        type differs between strategies is converted by the chosen `--strategy`'s annotation.
+
+    Raises:
+        UsageError: such a parameter's text is not a value of that annotation.
     """
-    return {k[len(PARAM_PREFIX):]: v for k, v in vars(args).items() if k.startswith(PARAM_PREFIX)}
+    given = {k[len(PARAM_PREFIX):]: v for k, v in vars(args).items() if k.startswith(PARAM_PREFIX)}
+    typed_per_strategy = {name: entry["annotations"] for name, entry in strategy_parameters().items()
+                          if name in given and len(set(entry["annotations"].values())) > 1}
+    for name, per_strategy in typed_per_strategy.items():
+        annotation = per_strategy.get(getattr(args, "strategy", None))
+        if annotation is None:
+            continue                     # not a parameter of the chosen strategy: its config refuses it
+        convert, _ = _converter(annotation)
+        try:
+            given[name] = convert(given[name])
+        except ValueError as err:
+            raise UsageError(f"--{name.replace('_', '-')}", f"invalid {convert.__name__} value for --strategy "
+                             f"{args.strategy}: {given[name]!r}") from err
+    return given
+
+
+def _as_text(text: str) -> str:
+    """argparse type of a parameter whose type differs between strategies: the text, converted once the strategy
+    is known (:func:`given_strategy_parameters`)."""
+    return text
+
+
+_as_text.__name__ = "value"
 
 
 # ----------------------------------------------------------------------------------------------------------------

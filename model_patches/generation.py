@@ -101,12 +101,18 @@ class DllmGenerationMixin(GenerationMixin):
     def default_decoding_strategy(self, generation_config=None) -> str:
         """The strategy `generate()` runs when none is named: the one stored in the generation config (the
         call's, else the model's), else :attr:`native_decoding_strategy`."""
-        for config in (generation_config, self.generation_config):
-            stored = getattr(config, GENERATION_CONFIG_KEY, None) if config is not None else None
-            if stored and stored.get("decoding_strategy"):
-                return stored["decoding_strategy"]
-        return self.native_decoding_strategy
+        return stored_decoding_strategy(generation_config, self.generation_config) or self.native_decoding_strategy
+
+
+def stored_decoding_strategy(*generation_configs) -> str | None:
+    """The strategy stored under :data:`GENERATION_CONFIG_KEY` in the first of `generation_configs` (each a
+    `GenerationConfig` or None; e.g. the call's, then the model's) that stores one, else None."""
+    for config in generation_configs:
+        stored = getattr(config, GENERATION_CONFIG_KEY, None) if config is not None else None
+        if stored and stored.get("decoding_strategy"):
+            return stored["decoding_strategy"]
+    return None
 
 
 __all__ = ["BACKEND_ENTRY_POINT_GROUP", "GENERATION_CONFIG_KEY", "DllmGenerationMixin", "decoding_backend",
-           "register_decoding_backend"]
+           "register_decoding_backend", "stored_decoding_strategy"]

@@ -75,6 +75,40 @@ def test_parameters_are_typed_from_the_annotations():
     assert type(params["block_size"]) is int and type(params["confidence_threshold"]) is float
 
 
+def test_a_parameter_typed_differently_by_two_strategies_follows_the_chosen_one():
+    """Before: a third-party `acceptance: float` was parsed as the built-in `acceptance: str | None` of DEER and
+    SimSD (the first strategy declaring it typed the option), then refused as "must be a float"."""
+    from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy
+    from hf_dllm_spec.strategies.registry import register_strategy
+
+    @dataclasses.dataclass
+    class SoftConfig(BlockDiffusionConfig):
+        """Soft.
+
+        Args:
+            acceptance (`float`, defaults to 0.5): a soft acceptance level.
+        """
+
+        acceptance: float = 0.5
+
+    class SoftStrategy(BlockDiffusionStrategy):
+        name = "soft"
+        config_class = SoftConfig
+
+    before = dict(STRATEGIES)
+    try:
+        register_strategy(SoftStrategy)
+        soft = generate_args("--strategy", "soft", "--acceptance", "0.7")
+        assert soft == {"acceptance": 0.7} and type(soft["acceptance"]) is float
+        assert generate_args("--strategy", "deer", "--acceptance", "greedy_match") == {"acceptance": "greedy_match"}
+        with pytest.raises(cli.UsageError, match="--acceptance"):
+            generate_args("--strategy", "soft", "--acceptance", "high")
+    finally:
+        STRATEGIES.clear()
+        STRATEGIES.update(before)
+        register_strategy(before["ar"])
+
+
 def test_a_malformed_value_is_a_usage_error(capsys):
     code, _, err = run_cli(capsys, "generate", "--prompt", "x", "--block-size", "four")
     assert code == 2 and "invalid int" in err and "--block-size" in err

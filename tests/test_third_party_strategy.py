@@ -153,3 +153,56 @@ def test_the_server_serves_the_third_party_strategy(burst, one_thread):
         got = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=12, temperature=0,
                                         extra_body={"decoding_strategy": "burst", "first_step_tokens": 3})
     assert got.choices[0].text == served.tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("field", ["temperature", "max_new_tokens", "generator", "attention_mask"])
+def test_a_parameter_named_like_a_generate_keyword_is_refused_and_nothing_changes(field, sdar_model, prompt):
+    """Before: a parameter named like a transformers `generate` option (or an argument of the callable) took that
+    keyword over for every strategy (`temperature=` then failed on the built-in ones), and a registration whose
+    keyword refresh failed stayed in the registry and broke every later one."""
+    config = dataclass(type("ClashConfig", (BlockDiffusionConfig,), {"__annotations__": {field: int}, field: 1}))
+    strategy = type("ClashStrategy", (BlockDiffusionStrategy,), {"name": "clash", "config_class": config})
+    before = dict(STRATEGIES)
+    signature = hf_dllm_spec.dllm_generate.__signature__
+    with pytest.raises(ValueError, match=rf"strategy parameter` \(='{field}'\).*rename the config field"):
+        register_strategy(strategy)
+    assert STRATEGIES == before and hf_dllm_spec.dllm_generate.__signature__ == signature
+    sampled = sdar_model.generate(prompt, decoding_strategy="block_diffusion", do_sample=True, temperature=0.7,
+                                  generator=torch.Generator().manual_seed(0), max_new_tokens=4)
+    assert sampled.shape[1] == prompt.shape[1] + 4
+
+
+def test_a_parameter_without_a_default_is_refused():
+    """Before: a config field without a default passed registration, then every call (and the CLI's listing of all
+    strategies) failed with a TypeError."""
+    @dataclass(kw_only=True)
+    class NeedyConfig(BlockDiffusionConfig):
+        knob: int
+
+    strategy = type("NeedyStrategy", (BlockDiffusionStrategy,), {"name": "needy", "config_class": NeedyConfig})
+    before = dict(STRATEGIES)
+    with pytest.raises(ValueError, match=r"NeedyConfig.knob` \(='<no default>'\) must have a default"):
+        register_strategy(strategy)
+    assert STRATEGIES == before
+
+
+def test_the_callable_and_the_hub_folder_run_the_stored_strategy(qwen_model):
+    """Without `decoding_strategy`, the custom_generate callable and the Hub folder run the strategy stored in the
+    generation config (before: the folder ran "s2d2" whatever was stored, the callable raised a TypeError)."""
+    from transformers import GenerationConfig
+
+    from hf_dllm_spec import BlockDiffusionConfig as Stored
+
+    prompt = torch.tensor([[5, 17, 42, 8, 23, 61, 4]])
+    stored = Stored(block_size=4, confidence_threshold=0.5).save_to_generation_config(
+        GenerationConfig(max_new_tokens=8, eos_token_id=None, mask_token_id=98))
+    named = qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, generation_config=stored,
+                                decoding_strategy="block_diffusion", block_size=4, confidence_threshold=0.5,
+                                mask_token_id=98)
+    by_callable = qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, generation_config=stored,
+                                      mask_token_id=98)
+    by_folder = qwen_model.generate(prompt, custom_generate=str(ROOT), trust_remote_code=True,
+                                    generation_config=stored, mask_token_id=98)
+    assert by_callable.tolist() == named.tolist() == by_folder.tolist()
+    with pytest.raises(ValueError, match=r"`decoding_strategy` \(=None\) must be given, or stored"):
+        qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, max_new_tokens=4, mask_token_id=98)

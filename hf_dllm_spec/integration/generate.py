@@ -36,6 +36,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from model_patches.compat import find_cache
+from model_patches.generation import stored_decoding_strategy
 
 from ..bridge import generate_call_arguments, generate_with_callable, route_keywords
 from ..configuration import DecodingConfig
@@ -65,7 +66,7 @@ def dllm_generate(
     synced_gpus: bool = False,
     streamer=None,
     *,
-    decoding_strategy: str,
+    decoding_strategy: str | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     mask_token_id: int | None = None,
     strategy_config: DecodingConfig | None = None,
@@ -82,17 +83,19 @@ def dllm_generate(
     Args:
         model (`PreTrainedModel`): the target, a model of a family in `model_patches` (SDAR, Qwen2/3).
         input_ids (`torch.LongTensor` of shape `(N, P)`): the prompts, left-padded (`attention_mask` says where).
-        logits_processor (`LogitsProcessorList`, *optional*): prepared by `generate`; only position-independent
-            processors (temperature, top-k, top-p, min-p, typical, epsilon, eta, suppress tokens) are accepted.
-        stopping_criteria (`StoppingCriteriaList`, *optional*): evaluated per row after each finished block on
-            the final tokens.
+        logits_processor (`LogitsProcessorList`, *optional*): prepared by `generate`; only processors that read
+            each position's logits alone are accepted (temperature, top-k, top-p, min-p, typical, epsilon, eta,
+            top-h, suppress tokens, single-token bad words and sequence bias, renormalisation, inf/NaN removal).
+        stopping_criteria (`StoppingCriteriaList`, *optional*): called as transformers calls them, once per
+            position on the final tokens (`scores=None`); each row ends at the exact token where one first fires.
         generation_config (`GenerationConfig`, *optional*): `max_new_tokens`, `do_sample`, `eos_token_id`,
             `pad_token_id`, `use_cache` (False recomputes every forward without a cache),
             `return_dict_in_generate`.
         streamer (`BaseStreamer`, *optional*): receives the prompt, final tokens as soon as they are final, then
             `end()` (batch size 1). Through `generate`, the streamer passed there (transformers drops it for
             callables; it is read from the call).
-        decoding_strategy (`str`): a registered strategy: "ar", "block_diffusion", "s2d2", ...
+        decoding_strategy (`str`, *optional*): a registered strategy: "ar", "block_diffusion", "s2d2", ...; without
+            it, the one stored in the generation config (the call's, else the model's `dllm_decoding`).
         generator (`torch.Generator` or a list of them, *optional*): the only source of randomness; the same seed
             gives the same tokens. Without it torch's global RNG is used. A list (or tuple) holds one generator per
             row (length N, each on the model's device): every random draw of row i comes from generator i, so each
@@ -131,6 +134,8 @@ def dllm_generate(
     call = generate_call_arguments(model)
     streamer = streamer if streamer is not None else call.get("streamer")
     with ending_streamer_on_error(streamer):                # the `finally` below is not reached yet
+        if decoding_strategy is None:
+            decoding_strategy = _stored_strategy(model, generation_config)
         if stop_strings is not None:
             tokenizer = kwargs.pop("tokenizer", None)                          # a direct call keeps it
             tokenizer = tokenizer if tokenizer is not None else call.get("tokenizer")
@@ -166,6 +171,16 @@ def dllm_generate(
             streamer.end()
 
 
+def _stored_strategy(model, generation_config) -> str:
+    """The strategy stored in the call's generation config, else in the model's (`dllm_decoding`)."""
+    stored = stored_decoding_strategy(generation_config, getattr(model, "generation_config", None))
+    if stored is None:
+        raise invalid("decoding_strategy", None, "be given, or stored in the generation config (`dllm_decoding`, "
+                      "written by `DecodingConfig.save_to_generation_config`)",
+                      "pass decoding_strategy='s2d2' (or another registered strategy)")
+    return stored
+
+
 def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
     """`draft_model`, or transformers' `assistant_model` as its alias (also when transformers dropped it)."""
     assistant_model = assistant_model if assistant_model is not None else call.get("assistant_model")
@@ -185,10 +200,11 @@ def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_k
         with session.target.timer.span("wall"):
             generated = plan.strategy(plan.config, session).decode()[:plan.batch_size]
     if session.admission is None:
-        return _output(plan, input_ids, ends.finish(generated), session)
-    session.admission.finish()                  # each row ended by its own request's budget and stop rule
-    final = [torch.tensor(session.admission.tokens[n], dtype=torch.long, device=plan.device)
-             for n in range(plan.batch_size)]
+        final = ends.finish(generated)          # each row cut at its budget, first stop id and criteria
+    else:
+        session.admission.finish()              # each row ended by its own request's budget and stop rule
+        final = [torch.tensor(session.admission.tokens[n], dtype=torch.long, device=plan.device)
+                 for n in range(plan.batch_size)]
     return _output(plan, input_ids, final, session)
 
 
@@ -225,6 +241,12 @@ def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, stream
 def _output(plan: DecodePlan, input_ids, generated: list[torch.Tensor], session: DecodingSession):
     """The sequences `(N, P + n)` (right-padded with the pad id), with the statistics when asked (the session's
     counters, the times of its target's timer, which runtime ran)."""
+    width = max(g.shape[0] for g in generated)
+    new = torch.full((plan.batch_size, width), plan.pad_id if plan.pad_id is not None else 0, dtype=torch.long,
+                     device=plan.device)
+    for n, g in enumerate(generated):
+        new[n, : g.shape[0]] = g
+    sequences = torch.cat([input_ids.to(plan.device), new], dim=1)
     stats, timer = session.stats, session.target.timer
     runtime = "; ".join(f"{role}: {runner.runtime_note}"
                         for role, runner in (("target", session.target), ("drafter", session.drafter)) if runner)
@@ -235,12 +257,6 @@ def _output(plan: DecodePlan, input_ids, generated: list[torch.Tensor], session:
                                                                    timer.total("prefill"))
         row.draft_model_time_s, row.warmup_time_s = timer.total(DRAFT_MODEL_SPAN), timer.total("warmup")
         row.runtime = runtime
-    width = max(g.shape[0] for g in generated)
-    new = torch.full((plan.batch_size, width), plan.pad_id if plan.pad_id is not None else 0, dtype=torch.long,
-                     device=plan.device)
-    for n, g in enumerate(generated):
-        new[n, : g.shape[0]] = g
-    sequences = torch.cat([input_ids.to(plan.device), new], dim=1)
     if plan.generation_config.return_dict_in_generate:
         return GenerateDllmOutput(sequences=sequences, spec_stats=stats.total(),
                                   spec_stats_per_row=stats.per_row[:plan.batch_size])

@@ -36,7 +36,7 @@ import json
 import os
 from typing import Any
 
-from ..cli_args import CACHE_IMPLEMENTATIONS, positive_int
+from ..cli_args import CACHE_IMPLEMENTATIONS, positive_int, suggest
 from .limits import API_KEY_ENV
 from .loading import LoadOptions, add_loading_arguments
 
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     except ValueError as err:          # a UsageError reads "argument FLAG: ..."
         if parser is None:
             raise
-        parser.error(str(err))
+        parser.error(suggest(str(err)))     # a mistyped --param or --strategy: the closest name
     print(f"serving {served.name} (default decoding_strategy={served.default_strategy!r}) on "
           f"http://{args.host}:{args.port}/v1" + (" (API key required)" if limits.api_key else ""))
     uvicorn.run(create_app(served, limits), host=args.host, port=args.port, log_level="info",
@@ -174,7 +174,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m hf_dllm_spec.serving.cli MODEL ...`."""
+    """`python -m hf_dllm_spec.serving.cli MODEL ...` (installed third-party strategies registered first, as
+    `hf-dllm-spec serve` does)."""
+    from ..strategies.registry import load_strategy_plugins
+
+    load_strategy_plugins()
     parser = argparse.ArgumentParser(prog="hf-dllm-spec serve", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)

@@ -6,6 +6,8 @@ parameter routing of the `custom_generate` callable and the error messages all r
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from enum import Enum
 from typing import Any, Callable
 
@@ -40,6 +42,8 @@ class DecodingStrategyName(str, Enum):
 
 #: Called after every registration (the `custom_generate` callable refreshes the keywords it accepts).
 _LISTENERS: list[Callable[[], None]] = []
+#: One registration at a time (a registration and its listeners' refresh are one step).
+_LOCK = threading.RLock()
 
 
 def on_register(listener: Callable[[], None]) -> None:
@@ -56,8 +60,13 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     own gets `strategy.name`. Its parameters become keyword arguments of `hf_dllm_spec.dllm_generate` (so
     `generate` routes them), and the CLI and the server offer them.
 
+    A registration that fails leaves the registry and the keywords `generate` accepts as they were.
+
     Raises:
-        ValueError: if `strategy` has no `name` or no `config_class`, or its config class names another strategy.
+        ValueError: if `strategy` has no `name` or no `config_class`, its config class names another strategy, has
+            a parameter without a default, or one named like an argument of transformers' `generate`, a
+            `GenerationConfig` option or an argument of `dllm_generate` (refused by the keyword refresh:
+            transformers would hand it to the strategies instead).
     """
     name = getattr(strategy, "name", None)
     if not isinstance(name, str) or not name:
@@ -73,10 +82,30 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
         raise invalid(f"{config_class.__name__}.decoding_strategy", config_class.decoding_strategy,
                       f"name the strategy it configures ({name!r})",
                       f"give {strategy.__name__} its own config subclass with decoding_strategy = {name!r}")
-    STRATEGIES[name] = strategy
+    required = [f.name for f in dataclasses.fields(config_class) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    if required:
+        raise invalid(f"{config_class.__name__}.{required[0]}", "<no default>", "have a default: a strategy's "
+                      "parameters are optional keywords of generate (and the CLI lists every config's defaults)",
+                      f"give `{required[0]}` a default value")
+    with _LOCK:
+        previous = STRATEGIES.get(name)
+        STRATEGIES[name] = strategy
+        try:
+            _notify()
+        except Exception:
+            if previous is None:
+                del STRATEGIES[name]
+            else:
+                STRATEGIES[name] = previous
+            _notify()
+            raise
+    return strategy
+
+
+def _notify() -> None:
     for listener in _LISTENERS:
         listener()
-    return strategy
 
 
 for _strategy in (ARStrategy, BlockDiffusionStrategy, S2D2Strategy, FastDLLMV2Strategy, DeerStrategy, SimSDStrategy,
@@ -122,7 +151,8 @@ def get_strategy(decoding_strategy: str) -> type[DecodingStrategy]:
         ValueError: for an unknown `decoding_strategy`, listing the valid names.
     """
     value = decoding_strategy.value if isinstance(decoding_strategy, Enum) else decoding_strategy
-    check_choice("decoding_strategy", value, tuple(STRATEGIES), f"pass one of {', '.join(map(repr, STRATEGIES))}")
+    names = tuple(STRATEGIES)
+    check_choice("decoding_strategy", value, names, f"pass one of {', '.join(map(repr, names))}")
     return STRATEGIES[value]
 
 
@@ -134,7 +164,7 @@ def config_class_for(decoding_strategy: str) -> type[DecodingConfig]:
 def strategy_parameter_names() -> tuple[str, ...]:
     """Every parameter of every registered strategy config, in a stable order."""
     names: list[str] = []
-    for strategy in STRATEGIES.values():
+    for strategy in tuple(STRATEGIES.values()):              # a snapshot: a registration may run meanwhile
         names += [n for n in strategy.config_class.parameter_names() if n not in names]
     return tuple(names)
 

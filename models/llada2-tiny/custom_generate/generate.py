@@ -14,6 +14,7 @@ The single source of this file is `hf_dllm_spec/hub/custom_generate/` in the hf-
 
 try:  # transformers' import check skips try blocks, so a missing package fails with the message below
     from hf_dllm_spec.integration.mixin import DllmGenerationMixin, generate_with_strategy
+    from model_patches.generation import stored_decoding_strategy
 except ImportError as error:
     raise ImportError(
         f"This custom_generate folder runs the `hf-dllm-spec` package, which could not be imported ({error}); "
@@ -27,9 +28,11 @@ def generate(inputs=None, *, model, decoding_strategy=None, **kwargs):
     A model class with hf_dllm_spec's `generate` (e.g. SDAR) runs it unchanged, so a checkpoint whose own
     `custom_generate/` transformers binds at `from_pretrained(..., trust_remote_code=True)` decodes as the
     class does (its own default without `decoding_strategy`). Any other model decodes with
-    `decoding_strategy`; without it, a model that has a mask token (`mask_token_id=`, `config.mask_token_id`
-    or `generation_config.mask_token_id`) decodes with "s2d2", one without (an autoregressive checkpoint such as
-    a stock Qwen2 whose own folder transformers bound) keeps transformers' own `generate`.
+    `decoding_strategy`; without it, with the strategy stored in the generation config (the call's, else the
+    model's `dllm_decoding`); without either, a model that has a mask token (`mask_token_id=`,
+    `config.mask_token_id` or `generation_config.mask_token_id`) decodes with "s2d2", one without (an
+    autoregressive checkpoint such as a stock Qwen2 whose own folder transformers bound) keeps transformers' own
+    `generate`.
 
     Returns what `hf_dllm_spec.custom_generate` returns: the sequences, or a `GenerateDllmOutput` with
     `spec_stats` when `return_dict_in_generate=True`.
@@ -37,6 +40,8 @@ def generate(inputs=None, *, model, decoding_strategy=None, **kwargs):
     args = () if inputs is None else (inputs,)
     if isinstance(model, DllmGenerationMixin):  # the class's own generate, not this function bound to the model
         return type(model).generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)
+    if decoding_strategy is None:
+        decoding_strategy = stored_decoding_strategy(kwargs.get("generation_config"), model.generation_config)
     mask_ids = (kwargs.get("mask_token_id"), getattr(model.config, "mask_token_id", None),
                 getattr(model.generation_config, "mask_token_id", None))
     if decoding_strategy is None and all(mask_id is None for mask_id in mask_ids):
