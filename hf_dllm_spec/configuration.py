@@ -62,6 +62,10 @@ class DecodingConfig:
         drafts), else None; under `do_sample=False` such a rule needs an explicit `generator`."""
         return None
 
+    def check_acceptance(self, do_sample: bool) -> None:
+        """Raise `ValueError` for a parameter the acceptance rule of this sampling mode does not read (set to other
+        than its default, it would be ignored); nothing by default."""
+
     @classmethod
     def parameter_names(cls) -> tuple[str, ...]:
         """Names accepted by this strategy, in declaration order."""

@@ -60,6 +60,16 @@ CASES: list[tuple[str, dict, str, type]] = [
      ValueError),
     ("eb-nan", dict(decoding_strategy="block_diffusion", eb_threshold=NAN), "eb_threshold", ValueError),
     ("eb-inf", dict(decoding_strategy="block_diffusion", eb_threshold=INF), "eb_threshold", ValueError),
+    # S2D2 parameters that would be ignored: the random rule's under greedy_match, a span no block holds, and
+    # more than one commit per step (the reference's top-up of a verified step is not implemented)
+    ("s2d2-no-resample-greedy", dict(decoding_strategy="s2d2", allow_resample=False), "allow_resample", ValueError),
+    ("s2d2-tempering-greedy", dict(decoding_strategy="s2d2", ssd_ratio_tempering_factor=0.5),
+     "ssd_ratio_tempering_factor", ValueError),
+    ("s2d2-span-beyond-block", dict(decoding_strategy="s2d2", block_size=4, min_ssd_span_length=5),
+     "min_ssd_span_length", ValueError),
+    ("s2d2-few-steps", dict(decoding_strategy="s2d2", block_size=4, steps_per_block=2), "steps_per_block",
+     ValueError),
+    ("s2d2-num-to-transfer", dict(decoding_strategy="s2d2", num_to_transfer=2), "num_to_transfer", ValueError),
     ("tempering-nan", dict(decoding_strategy="s2d2", ssd_ratio_tempering_factor=NAN), "ssd_ratio_tempering_factor",
      ValueError),
     ("tempering-inf", dict(decoding_strategy="s2d2", ssd_ratio_tempering_factor=INF), "ssd_ratio_tempering_factor",
@@ -170,6 +180,11 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("streamer-list", dict(decoding_strategy="s2d2", streamer=[None]), "streamer", ValueError),   # no put / end
     ("cache-quantized", dict(decoding_strategy="s2d2", cache_implementation="quantized"), "cache_implementation",
      ValueError),
+    # transformers compares `max_cache_len` with the call's length unchecked (a TypeError for a string)
+    ("max-cache-len-zero", dict(decoding_strategy="s2d2", cache_implementation="static", max_cache_len=0),
+     "max_cache_len", ValueError),
+    ("max-cache-len-str", dict(decoding_strategy="s2d2", cache_implementation="static", max_cache_len="4096"),
+     "max_cache_len", ValueError),
     ("repetition-penalty", dict(decoding_strategy="s2d2", repetition_penalty=1.3), "repetition_penalty",
      NotImplementedError),
     ("min-new-tokens", dict(decoding_strategy="s2d2", min_new_tokens=4, eos_token_id=7), "min_length",
@@ -409,6 +424,8 @@ DRAFTER_CASES = [
 ] + [
     ("deer-drafter-own-mask-is-stop-id", "deer", dict(eos_token_id=[3, MASK_ID]), "draft_mask_token_id"),
     ("deer-sep-beyond-vocab", "deer", dict(sep_token_id=150), "sep_token_id"),
+    # the AR target decodes without a mask token: the id was suppressed from its distribution (not lossless)
+    ("deer-target-mask-token", "deer", dict(mask_token_id=5), "mask_token_id"),
     ("deer-sep-is-the-drafter-mask", "deer", dict(sep_token_id=MASK_ID), "sep_token_id"),
     ("deer-assistant-on-meta", "deer", dict(draft_model=None, assistant_model="<meta>"), "draft_model"),
 ]

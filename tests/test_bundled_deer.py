@@ -46,6 +46,16 @@ def test_greedy_deer_equals_the_target_greedy_generate(pair, k):
                            target.generate(ids, max_new_tokens=40, do_sample=False))
 
 
+def test_a_mask_id_in_the_target_config_leaves_deer_lossless(pair, monkeypatch):
+    """An AR target whose generation config carries a `mask_token_id` (its first greedy token here): DEER still
+    gives the target's greedy tokens (before: that id was suppressed from the target's distribution)."""
+    _, target, drafter, prompts = pair
+    ids = prompts[0]
+    greedy = target.generate(ids, max_new_tokens=40, do_sample=False)
+    monkeypatch.setattr(target.generation_config, "mask_token_id", int(greedy[0, ids.shape[1]]), raising=False)
+    assert torch.equal(_deer(target, drafter, ids, block_size=4), greedy)
+
+
 def test_candidate_generator_path_agrees(pair):
     _, target, drafter, prompts = pair
     for ids in (prompts[0], prompts[-1]):

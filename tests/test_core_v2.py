@@ -261,12 +261,12 @@ def test_stored_preset_config_and_kwargs_merge_field_by_field():
     assert (with_preset.block_size, with_preset.min_ssd_span_length) == (4, 2)
     assert (with_preset.confidence_threshold, with_preset.score_penalty_coef) == (0.6, 0.5)
     with_config = resolve_config("s2d2", generation_config=gc, preset="sdar-1.7b-config-a",
-                                 strategy_config=S2D2Config(min_ssd_span_length=5))
-    assert (with_config.min_ssd_span_length, with_config.block_size, with_config.confidence_threshold) == (5, 4, 0.6)
+                                 strategy_config=S2D2Config(min_ssd_span_length=4))
+    assert (with_config.min_ssd_span_length, with_config.block_size, with_config.confidence_threshold) == (4, 4, 0.6)
     with_kwargs = resolve_config("s2d2", generation_config=gc, preset="sdar-1.7b-config-a",
-                                 strategy_config=S2D2Config(min_ssd_span_length=5),
-                                 overrides={"min_ssd_span_length": 6, "confidence_threshold": 0.9})
-    assert (with_kwargs.min_ssd_span_length, with_kwargs.confidence_threshold, with_kwargs.block_size) == (6, 0.9, 4)
+                                 strategy_config=S2D2Config(min_ssd_span_length=4),
+                                 overrides={"min_ssd_span_length": 1, "confidence_threshold": 0.9})
+    assert (with_kwargs.min_ssd_span_length, with_kwargs.confidence_threshold, with_kwargs.block_size) == (1, 0.9, 4)
 
 
 def test_each_config_lives_beside_its_strategy():

@@ -154,6 +154,20 @@ def test_overflowing_cache_and_width_buckets(bundled, monkeypatch, one_thread):
     assert state.cache.max_cache_len >= max(len(tokenizer(t).input_ids) for t in texts) + MAX_NEW_TOKENS
 
 
+def test_max_cache_len_sizes_the_cache_for_the_calls_to_come(bundled, one_thread):
+    """transformers' `max_cache_len` (the static cache sized once for the calls to come) sizes the kept cache on the
+    first call; tokens and counters stay the eager ones."""
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "s2d2")
+    clear_static_state(model)
+    texts = _texts("sdar-tiny-arith")
+    eager = _generate(model, tokenizer, texts, spec)
+    static = _generate(model, tokenizer, texts, spec, cache_implementation="static", max_cache_len=700)
+    _assert_same(eager, static, "max_cache_len")
+    (state,) = static_states(model)
+    assert state.cache.max_cache_len >= 700
+    clear_static_state(model)
+
+
 def test_runner_logits_equal_eager_runner(sdar_model):
     """The runner alone, against the eager runner: left-padded stored segments, read-only queries, a discarded tail
     and a row selection give the same logits; read-only tokens never become visible."""

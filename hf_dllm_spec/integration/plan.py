@@ -84,7 +84,8 @@ class DecodePlan:
         cache_len (`int`): static runtime: columns per row to allocate.
         do_sample (`bool`), generator: the sampling mode and the randomness (a generator, a per-row list, None).
         criteria: the stopping criteria the loop must still call (:func:`criteria_to_scan`).
-        suppress_ids (`tuple[int, ...]`): token ids never sampled (the target's mask token).
+        suppress_ids (`tuple[int, ...]`): token ids never sampled (the target's mask token, when it decodes with
+            one: not an AR target).
         row_feed (`RowFeed` or None): continuous batching: the call's rows as requests, checked (:func:`_check_feed`).
     """
 
@@ -159,7 +160,7 @@ def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConf
         cache_len=static_cache_length(input_ids.shape[1], max_new_tokens, max(block_size, draft_block_size or 0)),
         do_sample=do_sample, generator=generator,
         criteria=criteria_to_scan(stopping_criteria, stop_ids, input_ids.shape[1], max_new_tokens),
-        suppress_ids=(mask,) if mask is not None else (), row_feed=row_feed)
+        suppress_ids=(mask,) if mask is not None and _needs_mask(strategy, patch, model) else (), row_feed=row_feed)
     _check_prompts(plan, input_ids, lengths, max_new_tokens)
     if row_feed is not None:
         _check_feed(plan, row_feed, streamer)
@@ -247,7 +248,9 @@ def _resolve_sizes(patch, model, config, input_ids, generation_config):
 
 def _check_acceptance(config: DecodingConfig, do_sample: bool, generator) -> None:
     """Greedy means greedy: a random acceptance rule (rejection sampling of the drafts) under `do_sample=False`
-    only with an explicit `generator` (the reference codes' random acceptance of argmax drafts, reproducible)."""
+    only with an explicit `generator` (the reference codes' random acceptance of argmax drafts, reproducible); no
+    parameter the rule of the sampling mode ignores (`DecodingConfig.check_acceptance`)."""
+    config.check_acceptance(do_sample)
     stochastic = config.stochastic_acceptance()
     if stochastic is None or do_sample or generator is not None:
         return
@@ -294,8 +297,13 @@ def _resolve_tokens(strategy, patch, model, input_ids, lengths, generation_confi
     integers)."""
     check_token_id("mask_token_id", mask_token_id, "pass the mask token's integer id (e.g. `tokenizer.mask_token_id`)")
     check_token_id("draft_mask_token_id", draft_mask_token_id, "pass the drafter's mask token's integer id")
-    mask = patch.mask_token_id(model, mask_token_id)
     needs_mask = _needs_mask(strategy, patch, model)
+    if mask_token_id is not None and not needs_mask:
+        raise invalid("mask_token_id", mask_token_id, f"be unset for decoding_strategy={strategy.name!r} on "
+                      f"model_type `{model.config.model_type}`, which decodes the target without a mask token (the "
+                      "id would only be suppressed from the target's distribution)",
+                      "drop `mask_token_id`; the drafter's mask token is `draft_mask_token_id`")
+    mask = patch.mask_token_id(model, mask_token_id)
     if needs_mask and mask is None:
         raise invalid("mask_token_id", None, f"be known for decoding_strategy={strategy.name!r}: "
                       f"model_type `{model.config.model_type}` has no `mask_token_id` in its config or generation "
@@ -603,6 +611,17 @@ def check_cache_implementation(value) -> None:
                       "drop `cache_implementation`, or pass cache_implementation='static'")
 
 
+def check_max_cache_len(value) -> None:
+    """transformers' `max_cache_len` (the static cache sized once for the calls to come): unset or an integer >= 1.
+
+    Raises:
+        ValueError: any other value (transformers compares it with the call's length unchecked).
+    """
+    if value is not None:
+        check_int("max_cache_len", value, 1, "pass the largest prompt + max_new_tokens you expect, e.g. "
+                  "max_cache_len=4096, or drop it")
+
+
 def check_generation_config(generation_config: GenerationConfig) -> None:
     """Generation options the strategies do not support, and non-finite float options.
 
@@ -611,7 +630,7 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
             another decoding mode (:data:`MODE_OPTIONS`: `penalty_alpha`, `dola_layers`, `prompt_lookup_num_tokens`,
             ...), `is_assistant`, `prefill_chunk_size` (chunked prefill is not implemented), NaN or infinite
             `temperature`, `top_p`, `min_p`, ... ; a `cache_implementation` other than unset, "dynamic" or
-            "static"; "static" with `use_cache=False`.
+            "static"; "static" with `use_cache=False`; a `max_cache_len` that is not an integer >= 1.
     """
     for name in SINGLE_HYPOTHESIS:
         check_single_hypothesis(name, getattr(generation_config, name, None))
@@ -638,6 +657,7 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
                       "strategies (each strategy prefills the prompt in one forward into its own cache: a chunk size "
                       "would be ignored)", "drop `prefill_chunk_size`")
     check_cache_implementation(generation_config.cache_implementation)
+    check_max_cache_len(getattr(generation_config, "max_cache_len", None))
     if generation_config.cache_implementation == "static" and generation_config.use_cache is False:
         raise invalid("use_cache", False, "be True with cache_implementation='static' (the static runtime decodes "
                       "over its preallocated cache)", "drop `use_cache=False`, or drop `cache_implementation`")
@@ -732,5 +752,5 @@ def check_model_pair(target, target_patch, drafter, drafter_patch, generation_co
 
 __all__ = ["DecodePlan", "build_plan", "check_attention_mask", "check_block_budget", "check_cache_implementation",
            "check_drafter_tokens", "check_generation_config", "check_generator", "check_inputs_embeds", "check_loaded",
-           "check_model_kwargs", "check_model_pair", "check_row", "check_single_hypothesis", "check_streamer",
-           "check_token_id", "check_vocabulary", "prompt_lengths"]
+           "check_max_cache_len", "check_model_kwargs", "check_model_pair", "check_row", "check_single_hypothesis",
+           "check_streamer", "check_token_id", "check_vocabulary", "prompt_lengths"]

@@ -824,7 +824,7 @@ def make_runner(model, patch, stats: BatchStats, *, batch_size: int, generation_
 
     Args:
         max_cache_len (`int`): static runtime: columns per row to allocate (a longer need reallocates);
-            `generation_config.max_cache_len` (transformers >= 5.24), when larger, sizes it instead.
+            `generation_config.max_cache_len` (transformers' ceiling for the calls to come), when larger, sizes it.
         use_cache, cache: eager runner only (the checks refuse a cache or `use_cache=False` with "static").
         Others: as the runners'.
     """

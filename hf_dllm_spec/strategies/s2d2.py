@@ -193,11 +193,42 @@ class S2D2Config(BlockDiffusionConfig, EditingConfig):
         """`("s2d2_acceptance", "stochastic")` when asked for (Alg. 3's random acceptance)."""
         return ("s2d2_acceptance", "stochastic") if self.s2d2_acceptance == "stochastic" else None
 
+    def check_acceptance(self, do_sample: bool) -> None:
+        """greedy_match (`s2d2_acceptance="greedy_match"`, the default under `do_sample=False`) reads neither
+        `allow_resample` nor `ssd_ratio_tempering_factor` (they shape the random rule of Alg. 3).
+
+        Raises:
+            ValueError: either set to other than its default under greedy_match.
+        """
+        if self.s2d2_acceptance == "stochastic" or (self.s2d2_acceptance is None and do_sample):
+            return
+        for name, default in (("allow_resample", True), ("ssd_ratio_tempering_factor", 1.0)):
+            if getattr(self, name) != default:
+                raise invalid(name, getattr(self, name), "be left at its default under greedy_match acceptance (the "
+                              "default of do_sample=False: a draft is accepted iff it is the verifier's argmax, and "
+                              "the verifier's argmax replaces the first mismatch), which does not read it",
+                              f"drop `{name}`, or pass s2d2_acceptance='stochastic' (with do_sample=True, or with "
+                              "a generator to reproduce the reference code's random acceptance of argmax drafts)")
+
     def validate(self) -> None:
         super().validate()
         EditingConfig.validate(self)
         check_choice("do_verify_policy", self.do_verify_policy, POLICIES)
         check_int("min_ssd_span_length", self.min_ssd_span_length, 1, "pass 1 to verify at every step")
+        span = self.sub_block_size or self.block_size          # the longest span C_t (None: not resolved yet)
+        if self.do_verify_policy == "mask_span_length" and span is not None and self.min_ssd_span_length > span:
+            raise invalid("min_ssd_span_length", self.min_ssd_span_length, f"be at most the longest masked span "
+                          f"({span}, the {'sub-' if self.sub_block_size else ''}block size): a longer one never "
+                          "verifies (plain block diffusion)", f"pass min_ssd_span_length <= {span}, e.g. 1 to verify "
+                          "at every step")
+        k_above_one = ("num_to_transfer", self.num_to_transfer) if (self.num_to_transfer or 1) > 1 else (
+            ("steps_per_block", self.steps_per_block) if self.steps_per_block is not None and self.block_size
+            is not None and self.steps_per_block < self.block_size else None)
+        if k_above_one is not None:
+            raise invalid(*k_above_one, "leave at most one commit per denoising step for S2D2 (a verified step "
+                          "commits its accepted span; the reference code then tops it up to the schedule's k "
+                          "commits, which is not implemented)", f"drop `{k_above_one[0]}` (one mask per step: the "
+                          "paper's configurations), or use decoding_strategy='block_diffusion' for fewer steps")
         check_choice("do_verify_score_type", self.do_verify_score_type, SCORE_TYPES)
         check_choice("token_acceptance_estimator", self.token_acceptance_estimator, ESTIMATORS)
         check_choice("ucb_entropy_source", self.ucb_entropy_source, UCB_ENTROPY_SOURCES)
