@@ -108,7 +108,8 @@ class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
             modeling (the 2.0-era config class writes False for checkpoints that have and use the norms).
         num_experts (`int`, 256), num_experts_per_tok (`int`, 8), num_shared_experts (`int`, 1),
         moe_intermediate_size (`int`, 512), first_k_dense_replace (`int`, 1), n_group (`int`, 8),
-        topk_group (`int`, 4), routed_scaling_factor (`float`, 2.5), norm_topk_prob (`bool`, True): the MoE.
+        topk_group (`int`, 4), routed_scaling_factor (`float`, 2.5), norm_topk_prob (`bool`, True): the MoE
+            (`norm_topk_prob` kept for round trips: the Hub modeling normalises iff top-k > 1, and so does this one).
         mask_token_id (`int`, *optional*): the mask token (not in the Hub configs; see the module docstring).
         block_size (`int`, *optional*): trained block size (not in the Hub configs: 32 is assumed).
     Hub keys the Hub modeling never reads (`score_function`, `moe_router_enable_expert_bias`, `router_dtype`,
@@ -269,12 +270,22 @@ class LLaDA2MoeExperts(Glm4MoeExperts):
     the kernel (`config._experts_implementation`: "grouped_mm" by default, "batched_mm", or "eager")."""
 
 
+class LLaDA2MoeTopkRouter(Glm4MoeTopkRouter):
+    """GLM-4-MoE's group-limited sigmoid router as the LLaDA2 Hub modeling runs it: the top-k weights are normalised
+    iff `num_experts_per_tok > 1`, whatever `norm_topk_prob` says (the Hub never reads that key; families.md §8).
+    Real checkpoints (top-8, `norm_topk_prob: true`) route the same either way."""
+
+    def __init__(self, config: LLaDA2MoeConfig):
+        super().__init__(config)
+        self.norm_topk_prob = self.top_k > 1
+
+
 class LLaDA2MoeSparseMoeBlock(nn.Module):
-    """Router (`gate`, GLM-4-MoE's group-limited sigmoid router), routed experts and shared experts."""
+    """Router (`gate`, :class:`LLaDA2MoeTopkRouter`), routed experts and shared experts."""
 
     def __init__(self, config: LLaDA2MoeConfig):
         super().__init__()
-        self.gate = Glm4MoeTopkRouter(config)
+        self.gate = LLaDA2MoeTopkRouter(config)
         self.experts = LLaDA2MoeExperts(config)
         shared = config.num_shared_experts or 0
         self.shared_experts = (Glm4MoeMLP(config, intermediate_size=config.moe_intermediate_size * shared)
@@ -622,8 +633,9 @@ HUB_GENERATE_KEYWORDS: dict[str, str] = {
 def map_hub_generate_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Translate the Hub `LLaDA2MoeModelLM.generate` keywords (families.md §4.7) into this library's parameters.
 
-    `gen_length` -> `max_new_tokens`, `block_length` -> `block_size`, `steps` -> `steps_per_block` (clamped to
-    the block size) with LLaDA2.0 decoding (`preset="llada2.0"` or `num_to_transfer=None`), else dropped, as the
+    `gen_length` -> `max_new_tokens`, `block_length` -> `block_size`, `steps` -> `steps_per_block` (capped at
+    `gen_length`, as the Hub caps it at `gen_length // minimal_topk`, then clamped to the block size) with LLaDA2.0
+    decoding (`preset="llada2.0"` or `num_to_transfer=None`), else dropped, as the
     LLaDA2.1 loop ignores it, `threshold` -> `confidence_threshold`,
     `eos_id` -> `eos_token_id`, `mask_id` -> `mask_token_id`; `temperature=0` means greedy (`do_sample=False`,
     `top_p` / `top_k` dropped) and `temperature > 0` sampling; `editing_threshold`, `max_post_steps` and
@@ -649,6 +661,8 @@ def map_hub_generate_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], boo
     llada20 = out.get("preset") == "llada2.0" or ("num_to_transfer" in out and out["num_to_transfer"] is None)
     if not llada20:
         out.pop("steps", None)             # the LLaDA2.1 loop ignores `steps` (num_to_transfer decides)
+    if llada20 and out.get("steps") is not None and out.get("gen_length") is not None:
+        out["steps"] = min(int(out["steps"]), int(out["gen_length"]))        # the Hub's cap (minimal_topk=1)
     out = rename_hub_keywords(out, HUB_GENERATE_KEYWORDS)
     if out.get("steps_per_block") is not None and out.get("block_size") is not None:
         out["steps_per_block"] = min(int(out["steps_per_block"]), int(out["block_size"]))

@@ -91,6 +91,19 @@ def test_stats_add_up(sdar_model, prompt):
         assert s.wall_time_s > 0 and s.tpf > 0
 
 
+@pytest.mark.parametrize("rule", ["low_confidence_static", "sequential", "low_confidence_dynamic"])
+def test_the_step_schedule_spans_the_whole_block(sdar_model, rule):
+    """SDAR's `get_num_transfer_tokens(block_length, steps)`: a first block that holds a 2-token prompt tail (2
+    masks) commits k = 4 / 2 = 2 per step with `steps_per_block=2`, so it takes the one step that
+    `steps_per_block=1` takes (before: the schedule spread its 2 masks over 2 steps)."""
+    prompt = torch.tensor([[5, 17, 42, 8, 23, 61]])
+    runs = [sdar_model.generate(prompt, decoding_strategy="block_diffusion", block_size=4, steps_per_block=steps,
+                                remasking_strategy=rule, confidence_threshold=1.0, max_new_tokens=2,
+                                eos_token_id=None, return_dict_in_generate=True) for steps in (1, 2)]
+    assert runs[0].spec_stats.num_forward_calls == runs[1].spec_stats.num_forward_calls
+    assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
+
+
 def test_stop_id_truncates_and_keeps_eos(sdar_model, prompt):
     free = sdar_model.generate(prompt, decoding_strategy="block_diffusion", max_new_tokens=16, eos_token_id=None)
     new = free[0, prompt.shape[1]:].tolist()

@@ -158,8 +158,8 @@ def test_greedy_s2d2_always_verify_editing_off_equals_ar(llada2_model):
 def test_s2d2_never_verifying_is_the_family_decoder(llada2_model):
     """With routing that never verifies, S2D2 with editing commits and edits exactly as the LLaDA2.1 decoder."""
     common = dict(block_size=B, max_new_tokens=16, max_post_steps=2, num_to_transfer=1, **EDITING)
-    s2d2 = llada2_model.generate(PROMPT[None], decoding_strategy="s2d2", min_ssd_span_length=B + 1,
-                                 return_dict_in_generate=True, **common)
+    s2d2 = llada2_model.generate(PROMPT[None], decoding_strategy="s2d2", do_verify_policy="score_threshold",
+                                 do_verify_score_threshold=1e9, return_dict_in_generate=True, **common)
     family = llada2_model.generate(PROMPT[None], decoding_strategy="llada2", return_dict_in_generate=True, **common)
     assert torch.equal(s2d2.sequences, family.sequences)
     assert s2d2.spec_stats.num_verify_forwards == 0
@@ -252,3 +252,15 @@ def test_simsd_self_draft_on_llada2_is_the_targets_sequential_decoding(llada2_mo
     seq = llada2_model.generate(PROMPT[None], decoding_strategy="block_diffusion", block_size=B, max_new_tokens=12,
                                 remasking_strategy="sequential")
     assert torch.equal(out.sequences, seq) and out.spec_stats.acceptance_rate == 1.0
+
+
+def test_hub_steps_are_capped_at_gen_length():
+    """The Hub LLaDA2.0 `generate` caps `steps` at `gen_length // minimal_topk` before scheduling a block (before:
+    only the block size capped it, so a short `gen_length` committed one token per step, 2-4x the forwards)."""
+    from model_patches.llada2 import map_hub_generate_kwargs
+
+    mapped, hub_call = map_hub_generate_kwargs({"gen_length": 8, "block_length": 32, "steps": 32,
+                                                "preset": "llada2.0"})
+    assert hub_call and mapped["steps_per_block"] == 8 and mapped["max_new_tokens"] == 8
+    assert map_hub_generate_kwargs({"gen_length": 64, "block_length": 32, "steps": 48,
+                                    "preset": "llada2.0"})[0]["steps_per_block"] == 32

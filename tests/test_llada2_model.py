@@ -228,6 +228,25 @@ def test_expert_bias_changes_the_choice(model):
     assert (chosen != chosen0).any(dim=-1).float().mean() > 0.2
 
 
+@pytest.mark.parametrize("top_k,norm", [(1, True), (2, False)])
+def test_router_normalises_iff_top_k_above_one(top_k, norm):
+    """The Hub gate never reads `norm_topk_prob`: it normalises the top-k weights iff top-k > 1 (before: the GLM
+    router followed the key, so top-1 gave 2.5 for every token and `norm_topk_prob=False` left top-2 unnormalised)."""
+    from model_patches.llada2 import LLaDA2MoeTopkRouter
+
+    torch.manual_seed(0)
+    config = LLaDA2MoeConfig(**{**TINY_LLADA2, "num_experts_per_tok": top_k, "norm_topk_prob": norm})
+    gate = LLaDA2MoeTopkRouter(config)
+    with torch.no_grad():
+        gate.weight.normal_(0.0, 0.5)
+        h = torch.randn(16, config.hidden_size, generator=torch.Generator().manual_seed(1))
+        _, weights, experts = gate(h)
+        scores = torch.sigmoid(h @ gate.weight.T)                                   # (16, E)
+    chosen = scores.gather(1, experts)
+    expected = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) if top_k > 1 else chosen
+    torch.testing.assert_close(weights, expected * config.routed_scaling_factor)
+
+
 def test_block_causal_full_sequence_matches_reference(model, hub_state):
     n, t = 2, 11
     ids = _ids(n, t, 0)

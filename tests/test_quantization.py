@@ -183,7 +183,7 @@ def test_llada2_router_bias_and_experts_stay_unquantized(models, quant):
             assert type(layer.attention.query_key_value).__name__ in BNB_LINEAR
             assert type(layer.attention.dense).__name__ in BNB_LINEAR
             assert type(moe.shared_experts.gate_proj).__name__ in BNB_LINEAR
-            assert type(moe.gate) is Glm4MoeTopkRouter and moe.gate.weight.dtype == torch.float32
+            assert isinstance(moe.gate, Glm4MoeTopkRouter) and moe.gate.weight.dtype == torch.float32
             bias = moe.gate.e_score_correction_bias
             assert bias.dtype == torch.float32
             assert torch.equal(bias, f.get_tensor(f"model.layers.{i}.mlp.gate.expert_bias").float())

@@ -656,14 +656,17 @@ class BlockDiffusionStrategy(DecodingStrategy):
 
     def tokens_per_step(self, block: BlockState) -> torch.Tensor | int:
         """k, the least commits of this step (clamped to the masks left by the rule): `num_to_transfer` (LLaDA2.1),
-        else entry `step` of the `steps_per_block` schedule over the block's masks (SDAR), `(N,)` or an int."""
+        else entry `step` of the `steps_per_block` schedule over the block (:meth:`scheduled_masks`), `(N,)` or an
+        int."""
         if self.num_to_transfer is not None:
             return self.num_to_transfer
         return scheduled_tokens(self.scheduled_masks(block), self.steps_per_block, block.step)
 
     def scheduled_masks(self, block: BlockState) -> torch.Tensor:
-        """`(N,)` the masks the `steps_per_block` schedule spreads over: the block's masks (SDAR)."""
-        return block.num_masks
+        """`(N,)` the masks the `steps_per_block` schedule spreads over: the whole block, also a first block that
+        holds a prompt tail (the SDAR and LLaDA2.0 references' `get_num_transfer_tokens(block_length, steps)`; k is
+        clamped to the masks left)."""
+        return torch.full_like(block.num_masks, self.block_size)
 
     def finish_step(self, block: BlockState, began_full: torch.Tensor | None) -> torch.Tensor:
         """`(N,)` bool, the rows whose block is complete: no mask left, and with editing (`began_full` `(N,)`: the

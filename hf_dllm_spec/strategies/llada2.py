@@ -20,10 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
 from ..maths.editing import EditingConfig
-from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy, BlockState
+from .block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy
 
 
 @dataclass
@@ -65,10 +63,3 @@ class LLaDA2Strategy(BlockDiffusionStrategy):
     name = "llada2"
     config_class = LLaDA2DecodingConfig
     paper = "LLaDA2.1 tech report §2 (Eq. 1-3); inclusionAI LLaDA2.1 Hub generate"
-    traceable_step = True           # its step method (scheduled_masks) is a function of tensors: compiled steps
-
-    def scheduled_masks(self, block: BlockState) -> torch.Tensor:
-        """LLaDA2.0 (`num_to_transfer=None`) schedules a whole block (`block_size` over `steps_per_block`, the Hub's
-        `_get_num_transfer_tokens(block_length, steps)`), also a first block that holds a prompt tail (SDAR sizes
-        it by the block's masks)."""
-        return torch.full_like(block.num_masks, self.block_size)

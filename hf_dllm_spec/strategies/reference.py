@@ -45,7 +45,7 @@ def reference_block_diffusion_generate(
     while generated < max_new_tokens:
         num_masks = block_size - (seq.shape[0] - block_start)
         seq = torch.cat([seq, torch.full((num_masks,), mask_token_id, dtype=torch.long, device=seq.device)])
-        schedule = num_transfer_tokens(num_masks, min(steps_per_block or block_size, num_masks))
+        schedule = num_transfer_tokens(block_size, steps_per_block or block_size)     # the block's (SDAR)
         step = 0
         while bool((seq[block_start:] == mask_token_id).any()):
             positions = torch.arange(seq.shape[0], device=seq.device)[None]
