@@ -18,8 +18,9 @@ Alignment follows the drafter's family: a right-shifted drafter (Open-dCoder, Fa
 draft from the last prefix position; the runner applies the shift.
 
 SEP (``sep_token_id``, DEER Stage I's continuation-boundary marker): ``"after_masks"`` appends it at position
-j + k (the paper's Fig. 3), ``"before_masks"`` puts it at position j and the masks at j + 1 .. j + k. Without a
-SEP token (the default) the block is just the masks.
+j + k (the paper's Fig. 3), ``"before_masks"`` puts it first in the block, sharing position j with the first
+mask (the masks keep positions j .. j + k - 1, so draft i is at position j + i either way). Without a SEP token
+(the default) the block is just the masks.
 """
 
 from __future__ import annotations
