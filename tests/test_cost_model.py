@@ -114,11 +114,27 @@ def test_quantization_without_bitsandbytes_is_a_clear_error(monkeypatch):
         build_model(SHAPES["tiny:sdar-tiny-arith"], torch.device("cpu"), torch.bfloat16, "nf4", 0)
 
 
-def test_bad_arguments_are_usage_errors(tmp_path):
+def test_bad_arguments_are_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--quant", "nf4", "--dtype", "float32", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         main(["--groups", "sdar,nope", "--out", str(tmp_path)])
+    # before: counted and timed everything, then failed on an empty median (or read -1 as 499 prompts); a mistyped
+    # row label silently kept only the AR rows
+    for argv, flag in [(["--outside-reps", "0"], "--outside-reps"), (["--num-prompts", "0"], "--num-prompts"),
+                       (["--num-prompts", "-1"], "--num-prompts"), (["--rows", "dynamic 0.9 B=5"], "--rows")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["--groups", "sdar", "--count-only", "--out", str(tmp_path), *argv])
+        assert exit_.value.code == 2 and flag in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())                                           # nothing ran, nothing written
+
+
+def test_serving_bench_percentiles_are_nearest_rank():
+    """Before: `round` (half to even) put the p50 of 10, 30 or 2 values and the p95 of 20 one rank too high."""
+    from hf_dllm_spec.tools.serving_bench import _percentile
+
+    for n, q in [(2, 0.5), (6, 0.5), (10, 0.5), (20, 0.95), (30, 0.5), (96, 0.5), (96, 0.95), (1, 0.95)]:
+        assert _percentile(list(range(1, n + 1)), q) == math.ceil(q * n)
 
 
 def test_count_phase_traces_every_forward_the_statistics_count():

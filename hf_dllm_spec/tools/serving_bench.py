@@ -16,6 +16,7 @@ baseline's texts (greedy). A measurement, not a test: numbers depend on the mach
 
 from __future__ import annotations
 
+import math
 import argparse
 import concurrent.futures
 import platform
@@ -32,7 +33,7 @@ RUNTIMES = {"eager": None, "static": "static"}
 def _percentile(values: list[float], q: float) -> float:
     """The `q`-quantile (0..1) of `values`, nearest rank."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _baseline(served, prompts: list[str], max_tokens: int):

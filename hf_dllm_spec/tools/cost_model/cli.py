@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hf_dllm_spec.cli_args import UsageError
+from hf_dllm_spec.cli_args import UsageError, did_you_mean, positive_int
 from hf_dllm_spec.tools.jobs.evaluation import ROOT
 
 from .count import GROUPS, RUNTIMES, count_phase, default_rows
@@ -47,7 +47,7 @@ def add_arguments(ap: argparse.ArgumentParser, defaults: dict | None = None) -> 
                          "forwards and steps compiled by torch.compile on a GPU, a compilation per width and step "
                          "shape first); static and compiled also measure the stock transformers AR baseline and "
                          "print the targets")
-    ap.add_argument("--num-prompts", type=int, default=10, help="held-out arithmetic prompts per COUNT row")
+    ap.add_argument("--num-prompts", type=positive_int, default=10, help="held-out arithmetic prompts per COUNT row")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--counts", default=None, metavar="JSON",
                     help="reuse the COUNT phase of a previous result file instead of running it")
@@ -109,9 +109,30 @@ def _check_arguments(args: argparse.Namespace, groups: list[str]) -> None:
     if args.quant != "none" and args.dtype == "float32":
         raise UsageError("--quant", f"{args.quant} with --dtype float32: quantized weights compute in bf16/fp16; pass "
                                     "--dtype bfloat16")
+    for flag in ("--max-new-tokens", "--count-repeats", "--reps", "--max-widths", "--outside-tokens", "--outside-reps",
+                 "--stock-reps"):
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value < 1:
+            raise UsageError(flag, f"must be >= 1 (got {value})")
+    if args.warmup < 0:
+        raise UsageError("--warmup", f"must be >= 0 (got {args.warmup})")
     if args.runtime != "eager" and args.stock_tokens < 2:
         raise UsageError("--stock-tokens", f"{args.stock_tokens}: the AR baseline's step is (t(N) - t(1)) / (N - 1); "
                                            "pass 2 or more")
+
+
+def _kept_labels(text: str, labels: set[str]) -> set[str]:
+    """The labels of `--rows` (a comma list), each one of `labels` (the rows of the chosen groups).
+
+    Raises:
+        UsageError: a label that names no row, with the closest one.
+    """
+    keep = {label.strip() for label in text.split(",") if label.strip()}
+    unknown = sorted(keep - labels)
+    if unknown:
+        raise UsageError("--rows", f"no row is labelled {unknown[0]!r}{did_you_mean(unknown[0], labels)}; the rows "
+                                   f"of these groups: {', '.join(sorted(labels))}")
+    return keep
 
 
 def _count(args: argparse.Namespace, groups: list[str]) -> dict:
@@ -123,12 +144,12 @@ def _count(args: argparse.Namespace, groups: list[str]) -> dict:
             raise UsageError("--counts", f"{args.counts} has no rows of groups {missing}; rerun without --counts or "
                                          "pass --groups with the groups it has")
         if args.rows:
-            keep = set(args.rows.split(","))
+            keep = _kept_labels(args.rows, {r["label"] for r in count["rows"] if r["group"] in groups})
             count = dict(count, rows=[r for r in count["rows"] if r["strategy"] == "ar" or r["label"] in keep])
         return dict(count, source=str(args.counts))
     rows = [r for r in default_rows() if r.group in groups]
     if args.rows:
-        keep = set(args.rows.split(","))
+        keep = _kept_labels(args.rows, {r.label for r in rows})
         rows = [r for r in rows if r.strategy == "ar" or r.label in keep]
     return count_phase(rows, args.num_prompts, args.max_new_tokens, args.seed, repeats=args.count_repeats,
                        device=args.count_device, runtime=args.count_runtime)

@@ -25,7 +25,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from ...cli_args import add_dtype_argument, positive_int
+import model_patches
+
+from ...cli_args import UsageError, add_dtype_argument, positive_int
 from .evaluation import StrategySpec, arithmetic_prompts, humaneval_prompts
 from . import add_model_argument, fresh_out_dir, job_main, load_checkpoint
 
@@ -106,6 +108,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     """The batch benchmark; `argv` (the command that ran, its words) is recorded in batch.md."""
     tokenizer, model = load_checkpoint(args.model, getattr(torch, args.dtype))
+    if not model_patches.get_patch(model).is_diffusion_lm:
+        raise UsageError("--model", f"{args.model} is an autoregressive checkpoint: bench-batch compares the "
+                                    "block-diffusion rows (dynamic, S2D2) batched and one by one; pass a diffusion "
+                                    "checkpoint, e.g. models/sdar-tiny-arith")
     tokenizer.padding_side = "left"
     sets = {
         "held-out arithmetic": ([p.text for p in arithmetic_prompts(args.model, args.batch_size)], 48),

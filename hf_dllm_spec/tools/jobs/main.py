@@ -187,6 +187,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     if simsd:
         default = "ar,static,dynamic,simsd,simsd-dynamic"
     strategies = args.strategies or default
+    if args.block_size is not None and set(strategies.split(",")) <= {"ar", "deer"}:
+        raise UsageError("--block-size", f"{args.block_size} applies to no row of --strategies {strategies} (DEER's "
+                                         "drafts are --draft-block-size): drop --block-size")
     draft_path = args.draft_model or (str(DEFAULT_DRAFTER) if autoregressive and "deer" in strategies else None)
     draft_model = load_checkpoint(draft_path, dtype, "--draft-model")[1] if draft_path else None
     block_size = args.block_size if args.block_size is not None else (patch.trained_block_size(model) or 32)
