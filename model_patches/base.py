@@ -124,6 +124,21 @@ class FamilyPatch:
         """Number of positions the model supports (`config.max_position_embeddings`), or `None`."""
         return getattr(model.config, "max_position_embeddings", None)
 
+    def attention_window(self, model: PreTrainedModel) -> int | None:
+        """The sliding window of the model's sliding-attention layers in positions, or `None` when every layer
+        attends fully: a `"sliding_attention"` entry in `config.layer_types`, or (configs without `layer_types`,
+        e.g. Mistral) a `sliding_window` not switched off by `use_sliding_window=False`.
+
+        The decoding loop passes one full (block-)causal mask to every layer, and `new_cache` keeps only the last
+        window of a sliding layer (which cannot be rolled back once full): both agree with the model only while a
+        sequence stays below the window (the plan refuses longer ones)."""
+        config = model.config.get_text_config()
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None:
+            return window if window is not None and "sliding_attention" in layer_types else None
+        return window if window is not None and getattr(config, "use_sliding_window", True) else None
+
     # -- forward ----------------------------------------------------------------------------------------------
     def new_cache(self, model: PreTrainedModel) -> DynamicCache:
         """An empty v5 `DynamicCache` for this model."""

@@ -14,7 +14,12 @@ needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SD
   `hf_dllm_spec.export_checkpoint` (naming its shim modules) is kept, and saving writes the shims again.
 - The Hub config asks for `attn_implementation: "flex_attention"` (with flash-attn kernels in the remote
   code). The explicit float 4D masks of the decoding loop need SDPA or eager; the config value is kept as
-  `hub_attn_implementation` and SDPA is used unless `from_pretrained(attn_implementation=...)` says otherwise.
+  `hub_attn_implementation`, and SDPA is used unless `from_pretrained(attn_implementation="eager")` says
+  otherwise ("flex_attention", asked for there too, is replaced by SDPA as well).
+- The Hub modeling's cache protocol: a forward with a cache writes it only with `store_kv=True` (its scripts,
+  e.g. SDAR's `block_diffusion_generate`, pass `store_kv=False` for the denoising forwards). This class writes
+  the cache like any transformers model, and honours an explicit `store_kv=False` by rolling the cache back to
+  its length before the forward (read-only); the library's own runner never passes it.
 - Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): every
   `nn.Linear` of the decoder (q/k/v/o projections, the MLP) is quantized; the output head `lm_head` stays
   unquantized, in the load dtype (`SDARForCausalLM._keep_in_fp32_modules`); embeddings and norms are not linear
@@ -23,9 +28,12 @@ needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SD
 
 from __future__ import annotations
 
+import functools
+
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from .base import FamilyPatch
+from .compat import crop, find_cache
 from .generation import DllmGenerationMixin
 from .remote_code import ShimsConfigMixin
 
@@ -77,6 +85,17 @@ class SDARForCausalLM(DllmGenerationMixin, Qwen3ForCausalLM):
     # list is also the float16 dtype plan (searched in parameter names), where "lm_head" would load an untied
     # head in float32 beside float16 hidden states; "lm_head$" names the module only (no parameter is upcast).
     _keep_in_fp32_modules = ["lm_head$"]
+
+    @functools.wraps(Qwen3ForCausalLM.forward)          # the signature transformers inspects (logits_to_keep, ...)
+    def forward(self, *args, store_kv: bool | None = None, **kwargs):
+        """Qwen3's forward; `store_kv=False` (the Hub SDAR modeling's keyword) leaves a given cache as it was (the
+        positions this forward appended are cropped), `True` or unset writes it (see the module docstring)."""
+        cache = find_cache(kwargs) if store_kv is False else None
+        length = cache.get_seq_length() if cache is not None else 0
+        out = super().forward(*args, **kwargs)
+        if cache is not None and cache.get_seq_length() > length:
+            crop(cache, cache.get_seq_length() - length)
+        return out
 
 
 class SDARPatch(FamilyPatch):

@@ -232,3 +232,40 @@ def test_stats_merge_sums_counters_lists_and_histograms(sdar_model, prompt):
         for i in range(width)]
     assert merged.accepted_length_histogram == runs[0].accepted_length_histogram + runs[1].accepted_length_histogram
     assert merged.wall_time_s == pytest.approx(runs[0].wall_time_s + runs[1].wall_time_s)
+
+
+def test_a_sliding_window_model_decodes_below_its_window_and_refuses_beyond():
+    """A target with sliding-window layers (Mistral; Qwen2 with `use_sliding_window`): below the window the loop's
+    full masks are the model's own (stock greedy tokens); a call that would reach it is refused before any forward
+    (before: wrong logits past the window, then a shape error once the sliding cache dropped keys)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=12, max_position_embeddings=128)
+    ids = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(1))
+    for model in (MistralForCausalLM(MistralConfig(**common)).eval(),
+                  Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=0)).eval()):
+        out = model.generate(ids, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="ar",
+                             max_new_tokens=5)
+        assert out.tolist() == model.generate(ids, max_new_tokens=5, do_sample=False).tolist()
+        with pytest.raises(ValueError, match="sliding attention window of 12"):
+            model.generate(ids, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="ar",
+                           max_new_tokens=6)
+
+
+def test_the_hub_store_kv_protocol_is_honoured(sdar_model):
+    """The Hub SDAR modeling writes a cache only with `store_kv=True` (its scripts denoise with `store_kv=False`);
+    before, the keyword vanished into `**kwargs` and every denoising forward of such a script grew the cache."""
+    from transformers import DynamicCache
+
+    from model_patches.compat import CACHE_KWARG
+
+    cache = DynamicCache(config=sdar_model.config)
+    ids = torch.tensor([[5, 17, 42, 8]])
+    with torch.no_grad():
+        sdar_model(ids, **{CACHE_KWARG: cache}, store_kv=True, use_cache=True)
+        read = [sdar_model(ids, **{CACHE_KWARG: cache}, store_kv=False, use_cache=True).logits for _ in range(2)]
+        assert cache.get_seq_length() == 4 and torch.equal(read[0], read[1])
+        sdar_model(ids, **{CACHE_KWARG: cache}, use_cache=True)                   # transformers' default: writes
+    assert cache.get_seq_length() == 8

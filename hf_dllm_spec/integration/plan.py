@@ -375,6 +375,14 @@ def _check_prompts(plan: DecodePlan, input_ids: torch.Tensor, lengths: list[int]
                       f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} "
                       f"(up to position {needed}), in the model's {max_positions} positions",
                       "shorten the prompt or lower max_new_tokens")
+    window = plan.patch.attention_window(plan.model)
+    if window is not None and needed >= window:
+        raise invalid("input_ids", f"<prompt of {max(lengths)} tokens>",
+                      f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} (up to "
+                      f"position {needed}), below the model's sliding attention window of {window} positions (the "
+                      "decoding loop attends with full masks and rolls the cache back, which sliding layers allow "
+                      "only inside it)",
+                      "shorten the prompt or lower max_new_tokens, or decode this model with stock generate")
     vocab_size = plan.model.get_input_embeddings().num_embeddings
     tokens = input_ids[left_padded_valid(lengths, input_ids.shape[1], input_ids.device)]
     low, high = int(tokens.min()), int(tokens.max())
