@@ -2,9 +2,11 @@
 
 Seeded and deterministic: `generate_problems(n, seed, max_operand=M)` gives the same list for the same
 arguments. The held-out split is `heldout_problems(max_operand=M)` (seed 20261122); training streams skip any
-question in it. `max_operand` sets the difficulty: additions of two numbers in [2, M], subtractions from
-[10, M + 10], one-digit products, two-step problems with operands up to 0.6 M. Held-out questions differ from
-training questions; the arithmetic facts they use also occur in training (this is a templated task).
+question of the held-out splits of every limit in `HELDOUT_LIMITS` and of their own (`heldout_questions`): a
+question of the operand-20 split can also be drawn at limit 50. `max_operand` sets the difficulty: additions of
+two numbers in [2, M], subtractions from [10, M + 10], one-digit products, two-step problems with operands up to
+0.6 M. Held-out questions differ from training questions; the arithmetic facts they use also occur in training
+(this is a templated task).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import re
 NAMES = ["Tom", "Anna", "Ben", "Lucy", "Sam", "Mia", "Leo", "Emma", "Max", "Zoe", "Omar", "Ivy"]
 ITEMS = ["apples", "books", "coins", "pens", "cards", "stickers", "marbles", "shells", "stamps", "cookies"]
 HELDOUT_SEED = 20261122
+#: The operand limits of the held-out splits the bundled models are evaluated on (their stages train at 20 and 50).
+HELDOUT_LIMITS = (20, 50)
 ANSWER_RE = re.compile(r"The answer is (-?\d+)")
 
 
@@ -66,6 +70,12 @@ def generate_problems(n: int, seed: int, exclude: set[str] | None = None, max_op
 def heldout_problems(n: int = 500, max_operand: int = 50) -> list[dict]:
     """The held-out evaluation split (never used for training)."""
     return generate_problems(n, HELDOUT_SEED, max_operand=max_operand)
+
+
+def heldout_questions(*max_operands: int) -> set[str]:
+    """The questions of the held-out splits of `max_operands` and of every limit in `HELDOUT_LIMITS`: what no
+    training stream may contain (a split of a lower limit holds questions a higher limit can draw)."""
+    return {p["question"] for limit in {*max_operands, *HELDOUT_LIMITS} for p in heldout_problems(max_operand=limit)}
 
 
 def extract_answer(text: str) -> int | None:

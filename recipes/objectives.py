@@ -195,8 +195,10 @@ class FastDLLMV2Objective(Objective):
             raise ValueError("`--init-from` (=None) is required for --objective fast_dllm_v2: the conversion starts "
                              "from an AR Qwen2 checkpoint, e.g. --init-from models/qwen2-tiny-ar.")
         if json.loads((pathlib.Path(init_from) / "config.json").read_text())["model_type"] == "Fast_dLLM_Qwen":
-            return Fast_dLLM_QwenForCausalLM.from_pretrained(init_from, dtype=torch.float32,
-                                                             attn_implementation="sdpa")
+            model = Fast_dLLM_QwenForCausalLM.from_pretrained(init_from, dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+            model.config.bd_size = self.args.bd_size      # the block size this stage trains (the decoding default)
+            return model
         ar = Qwen2ForCausalLM.from_pretrained(init_from, dtype=torch.float32)
         fields = {k: v for k, v in ar.config.to_dict().items()
                   if k not in ("model_type", "architectures", "transformers_version", "dtype")}

@@ -32,7 +32,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from .arithmetic import format_prompt, generate_problems, heldout_problems
+from .arithmetic import format_prompt, generate_problems, heldout_problems, heldout_questions
 from .data import stdlib_texts
 from .growth import grow_depth
 from .objectives import EOS_ID, MASK_ID, OBJECTIVES, PAD_ID, SPECIALS, read_stages
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     heldout = heldout_problems(max_operand=args.max_operand)
-    problems = generate_problems(args.train_problems, seed=args.seed + 1, exclude={p["question"] for p in heldout},
+    problems = generate_problems(args.train_problems, seed=args.seed + 1, exclude=heldout_questions(args.max_operand),
                                  max_operand=args.max_operand)
     code = stdlib_texts()
     print(f"data: {len(code)} stdlib files, {len(problems)} arithmetic problems, {len(heldout)} held out")

@@ -274,3 +274,24 @@ def test_sdar_to_llada2_upcycling_preserves_the_logits():
                                                    torch.finfo(torch.float32).min)
     assert torch.allclose(moe(x, attention_mask=additive).logits, sdar(x, attention_mask=additive).logits, atol=1e-5)
     assert torch.allclose(moe(x, attention_mask=causal).logits, sdar(x).logits, atol=1e-5)    # SDAR's default: causal
+
+
+def test_no_training_stream_holds_a_held_out_question():
+    """A stage at operand limit 50 skipped only the limit-50 split, so 132 of the 500 questions of the limit-20 split
+    the bundled models are evaluated on were in its training problems; every shipped split is excluded now."""
+    from recipes.arithmetic import HELDOUT_LIMITS, generate_problems, heldout_problems, heldout_questions
+
+    excluded = heldout_questions(50)
+    assert all(p["question"] in excluded for limit in HELDOUT_LIMITS for p in heldout_problems(max_operand=limit))
+    drawn = {p["question"] for p in generate_problems(30_000, seed=1, exclude=excluded, max_operand=50)}
+    assert not drawn & {p["question"] for p in heldout_problems(max_operand=20)}
+
+
+def test_continuing_a_fast_dllm_checkpoint_records_the_trained_block_size(tmp_path):
+    """Before: `--bd-size 16` on a Fast-dLLM checkpoint trained blocks of 16 but kept the checkpoint's `bd_size`, the
+    library's default decoding block size."""
+    config = Fast_dLLM_QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, bd_size=32)
+    Fast_dLLM_QwenForCausalLM(config).save_pretrained(tmp_path)
+    objective = FastDLLMV2Objective(SimpleNamespace(bd_size=16))
+    assert objective.build_model(objective.args, None, str(tmp_path)).config.bd_size == 16
