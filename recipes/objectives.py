@@ -44,6 +44,20 @@ def bd_training_mask(seq_len: int, block_size: int) -> torch.Tensor:
     return torch.cat([top, bottom], dim=0)
 
 
+def packed_windows_mask(base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`base` (the `(1, 1, 2L, 2L)` mask of :func:`bd_training_mask`) for each packed window of `x` `(b, L)`: a
+    noisy row no longer sees the noisy copy of a later document in its block (a document ends with its EOS), whose
+    clean question would tell it where its answer ends; at inference the positions after an answer are masks.
+    Returns `(b, 1, 2L, 2L)` bool."""
+    seq_len = x.shape[1]
+    eos = (x == EOS_ID).long()
+    document = eos.cumsum(dim=1) - eos                                    # (b, L), an EOS closes its document
+    later = document[:, None, :] > document[:, :, None]                  # (b, L, L): j in a later document than i
+    mask = base.expand(x.shape[0], -1, -1, -1).clone()
+    mask[:, 0, :seq_len, :seq_len] &= ~later
+    return mask
+
+
 def small_qwen_kwargs(args, vocab_size: int) -> dict:
     """Shared architecture of the bundled models (4 heads / 2 KV heads, MLP 3x, tied, RoPE 1e4, 2,048 positions)."""
     return dict(vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
@@ -153,7 +167,7 @@ class BlockDiffusionObjective(Objective):
         b, seq_len = x.shape
         pos = torch.arange(seq_len).repeat(2)[None].expand(b, -1)
         hidden = model.model(input_ids=torch.cat([noisy, x], dim=1), position_ids=pos,
-                             attention_mask=self.block_mask(seq_len, block_size).expand(b, -1, -1, -1)
+                             attention_mask=packed_windows_mask(self.block_mask(seq_len, block_size), x)
                              ).last_hidden_state
         return hidden[:, :seq_len]
 
@@ -226,7 +240,7 @@ class FastDLLMV2Objective(Objective):
         noisy = torch.where(noise, torch.full_like(clean, self.mask_id), clean)
         pos = torch.arange(seq_len).repeat(2)[None].expand(2 * b, -1)
         hidden = model.model(input_ids=torch.cat([noisy, clean], dim=1), position_ids=pos,
-                             attention_mask=self.block_mask(seq_len, bd).expand(2 * b, -1, -1, -1)
+                             attention_mask=packed_windows_mask(self.block_mask(seq_len, bd), clean)
                              ).last_hidden_state
         target = noise[:, 1:]                                                         # row i - 1 predicts i
         logits = model.lm_head(hidden[:, : seq_len - 1][target]).float()              # (N, V)

@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
 from recipes.objectives import (AutoregressiveObjective, D2AObjective, FastDLLMV2Objective, bd_training_mask,
-                                cut_at_continuation_edges, d2a_training_mask, random_segments)
+                                cut_at_continuation_edges, d2a_training_mask, packed_windows_mask, random_segments)
 
 SMALL = dict(vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=True, attn_implementation="sdpa")
@@ -26,6 +26,20 @@ def test_bd_training_mask_regions():
             assert bool(mask[i, 6 + j]) == bool(blk[j] < blk[i])        # and strictly earlier clean blocks
             assert not bool(mask[6 + i, j])                             # clean never sees noisy
             assert bool(mask[6 + i, 6 + j]) == bool(blk[j] <= blk[i])   # clean is block-causal
+
+
+def test_packed_windows_hide_a_later_document_from_the_noisy_block():
+    """A window `a a EOS | q ...` whose answer ends inside a block: the noisy answer no longer sees the next problem's
+    clean question in its block (at inference those positions are masks); the next document still sees the earlier
+    one, and the clean copy and the noisy-to-clean part are the block-diffusion mask's."""
+    x = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 4]])                  # documents: 0-2, 3-6, 7
+    base = bd_training_mask(8, 4)[None, None]
+    mask = packed_windows_mask(base, x)[0, 0]
+    expected = base[0, 0].clone()
+    for i, j in [(0, 3), (1, 3), (2, 3), (4, 7), (5, 7), (6, 7)]:  # noisy i, noisy j of a later document, same block
+        assert expected[i, j]
+        expected[i, j] = False
+    assert torch.equal(mask, expected)
 
 
 def test_ar_loss_is_next_token_cross_entropy_on_targets():
