@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterable
 import torch
 from transformers import GenerationConfig, GenerationMixin
 
+from model_patches.generation import GENERATION_CONFIG_KEY
+
 from .validation import invalid
 
 #: The code object of transformers' `generate` (under its decorators): how its frame is recognised.
@@ -85,11 +87,11 @@ def caller_stacklevel() -> int:
     return level - 1
 
 
-#: Keywords of a `generate` call that are no generation option: the model inputs it prepares and the arguments it
-#: pops (`tokenizer`, `assistant_tokenizer`, `trust_remote_code`, ...).
+#: Keywords of a `generate` call that are no generation option: the model inputs it prepares, the arguments it
+#: pops (`tokenizer`, `assistant_tokenizer`, `trust_remote_code`, ...) and the stored strategy's key.
 GENERATE_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache_position",
                              "past_key_values", "cache", "use_cache", "tokenizer", "assistant_tokenizer",
-                             "trust_remote_code", "use_model_defaults", "kwargs"})
+                             "trust_remote_code", "use_model_defaults", "kwargs", GENERATION_CONFIG_KEY})
 
 
 def generate_keywords() -> frozenset[str]:

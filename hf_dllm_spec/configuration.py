@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 from transformers import GenerationConfig
 
-from model_patches.generation import GENERATION_CONFIG_KEY  # the families read it too
+from model_patches.generation import GENERATION_CONFIG_KEY, stored_decoding  # the families read it too
 
-from .validation import check_bool, check_choice, check_int, invalid
+from .validation import check_bool, check_choice, check_int, invalid  # noqa: F401 (check_bool: re-exported)
 
 
 @dataclass
@@ -94,7 +94,7 @@ class DecodingConfig:
         Raises:
             ValueError: for an unknown preset name (listing the valid ones).
         """
-        if name not in cls.presets:
+        if not isinstance(name, str) or name not in cls.presets:
             check_choice("preset", name, tuple(cls.presets) or ("<none>",),
                          f"use one of the presets of decoding_strategy={cls.decoding_strategy!r}")
         return cls.from_kwargs(**{**cls.presets[name], **overrides})
@@ -131,8 +131,8 @@ class DecodingConfig:
     @classmethod
     def stored_defaults(cls, generation_config: GenerationConfig | None) -> dict[str, Any]:
         """Parameters stored for this strategy in a generation config (empty when none or another strategy)."""
-        stored = getattr(generation_config, GENERATION_CONFIG_KEY, None) if generation_config is not None else None
-        if not stored or stored.get("decoding_strategy") != cls.decoding_strategy:
+        stored = stored_decoding(generation_config)
+        if stored is None or stored["decoding_strategy"] != cls.decoding_strategy:
             return {}
         return {k: v for k, v in stored.items() if k != "decoding_strategy"}
 
@@ -188,7 +188,7 @@ def merge_parameters(
     """
     params: dict[str, Any] = dict(cls.stored_defaults(generation_config))
     if preset is not None:
-        if preset not in cls.presets:
+        if not isinstance(preset, str) or preset not in cls.presets:
             check_choice("preset", preset, tuple(cls.presets) or ("<none>",),
                          f"use one of the presets of decoding_strategy={cls.decoding_strategy!r}")
         params.update(cls.presets[preset])

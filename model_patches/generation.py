@@ -104,15 +104,37 @@ class DllmGenerationMixin(GenerationMixin):
         return stored_decoding_strategy(generation_config, self.generation_config) or self.native_decoding_strategy
 
 
+def stored_decoding(generation_config) -> dict[str, Any] | None:
+    """What `generation_config` (a `GenerationConfig` or None) stores under :data:`GENERATION_CONFIG_KEY`: a dict
+    naming its strategy under `decoding_strategy` beside the strategy's parameters, or None (nothing, or `{}`).
+
+    Raises:
+        ValueError: anything else stored there (not a dict, or no strategy name).
+    """
+    stored = getattr(generation_config, GENERATION_CONFIG_KEY, None) if generation_config is not None else None
+    if stored is None or (isinstance(stored, dict) and not stored):
+        return None
+    name = stored.get("decoding_strategy") if isinstance(stored, dict) else None
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"`generation_config.{GENERATION_CONFIG_KEY}` (={stored!r}) must be a dict that names its "
+                         "strategy under `decoding_strategy`, beside the strategy's parameters; store it with "
+                         "`DecodingConfig.save_to_generation_config`, or delete the attribute.")
+    return stored
+
+
 def stored_decoding_strategy(*generation_configs) -> str | None:
     """The strategy stored under :data:`GENERATION_CONFIG_KEY` in the first of `generation_configs` (each a
-    `GenerationConfig` or None; e.g. the call's, then the model's) that stores one, else None."""
+    `GenerationConfig` or None; e.g. the call's, then the model's) that stores one, else None.
+
+    Raises:
+        ValueError: a malformed stored value (:func:`stored_decoding`).
+    """
     for config in generation_configs:
-        stored = getattr(config, GENERATION_CONFIG_KEY, None) if config is not None else None
-        if stored and stored.get("decoding_strategy"):
+        stored = stored_decoding(config)
+        if stored is not None:
             return stored["decoding_strategy"]
     return None
 
 
 __all__ = ["BACKEND_ENTRY_POINT_GROUP", "GENERATION_CONFIG_KEY", "DllmGenerationMixin", "decoding_backend",
-           "register_decoding_backend", "stored_decoding_strategy"]
+           "register_decoding_backend", "stored_decoding", "stored_decoding_strategy"]

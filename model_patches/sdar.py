@@ -29,6 +29,7 @@ needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SD
 from __future__ import annotations
 
 import functools
+import inspect
 
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
@@ -90,6 +91,16 @@ class SDARForCausalLM(DllmGenerationMixin, Qwen3ForCausalLM):
     def forward(self, *args, store_kv: bool | None = None, **kwargs):
         """Qwen3's forward; `store_kv=False` (the Hub SDAR modeling's keyword) leaves a given cache as it was (the
         positions this forward appended are cropped), `True` or unset writes it (see the module docstring)."""
+        if store_kv is not None and not isinstance(store_kv, bool):
+            raise ValueError(f"`store_kv` (={store_kv!r}) must be True, False or unset (the Hub SDAR modeling's cache "
+                             "protocol); pass store_kv=False for a read-only forward.")
+        if store_kv is False and args:                   # the cache passed by position: every argument by name
+            signature = inspect.signature(Qwen3ForCausalLM.forward)
+            named = dict(signature.bind_partial(self, *args, **kwargs).arguments)
+            named.pop("self")
+            variadic = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+            extra = named.pop(variadic[0], {}) if variadic else {}
+            args, kwargs = (), {**named, **extra}
         cache = find_cache(kwargs) if store_kv is False else None
         length = cache.get_seq_length() if cache is not None else 0
         out = super().forward(*args, **kwargs)

@@ -52,6 +52,12 @@ class _CudaGenerator(torch.Generator):
 
 
 #: (case id, generate keyword arguments, argument the message must name, exception type)
+def _stored(value) -> GenerationConfig:
+    config = GenerationConfig(max_new_tokens=8)
+    config.dllm_decoding = value
+    return config
+
+
 CASES: list[tuple[str, dict, str, type]] = [
     # NaN and infinity in float parameters
     ("threshold-nan", dict(decoding_strategy="block_diffusion", confidence_threshold=NAN), "confidence_threshold",
@@ -60,16 +66,12 @@ CASES: list[tuple[str, dict, str, type]] = [
      ValueError),
     ("eb-nan", dict(decoding_strategy="block_diffusion", eb_threshold=NAN), "eb_threshold", ValueError),
     ("eb-inf", dict(decoding_strategy="block_diffusion", eb_threshold=INF), "eb_threshold", ValueError),
-    # S2D2 parameters that would be ignored: the random rule's under greedy_match, a span no block holds, and
-    # more than one commit per step (the reference's top-up of a verified step is not implemented)
+    # S2D2 parameters that would be ignored: the random rule's under greedy_match, a span no block holds
     ("s2d2-no-resample-greedy", dict(decoding_strategy="s2d2", allow_resample=False), "allow_resample", ValueError),
     ("s2d2-tempering-greedy", dict(decoding_strategy="s2d2", ssd_ratio_tempering_factor=0.5),
      "ssd_ratio_tempering_factor", ValueError),
     ("s2d2-span-beyond-block", dict(decoding_strategy="s2d2", block_size=4, min_ssd_span_length=5),
      "min_ssd_span_length", ValueError),
-    ("s2d2-few-steps", dict(decoding_strategy="s2d2", block_size=4, steps_per_block=2), "steps_per_block",
-     ValueError),
-    ("s2d2-num-to-transfer", dict(decoding_strategy="s2d2", num_to_transfer=2), "num_to_transfer", ValueError),
     ("tempering-nan", dict(decoding_strategy="s2d2", ssd_ratio_tempering_factor=NAN), "ssd_ratio_tempering_factor",
      ValueError),
     ("tempering-inf", dict(decoding_strategy="s2d2", ssd_ratio_tempering_factor=INF), "ssd_ratio_tempering_factor",
@@ -180,7 +182,16 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("streamer-list", dict(decoding_strategy="s2d2", streamer=[None]), "streamer", ValueError),   # no put / end
     ("cache-quantized", dict(decoding_strategy="s2d2", cache_implementation="quantized"), "cache_implementation",
      ValueError),
-    # transformers compares `max_cache_len` with the call's length unchecked (a TypeError for a string)
+    # transformers compares `max_cache_len` with the call's length unchecked (a TypeError for a string); 10**7
+    # columns were allocated (killed for memory) on a model of 256 positions
+    ("max-cache-len-beyond-positions", dict(decoding_strategy="s2d2", cache_implementation="static",
+                                            max_cache_len=10 ** 7), "max_cache_len", ValueError),
+    # a stored strategy that is not the dict `save_to_generation_config` writes: an AttributeError, or ignored
+    ("stored-not-a-dict", dict(decoding_strategy="s2d2", generation_config=_stored("s2d2")),
+     "generation_config.dllm_decoding", ValueError),
+    ("stored-without-a-name", dict(generation_config=_stored({"block_size": 4})), "generation_config.dllm_decoding",
+     ValueError),
+    ("preset-a-list", dict(decoding_strategy="s2d2", preset=["sdar-1.7b-config-a"]), "preset", ValueError),
     ("max-cache-len-zero", dict(decoding_strategy="s2d2", cache_implementation="static", max_cache_len=0),
      "max_cache_len", ValueError),
     ("max-cache-len-str", dict(decoding_strategy="s2d2", cache_implementation="static", max_cache_len="4096"),
@@ -424,6 +435,7 @@ DRAFTER_CASES = [
 ] + [
     ("deer-drafter-own-mask-is-stop-id", "deer", dict(eos_token_id=[3, MASK_ID]), "draft_mask_token_id"),
     ("deer-sep-beyond-vocab", "deer", dict(sep_token_id=150), "sep_token_id"),
+    ("deer-drafter-a-path", "deer", dict(draft_model="models/deer-drafter-tiny"), "draft_model"),   # not loaded
     # the AR target decodes without a mask token: the id was suppressed from its distribution (not lossless)
     ("deer-target-mask-token", "deer", dict(mask_token_id=5), "mask_token_id"),
     ("deer-sep-is-the-drafter-mask", "deer", dict(sep_token_id=MASK_ID), "sep_token_id"),

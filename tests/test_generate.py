@@ -247,11 +247,29 @@ def test_a_sliding_window_model_decodes_below_its_window_and_refuses_beyond():
     for model in (MistralForCausalLM(MistralConfig(**common)).eval(),
                   Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True, max_window_layers=0)).eval()):
         out = model.generate(ids, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="ar",
-                             max_new_tokens=5)
-        assert out.tolist() == model.generate(ids, max_new_tokens=5, do_sample=False).tolist()
-        with pytest.raises(ValueError, match="sliding attention window of 12"):
+                             max_new_tokens=4)            # positions 0-9, plus 2 of read-only room: inside 12
+        assert out.tolist() == model.generate(ids, max_new_tokens=4, do_sample=False).tolist()
+        with pytest.raises(ValueError, match=r"sliding attention window of `model` \(12 positions\)"):
             model.generate(ids, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="ar",
-                           max_new_tokens=6)
+                           max_new_tokens=5)
+
+
+def test_s2d2_on_a_sliding_window_model_keeps_its_read_only_queries_inside_the_window(sdar_model, prompt):
+    """S2D2's verifier appends a block of read-only queries to the cache before rolling it back: the window must hold
+    them too (before: a call below the window by the plan's count failed in the sliding cache's `crop`)."""
+    import copy
+
+    from model_patches.sdar import SDARForCausalLM
+
+    config = copy.deepcopy(sdar_model.config)
+    config.layer_types, config.sliding_window = ["sliding_attention"] * config.num_hidden_layers, 24
+    sliding = SDARForCausalLM(config).eval()
+    sliding.load_state_dict(sdar_model.state_dict())
+    call = dict(decoding_strategy="s2d2", eos_token_id=None)
+    assert torch.equal(sliding.generate(prompt, max_new_tokens=5, **call),
+                       sdar_model.generate(prompt, max_new_tokens=5, **call))   # blocks to 12, 8 of queries: 20
+    with pytest.raises(ValueError, match=r"plus 8 read-only query positions, in the sliding attention window"):
+        sliding.generate(prompt, max_new_tokens=10, **call)
 
 
 def test_the_hub_store_kv_protocol_is_honoured(sdar_model):
@@ -268,4 +286,30 @@ def test_the_hub_store_kv_protocol_is_honoured(sdar_model):
         read = [sdar_model(ids, **{CACHE_KWARG: cache}, store_kv=False, use_cache=True).logits for _ in range(2)]
         assert cache.get_seq_length() == 4 and torch.equal(read[0], read[1])
         sdar_model(ids, **{CACHE_KWARG: cache}, use_cache=True)                   # transformers' default: writes
-    assert cache.get_seq_length() == 8
+        assert cache.get_seq_length() == 8
+        sdar_model(ids, None, None, cache, store_kv=False, use_cache=True)       # the cache passed by position
+        assert cache.get_seq_length() == 8
+        with pytest.raises(ValueError, match=r"`store_kv` \(=0\) must be True, False or unset"):
+            sdar_model(ids, store_kv=0)
+
+
+@pytest.mark.parametrize("params", [dict(steps_per_block=2),
+                                    dict(steps_per_block=3, remasking_strategy="low_confidence_static")])
+def test_a_verified_s2d2_step_is_topped_up_to_the_schedule(sdar_model, prompt, params, monkeypatch):
+    """With fewer denoising steps than block positions the schedule asks k > 1 commits of a step; the reference then
+    tops a verified step up to min(k, masks) by the fallback rule (before: it committed the accepted span only, and
+    a block took more than `steps_per_block` steps)."""
+    from hf_dllm_spec.strategies.s2d2 import S2D2Strategy
+
+    steps, original = [], S2D2Strategy.denoise_step
+
+    def spy(self, block, logits):
+        least, before = self.least_commits(block), block.masked.sum(dim=1)
+        original(self, block, logits)
+        steps.append((least, before - block.masked.sum(dim=1)))
+
+    monkeypatch.setattr(S2D2Strategy, "denoise_step", spy)
+    out = sdar_model.generate(prompt, decoding_strategy="s2d2", block_size=4, max_new_tokens=12, eos_token_id=None,
+                              return_dict_in_generate=True, **params)
+    assert out.spec_stats.num_verify_forwards > 0 and any(int(least.max()) > 1 for least, _ in steps)
+    assert all(bool((committed >= least).all()) for least, committed in steps)

@@ -167,9 +167,28 @@ def test_a_parameter_named_like_a_generate_keyword_is_refused_and_nothing_change
     with pytest.raises(ValueError, match=rf"strategy parameter` \(='{field}'\).*rename the config field"):
         register_strategy(strategy)
     assert STRATEGIES == before and hf_dllm_spec.dllm_generate.__signature__ == signature
+    assert "decoding_strategy" not in vars(config)                  # the config class as it was, too
     sampled = sdar_model.generate(prompt, decoding_strategy="block_diffusion", do_sample=True, temperature=0.7,
                                   generator=torch.Generator().manual_seed(0), max_new_tokens=4)
     assert sampled.shape[1] == prompt.shape[1] + 4
+
+
+@pytest.mark.parametrize("name", ["", " ", "s2d2 ", "my strategy"])
+def test_a_name_with_spaces_is_refused(name):
+    strategy = type("Spaced", (BlockDiffusionStrategy,), {"name": name, "config_class": BlockDiffusionConfig})
+    before = dict(STRATEGIES)
+    with pytest.raises(ValueError, match=r"`strategy.name` .* must be a non-empty string without spaces"):
+        register_strategy(strategy)
+    assert STRATEGIES == before
+
+
+@pytest.mark.parametrize("field", ["dllm_decoding"])
+def test_the_stored_strategy_key_is_no_parameter_name(field):
+    config = dataclass(type("KeyConfig", (BlockDiffusionConfig,), {"__annotations__": {field: int}, field: 1}))
+    strategy = type("KeyStrategy", (BlockDiffusionStrategy,), {"name": "key", "config_class": config})
+    with pytest.raises(ValueError, match=field):
+        register_strategy(strategy)
+    assert "key" not in STRATEGIES
 
 
 def test_a_parameter_without_a_default_is_refused():

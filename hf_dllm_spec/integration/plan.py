@@ -238,9 +238,13 @@ def _check_inputs(input_ids, generation_config, model_kwargs, *, device, generat
 
 def _resolve_sizes(patch, model, config, input_ids, generation_config):
     """`(config, block size, budget)`: the block size (given, else the checkpoint's trained one) written into the
-    config, and the budget `max_new_tokens` (the prompts are checked against both with the finished plan,
-    :func:`_check_prompts`)."""
+    config (`max_cache_len` checked against the model's positions), and the budget `max_new_tokens` (the prompts
+    are checked against both with the finished plan, :func:`_check_prompts`)."""
     block_size = _resolve_block_size(patch, model, getattr(config, "block_size", None))
+    ceiling, max_positions = getattr(generation_config, "max_cache_len", None), patch.max_positions(model)
+    if ceiling is not None and max_positions is not None and ceiling > max_positions:
+        raise invalid("max_cache_len", ceiling, f"be at most the model's {max_positions} positions (the static "
+                      "cache is never filled beyond them)", f"pass max_cache_len <= {max_positions}, or drop it")
     if "block_size" in {f.name for f in dataclasses.fields(config)} and config.block_size != block_size:
         config = dataclasses.replace(config, block_size=block_size)      # validates against the block size
     return config, block_size, _resolve_budget(input_ids, generation_config)
@@ -375,14 +379,17 @@ def _check_prompts(plan: DecodePlan, input_ids: torch.Tensor, lengths: list[int]
                       f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} "
                       f"(up to position {needed}), in the model's {max_positions} positions",
                       "shorten the prompt or lower max_new_tokens")
-    window = plan.patch.attention_window(plan.model)
-    if window is not None and needed >= window:
-        raise invalid("input_ids", f"<prompt of {max(lengths)} tokens>",
-                      f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} (up to "
-                      f"position {needed}), below the model's sliding attention window of {window} positions (the "
-                      "decoding loop attends with full masks and rolls the cache back, which sliding layers allow "
-                      "only inside it)",
-                      "shorten the prompt or lower max_new_tokens, or decode this model with stock generate")
+    room = 2 * max(block_size, plan.draft_block_size or 0)      # read-only queries held in the cache at once
+    for name, model, patch in (("model", plan.model, plan.patch), ("draft_model", plan.draft_model,
+                                                                   plan.drafter_patch)):
+        window = patch.attention_window(model) if model is not None else None
+        if window is not None and needed + room > window:
+            raise invalid("input_ids", f"<prompt of {max(lengths)} tokens>",
+                          f"fit with max_new_tokens={max_new_tokens}, decoded in whole blocks of {block_size} (up to "
+                          f"position {needed}) plus {room} read-only query positions, in the sliding attention window "
+                          f"of `{name}` ({window} positions): the decoding loop attends with full masks and rolls "
+                          "the cache back, which sliding layers allow only inside it",
+                          "shorten the prompt or lower max_new_tokens, or decode this model with stock generate")
     vocab_size = plan.model.get_input_embeddings().num_embeddings
     tokens = input_ids[left_padded_valid(lengths, input_ids.shape[1], input_ids.device)]
     low, high = int(tokens.min()), int(tokens.max())
@@ -416,6 +423,9 @@ def check_loaded(model, name: str) -> torch.device:
     Raises:
         ValueError: naming `name` ("model", "draft_model", "assistant_model").
     """
+    if not isinstance(model, torch.nn.Module):
+        raise invalid(name, f"<{type(model).__name__}>", "be a loaded model (a transformers PreTrainedModel)",
+                      f"load it first, e.g. `{name}=AutoModelForCausalLM.from_pretrained(path)`")
     device = execution_device(model)
     if device.type == "meta":
         raise invalid(name, f"<{type(model).__name__} on the meta device>", "hold real weights to decode",

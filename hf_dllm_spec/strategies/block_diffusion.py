@@ -633,9 +633,11 @@ class BlockDiffusionStrategy(DecodingStrategy):
                               confidence=confidence) & editable & (tokens != block.tokens)
 
     def commit_by_rule(self, block: BlockState, probs: torch.Tensor, tokens: torch.Tensor,
-                       confidence: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Commit the positions `remasking_strategy` selects in `rows` (all if None); return `(N,)` counts."""
-        transfer = self.transfer(block, probs, confidence, rows)
+                       confidence: torch.Tensor, rows: torch.Tensor | None = None,
+                       num_tokens: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Commit the positions `remasking_strategy` selects in `rows` (all if None), at least `num_tokens` (k; None:
+        this step's :meth:`tokens_per_step`); return `(N,)` counts."""
+        transfer = self.transfer(block, probs, confidence, rows, num_tokens)
         block.tokens = torch.where(transfer, tokens, block.tokens)
         block.undecided = block.undecided & ~transfer
         committed = transfer.sum(dim=1)
@@ -643,13 +645,15 @@ class BlockDiffusionStrategy(DecodingStrategy):
         return committed
 
     def transfer(self, block: BlockState, probs: torch.Tensor | None, confidence: torch.Tensor,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        """`(N, B)` bool, the positions `remasking_strategy` commits this step in `rows` (all if None)."""
+                 rows: torch.Tensor | None = None, num_tokens: torch.Tensor | int | None = None) -> torch.Tensor:
+        """`(N, B)` bool, the positions `remasking_strategy` commits this step in `rows` (all if None), at least
+        `num_tokens` (None: :meth:`tokens_per_step`)."""
         cfg = self.config
         masked = self.decodable(block)
         masked = masked if rows is None else masked & rows[:, None]
+        num_tokens = self.tokens_per_step(block) if num_tokens is None else num_tokens
         return select_transfer(
-            cfg.remasking_strategy, masked=masked, confidence=confidence, num_tokens=self.tokens_per_step(block),
+            cfg.remasking_strategy, masked=masked, confidence=confidence, num_tokens=num_tokens,
             confidence_threshold=cfg.confidence_threshold, eb_threshold=cfg.eb_threshold,
             entropies=entropy(probs) if cfg.remasking_strategy == "entropy_bounded" else None,
         )

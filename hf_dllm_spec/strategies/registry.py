@@ -69,18 +69,16 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
             transformers would hand it to the strategies instead).
     """
     name = getattr(strategy, "name", None)
-    if not isinstance(name, str) or not name:
-        raise invalid("strategy.name", name, "be a non-empty string: the `decoding_strategy` value",
+    if not isinstance(name, str) or not name or name != name.strip() or any(c.isspace() for c in name):
+        raise invalid("strategy.name", name, "be a non-empty string without spaces: the `decoding_strategy` value",
                       f"set `name = \"mine\"` on {strategy.__name__}")
     config_class = getattr(strategy, "config_class", None)
     if not (isinstance(config_class, type) and issubclass(config_class, DecodingConfig)):
         raise invalid("strategy.config_class", config_class, "be a DecodingConfig subclass",
                       f"define a dataclass config for {strategy.__name__} and set `config_class` to it")
-    if "decoding_strategy" not in vars(config_class):
-        config_class.decoding_strategy = name              # inherited from another strategy's config: its own now
-    if config_class.decoding_strategy != name:
-        raise invalid(f"{config_class.__name__}.decoding_strategy", config_class.decoding_strategy,
-                      f"name the strategy it configures ({name!r})",
+    own = vars(config_class).get("decoding_strategy")
+    if own is not None and own != name:
+        raise invalid(f"{config_class.__name__}.decoding_strategy", own, f"name the strategy it configures ({name!r})",
                       f"give {strategy.__name__} its own config subclass with decoding_strategy = {name!r}")
     required = [f.name for f in dataclasses.fields(config_class) if f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING]
@@ -91,9 +89,13 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     with _LOCK:
         previous = STRATEGIES.get(name)
         STRATEGIES[name] = strategy
+        if own is None:
+            config_class.decoding_strategy = name          # inherited from another strategy's config: its own now
         try:
             _notify()
         except Exception:
+            if own is None:
+                del config_class.decoding_strategy
             if previous is None:
                 del STRATEGIES[name]
             else:

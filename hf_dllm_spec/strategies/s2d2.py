@@ -221,14 +221,6 @@ class S2D2Config(BlockDiffusionConfig, EditingConfig):
                           f"({span}, the {'sub-' if self.sub_block_size else ''}block size): a longer one never "
                           "verifies (plain block diffusion)", f"pass min_ssd_span_length <= {span}, e.g. 1 to verify "
                           "at every step")
-        k_above_one = ("num_to_transfer", self.num_to_transfer) if (self.num_to_transfer or 1) > 1 else (
-            ("steps_per_block", self.steps_per_block) if self.steps_per_block is not None and self.block_size
-            is not None and self.steps_per_block < self.block_size else None)
-        if k_above_one is not None:
-            raise invalid(*k_above_one, "leave at most one commit per denoising step for S2D2 (a verified step "
-                          "commits its accepted span; the reference code then tops it up to the schedule's k "
-                          "commits, which is not implemented)", f"drop `{k_above_one[0]}` (one mask per step: the "
-                          "paper's configurations), or use decoding_strategy='block_diffusion' for fewer steps")
         check_choice("do_verify_score_type", self.do_verify_score_type, SCORE_TYPES)
         check_choice("token_acceptance_estimator", self.token_acceptance_estimator, ESTIMATORS)
         check_choice("ucb_entropy_source", self.ucb_entropy_source, UCB_ENTROPY_SOURCES)
@@ -332,15 +324,52 @@ class S2D2Strategy(BlockDiffusionStrategy):
         committed = torch.zeros_like(block.start)
         if any(decisions):
             spans = [(c.span_start, c.span_start + c.span_length) for c, d in zip(contexts, decisions) if d]
-            committed = committed + self.verify_spans(block, draft_probs, draft_tokens, start, end, decisions,
-                                                      min(a for a, _ in spans), max(b for _, b in spans),
-                                                      max(b - a for a, b in spans))
+            least = self.least_commits(block) if self.tops_up else None          # before the verification commits
+            verified = self.verify_spans(block, draft_probs, draft_tokens, start, end, decisions,
+                                         min(a for a, _ in spans), max(b for _, b in spans),
+                                         max(b - a for a, b in spans))
+            committed = committed + verified
+            if least is not None:
+                committed = committed + self.top_up(block, draft_probs, draft_tokens, confidence, verify, verified,
+                                                    least)
         if not all(decisions):
             committed = committed + self.commit_by_rule(block, draft_probs, draft_tokens, confidence, rows=~verify)
         if any(policy.needs_feedback for policy in self.policies):
             for policy, count, decided, r in zip(self.policies, committed.tolist(), decisions, routed):
                 if r:
                     policy.observe(count, decided)
+
+    @property
+    def tops_up(self) -> bool:
+        """Whether the schedule may ask more than one commit of a step (`steps_per_block` below the block size,
+        `num_to_transfer` above 1): then a verified step is topped up to it (:meth:`top_up`)."""
+        return (self.num_to_transfer or 1) > 1 or self.steps_per_block < self.block_size
+
+    def least_commits(self, block: BlockState) -> torch.Tensor:
+        """min(k, masks) per row `(N,)`: the commits the schedule asks of this step (k, :meth:`tokens_per_step`)
+        clamped to the row's decodable masks, counted before the step commits anything."""
+        masks = self.decodable(block).sum(dim=1)
+        return torch.minimum(torch.as_tensor(self.tokens_per_step(block), device=masks.device), masks)
+
+    def top_up(self, block: BlockState, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
+               confidence: torch.Tensor, verify: torch.Tensor, verified: torch.Tensor,
+               least: torch.Tensor) -> torch.Tensor:
+        """The reference's commits after a verification (`strategies.md` §5.4): a verifying row that committed
+        fewer than `least` tokens (min(k, masks), :meth:`least_commits`) commits the rest by the fallback rule
+        over its masks left, from this step's drafts (fallback tokens). Only when the schedule asks more than
+        one commit of a step (`steps_per_block` below the block size, `num_to_transfer` above 1).
+
+        Args:
+            verify (`(N,)` bool): the verifying rows. verified (`(N,)` int64): their verification's commits.
+            least (`(N,)` int64): from :meth:`least_commits`.
+
+        Returns:
+            `torch.Tensor` of shape `(N,)`, int64: the commits added per row.
+        """
+        left = torch.where(verify, least - verified, torch.zeros_like(verified)).clamp(min=0)
+        if not bool((left > 0).any()):
+            return torch.zeros_like(verified)
+        return self.commit_by_rule(block, draft_probs, draft_tokens, confidence, rows=left > 0, num_tokens=left)
 
     def current_span(self, block: BlockState) -> tuple[torch.Tensor, torch.Tensor]:
         """C_t per row, `[start, end)` `(N,)` each: the first contiguous masked span, ending with its sub-block."""
@@ -503,14 +532,14 @@ class S2D2Strategy(BlockDiffusionStrategy):
         greedy_match or stochastic acceptance, any routing policy, `low_confidence_dynamic` /
         `low_confidence_static` fallback, whole blocks or sub-blocks, fused or separate cache writes (compiled too),
         `cache_ver` and `draft_ver`, LLaDA2.1's token editing (`ThresholdEditRule`, post steps) and
-        `num_to_transfer`, a streamer (batch 1: the reads carry what it shows), a subclass that keeps the step's
-        methods. Else the
-        eager step. Called by the block-diffusion constructor (config and session only)."""
+        `num_to_transfer` of 1, a streamer (batch 1: the reads carry what it shows), a subclass that keeps the step's
+        methods. Else the eager step (also when the schedule asks more than one commit of a step: the top-up of a
+        verified step, :meth:`top_up`, runs eager). Called by the block-diffusion constructor (config and session only)."""
         s, cfg = self.session, self.config
         served = (getattr(s.target, "runs_compiled_carry_steps", False) if s.target.alignment == "right_shift"
                   else getattr(s.target, "runs_compiled_steps", False))
         processors = s.sampler.logits_processor
-        return (served and type(processors) in (LogitsProcessorList, list)
+        return (served and not self.tops_up and type(processors) in (LogitsProcessorList, list)
                 and (not s.sampler.do_sample or all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors))
                 and cfg.remasking_strategy in ("low_confidence_dynamic", "low_confidence_static")
                 and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule)

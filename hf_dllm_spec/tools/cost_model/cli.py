@@ -128,6 +128,8 @@ def _kept_labels(text: str, labels: set[str]) -> set[str]:
         UsageError: a label that names no row, with the closest one.
     """
     keep = {label.strip() for label in text.split(",") if label.strip()}
+    if not keep:
+        raise UsageError("--rows", f"{text!r} names no row; pass labels of: {', '.join(sorted(labels))}")
     unknown = sorted(keep - labels)
     if unknown:
         raise UsageError("--rows", f"no row is labelled {unknown[0]!r}{did_you_mean(unknown[0], labels)}; the rows "
