@@ -319,7 +319,7 @@ def test_per_row_processors_in_a_compiled_step_give_the_eager_scores():
     assert torch.equal(compiled(bucket(logits[[3, 0, 2, 1]]))[:4], sampler.scores(logits[[3, 0, 2, 1]]))
 
 
-@pytest.mark.parametrize("case", fast_first(["block_diffusion", "fast_dllm_v2"]))
+@pytest.mark.parametrize("case", fast_first(["block_diffusion", "fast_dllm_v2", "s2d2"]))
 @pytest.mark.parametrize("runtime", ["compiled", "captured"])
 def test_own_sampling_settings_in_compiled_steps(case, runtime, request, as_users_run_it):
     """Static runtime with `compile_config` (compiled steps), or in its CUDA-graph mode (captured steps; stood in

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from transformers import LogitsProcessorList
 
 from ..configuration import check_bool, check_int
 from ..maths.editing import EditingConfig, ThresholdEditRule
@@ -66,7 +65,7 @@ from ..maths.routing import (
     ucb_context_buckets,
     verify_score,
 )
-from ..maths.sampling import POSITION_INDEPENDENT_PROCESSORS, draw_verification, entropy, rows_of
+from ..maths.sampling import draw_verification, entropy, rows_of, step_processors
 from ..maths.unmasking import first_masked_span
 from ..tracing import recording_step
 from ..validation import check_choice, check_range, invalid
@@ -527,20 +526,19 @@ class S2D2Strategy(BlockDiffusionStrategy):
         """Whether each denoising step runs as compiled functions (:func:`s2d2_draft_step`, then
         :func:`s2d2_verify_step` when a row verifies, through `StaticModelRunner.run_step`): the static runtime
         with `compile_config`, on a position-aligned model or a right-shifted one (Fast-dLLM v2: the steps take the
-        carry), greedy or sampled (transformers' position-independent warpers in a plain `LogitsProcessorList`; the
-        draft noise and the verification's draws made before each call, :meth:`step_noise`, :meth:`verify_draws`),
-        greedy_match or stochastic acceptance, any routing policy, `low_confidence_dynamic` /
-        `low_confidence_static` fallback, whole blocks or sub-blocks, fused or separate cache writes (compiled too),
-        `cache_ver` and `draft_ver`, LLaDA2.1's token editing (`ThresholdEditRule`, post steps) and
-        `num_to_transfer` of 1, a streamer (batch 1: the reads carry what it shows), a subclass that keeps the step's
-        methods. Else the eager step (also when the schedule asks more than one commit of a step: the top-up of a
-        verified step, :meth:`top_up`, runs eager). Called by the block-diffusion constructor (config and session only)."""
+        carry), greedy or sampled (transformers' position-independent warpers, per row too in a continuous batch:
+        :func:`~hf_dllm_spec.maths.sampling.step_processors`; the draft noise and the verification's draws made
+        before each call, :meth:`step_noise`, :meth:`verify_draws`), greedy_match or stochastic acceptance, any
+        routing policy, `low_confidence_dynamic` / `low_confidence_static` fallback, whole blocks or sub-blocks,
+        fused or separate cache writes (compiled too), `cache_ver` and `draft_ver`, LLaDA2.1's token editing
+        (`ThresholdEditRule`, post steps) and `num_to_transfer` of 1, a streamer (batch 1: the reads carry what it
+        shows), a subclass that keeps the step's methods. Else the eager step (also when the schedule asks more than
+        one commit of a step: the top-up of a verified step, :meth:`top_up`, runs eager). Called by the
+        block-diffusion constructor (config and session only)."""
         s, cfg = self.session, self.config
         served = (getattr(s.target, "runs_compiled_carry_steps", False) if s.target.alignment == "right_shift"
                   else getattr(s.target, "runs_compiled_steps", False))
-        processors = s.sampler.logits_processor
-        return (served and not self.tops_up and type(processors) in (LogitsProcessorList, list)
-                and (not s.sampler.do_sample or all(type(p) in POSITION_INDEPENDENT_PROCESSORS for p in processors))
+        return (served and not self.tops_up and step_processors(s.sampler.logits_processor)
                 and cfg.remasking_strategy in ("low_confidence_dynamic", "low_confidence_static")
                 and (self.edit_rule is None or type(self.edit_rule) is ThresholdEditRule)
                 and all(getattr(type(self), name) is getattr(BlockDiffusionStrategy, name)
