@@ -61,6 +61,8 @@ def batches(draw, name: str):
         params["sub_block_size"] = params["block_size"]
     if name == "simsd":
         params["draft_block_size"] = params["block_size"]
+    if "min_ssd_span_length" in params:                      # a span no longer than a block (longer is refused)
+        params["min_ssd_span_length"] = min(params["min_ssd_span_length"], params["block_size"])
     lengths = draw(st.lists(st.integers(1, 10), min_size=1, max_size=4))
     prompts = [draw(st.lists(st.integers(2, MASK_ID - 1), min_size=n, max_size=n)) for n in lengths]
     budget = draw(st.integers(1, 12))
