@@ -713,6 +713,11 @@ class LLaDA2Patch(FamilyPatch):
     auto_classes = ((LLaDA2MoeConfig, LLaDA2MoeModelLM),)
     base_model_classes = ((LLaDA2MoeConfig, LLaDA2MoeModel),)
 
+    def attention_window(self, model) -> None:
+        """None: LLaDA2's attention is full; the Hub config's `sliding_window` (kept for round trips) is never
+        applied by its modeling or this one."""
+        return None
+
     def mask_token_id(self, model: PreTrainedModel, override: int | None = None) -> int | None:
         """`override`, `config.mask_token_id` or `generation_config.mask_token_id`; else, for a model with the
         Hub vocabulary, the Hub id 156895 with a warning (the Hub configs carry no mask id)."""

@@ -313,3 +313,24 @@ def test_a_verified_s2d2_step_is_topped_up_to_the_schedule(sdar_model, prompt, p
                               return_dict_in_generate=True, **params)
     assert out.spec_stats.num_verify_forwards > 0 and any(int(least.max()) > 1 for least, _ in steps)
     assert all(bool((committed >= least).all()) for least, committed in steps)
+
+
+def test_ar_on_a_right_shifted_model_takes_its_own_mask_id_and_never_suppresses_it():
+    """`ar` on a right-shifted model decodes without a mask token: the model's own id is accepted (a loop that
+    passes `mask_token_id=tokenizer.mask_token_id` to every strategy), another one is refused, and the tokens are
+    transformers' greedy ones (the mask id is not suppressed from the distribution)."""
+    from transformers import GenerationMixin
+
+    from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
+
+    torch.manual_seed(0)
+    model = Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, bd_size=4, mask_token_id=63)).eval()
+    ids = torch.tensor([[5, 17, 42, 8, 23]])
+    greedy = GenerationMixin.generate(model, ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    out = model.generate(ids, decoding_strategy="ar", max_new_tokens=6, eos_token_id=None, mask_token_id=63)
+    assert out.tolist() == greedy.tolist()
+    with pytest.raises(ValueError, match=r"`mask_token_id` \(=62\) must be unset \(or the model's own\)"):
+        model.generate(ids, decoding_strategy="ar", max_new_tokens=6, eos_token_id=None, mask_token_id=62)
+

@@ -566,3 +566,12 @@ def test_host_sync_detector_trips_on_eager_experts(model):
         _forbid_host_sync(mp)
         with pytest.raises(AssertionError, match="host synchronisation"):
             local(ids, attention_mask=mask)
+
+
+def test_a_sliding_window_key_limits_nothing():
+    """The Hub LLaDA2 config class carries `sliding_window` (4096) that neither modeling applies: no call is refused
+    for it (a config.json with the key and without `use_sliding_window` would have been, beyond 4096 positions)."""
+    from model_patches.llada2 import LLaDA2Patch
+
+    model = LLaDA2MoeModelLM(LLaDA2MoeConfig(**TINY_LLADA2, sliding_window=16))
+    assert model.config.sliding_window == 16 and LLaDA2Patch().attention_window(model) is None

@@ -17,7 +17,7 @@ import torch
 from ..runtime.quantization import check_quantized_model
 from ..validation import check_int, invalid
 from .plan import (SINGLE_HYPOTHESIS, check_attention_mask, check_cache_implementation, check_inputs_embeds,
-                   check_loaded, check_max_cache_len, check_single_hypothesis, check_streamer)
+                   check_loaded, check_single_hypothesis, check_streamer)
 
 
 def _input_ids_of(args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -47,8 +47,8 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
             (:func:`~hf_dllm_spec.integration.plan.check_attention_mask`); `max_new_tokens` / `max_length` not an
             integer >= 1, a `max_length` that leaves no new token; `num_beams` / `num_return_sequences` /
             `num_beam_groups` other than 1; a `cache_implementation` the strategies cannot decode over
-            (:func:`~hf_dllm_spec.integration.plan.check_cache_implementation`), a `max_cache_len` that is not an
-            integer >= 1; a `streamer` without `put` and
+            or a `max_cache_len` that is not an integer >= 1
+            (:func:`~hf_dllm_spec.integration.plan.check_cache_implementation`); a `streamer` without `put` and
             `end` (:func:`~hf_dllm_spec.integration.plan.check_streamer`).
     """
     check_loaded(model, "model")
@@ -87,8 +87,8 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
     check_streamer(kwargs.get("streamer"))          # transformers sends it the prompt before the callable runs
     # transformers builds the cache it names before the callable runs ("offloaded" makes a device stream)
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    check_cache_implementation(kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)))
-    check_max_cache_len(kwargs.get("max_cache_len", getattr(config, "max_cache_len", None)))
+    check_cache_implementation(kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)),
+                               kwargs.get("max_cache_len", getattr(config, "max_cache_len", None)))
 
 
 @contextlib.contextmanager

@@ -221,10 +221,13 @@ class FeedAdmission(RowAdmission):
         if request.on_done is not None:            # a copy: the call's own statistics go on changing
             request.on_done(list(tokens), reason, copy.copy(stats))
 
-    def finish(self) -> None:
-        """The call ended: report every row not yet reported."""
+    def finish(self, generated: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The call ended: report every row not yet reported; return the final tokens of the call's own rows, each
+        ended by its request's budget and stop rule (`(n_i,)` int64 on the device of `generated[i]`, the row's
+        decoded tokens), as :meth:`~hf_dllm_spec.integration.stopping.RowEnds.finish` does for a plain call."""
         for prompt_index in range(len(self.requests)):
             self.report(prompt_index)
+        return [torch.tensor(self.tokens[n], dtype=torch.long, device=g.device) for n, g in enumerate(generated)]
 
 
 def check_request(request: RowRequest, strategy: type[DecodingStrategy], do_sample: bool,

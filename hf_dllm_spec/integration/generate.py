@@ -199,13 +199,8 @@ def _decode(plan: DecodePlan, input_ids: torch.Tensor, logits_processor, model_k
         session = _session(plan, input_ids, logits_processor, model_kwargs, streamer, ends)
         with session.target.timer.span("wall"):
             generated = plan.strategy(plan.config, session).decode()[:plan.batch_size]
-    if session.admission is None:
-        final = ends.finish(generated)          # each row cut at its budget, first stop id and criteria
-    else:
-        session.admission.finish()              # each row ended by its own request's budget and stop rule
-        final = [torch.tensor(session.admission.tokens[n], dtype=torch.long, device=plan.device)
-                 for n in range(plan.batch_size)]
-    return _output(plan, input_ids, final, session)
+    rows = session.admission if session.admission is not None else ends      # a continuous batch's rows end alone
+    return _output(plan, input_ids, rows.finish(generated), session)
 
 
 def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, streamer, ends: RowEnds) -> DecodingSession:

@@ -302,11 +302,11 @@ def _resolve_tokens(strategy, patch, model, input_ids, lengths, generation_confi
     check_token_id("mask_token_id", mask_token_id, "pass the mask token's integer id (e.g. `tokenizer.mask_token_id`)")
     check_token_id("draft_mask_token_id", draft_mask_token_id, "pass the drafter's mask token's integer id")
     needs_mask = _needs_mask(strategy, patch, model)
-    if mask_token_id is not None and not needs_mask:
-        raise invalid("mask_token_id", mask_token_id, f"be unset for decoding_strategy={strategy.name!r} on "
-                      f"model_type `{model.config.model_type}`, which decodes the target without a mask token (the "
-                      "id would only be suppressed from the target's distribution)",
-                      "drop `mask_token_id`; the drafter's mask token is `draft_mask_token_id`")
+    if mask_token_id is not None and not needs_mask and mask_token_id != patch.mask_token_id(model, None):
+        raise invalid("mask_token_id", mask_token_id, f"be unset (or the model's own) for decoding_strategy="
+                      f"{strategy.name!r} on model_type `{model.config.model_type}`, which decodes the target "
+                      "without a mask token", "drop `mask_token_id`; the drafter's mask token is "
+                      "`draft_mask_token_id`")
     mask = patch.mask_token_id(model, mask_token_id)
     if needs_mask and mask is None:
         raise invalid("mask_token_id", None, f"be known for decoding_strategy={strategy.name!r}: "
@@ -616,27 +616,22 @@ def check_streamer(streamer) -> None:
                       "(`BaseStreamer`)", "pass e.g. TextStreamer(tokenizer), or one object with both methods")
 
 
-def check_cache_implementation(value) -> None:
-    """The caches the strategies decode over: unset, "dynamic" (the eager runtime) or "static" (the static runtime).
+def check_cache_implementation(value, max_cache_len=None) -> None:
+    """The cache the strategies decode over: `cache_implementation` (`value`) unset, "dynamic" (the eager runtime) or
+    "static" (the static runtime), and transformers' `max_cache_len` (the static cache sized once for the calls to
+    come) unset or an integer >= 1.
 
     Raises:
-        ValueError: any other `cache_implementation` ("offloaded", "paged", ...).
+        ValueError: any other `cache_implementation` ("offloaded", "paged", ...), or any other `max_cache_len`
+            (transformers compares it with the call's length unchecked).
     """
     if value not in (None, "dynamic", "static"):
         raise invalid("cache_implementation", value,
                       "be unset, 'dynamic' (the eager runtime over a DynamicCache) or 'static' (the static runtime: "
                       "a preallocated cache, CUDA graphs on GPU) for hf_dllm_spec strategies",
                       "drop `cache_implementation`, or pass cache_implementation='static'")
-
-
-def check_max_cache_len(value) -> None:
-    """transformers' `max_cache_len` (the static cache sized once for the calls to come): unset or an integer >= 1.
-
-    Raises:
-        ValueError: any other value (transformers compares it with the call's length unchecked).
-    """
-    if value is not None:
-        check_int("max_cache_len", value, 1, "pass the largest prompt + max_new_tokens you expect, e.g. "
+    if max_cache_len is not None:
+        check_int("max_cache_len", max_cache_len, 1, "pass the largest prompt + max_new_tokens you expect, e.g. "
                   "max_cache_len=4096, or drop it")
 
 
@@ -674,8 +669,8 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
         raise invalid("prefill_chunk_size", generation_config.prefill_chunk_size, "be unset for hf_dllm_spec "
                       "strategies (each strategy prefills the prompt in one forward into its own cache: a chunk size "
                       "would be ignored)", "drop `prefill_chunk_size`")
-    check_cache_implementation(generation_config.cache_implementation)
-    check_max_cache_len(getattr(generation_config, "max_cache_len", None))
+    check_cache_implementation(generation_config.cache_implementation,
+                               getattr(generation_config, "max_cache_len", None))
     if generation_config.cache_implementation == "static" and generation_config.use_cache is False:
         raise invalid("use_cache", False, "be True with cache_implementation='static' (the static runtime decodes "
                       "over its preallocated cache)", "drop `use_cache=False`, or drop `cache_implementation`")
@@ -770,5 +765,5 @@ def check_model_pair(target, target_patch, drafter, drafter_patch, generation_co
 
 __all__ = ["DecodePlan", "build_plan", "check_attention_mask", "check_block_budget", "check_cache_implementation",
            "check_drafter_tokens", "check_generation_config", "check_generator", "check_inputs_embeds", "check_loaded",
-           "check_max_cache_len", "check_model_kwargs", "check_model_pair", "check_row", "check_single_hypothesis",
-           "check_streamer", "check_token_id", "check_vocabulary", "prompt_lengths"]
+           "check_model_kwargs", "check_model_pair", "check_row", "check_single_hypothesis", "check_streamer",
+           "check_token_id", "check_vocabulary", "prompt_lengths"]
