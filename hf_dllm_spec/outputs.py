@@ -60,8 +60,10 @@ class SpecDecodingStats:
         capture, the first compiled calls; 0 when nothing was captured or compiled). For a batch every row reports
         the call's times.
 
-    runtime: which runtime ran each model and why compilation is off, if it is (e.g. ``"target: eager"``,
-        ``"target: static cache, cuda graphs; drafter: static cache, eager (bitsandbytes weights)"``).
+    runtime: which runtime ran each model and why compilation is off, if it is, and whether the decoding steps ran
+        whole (forward and maths in one compiled function or CUDA graph) or the forwards alone (e.g.
+        ``"target: eager"``, ``"target: static cache, cuda_graph, whole steps"``, ``"target: static cache,
+        cuda_graph, whole steps; drafter: static cache, eager (bitsandbytes weights)"``).
     """
 
     num_prefill_forwards: int = 0

@@ -547,6 +547,7 @@ def test_captured_steps_replay_the_eager_tokens(name, strategy, sampled, bundled
         assert states == eager_states, f"{label}: generators left in another state"
     states = _states(model, spec)
     assert _step_graphs(states), "no decoding step was captured"
+    assert "target: static cache, cuda_graph, whole steps" in static[-1][0].spec_stats.runtime   # says so
     assert [state.graphs.captures for state in states] == captures, "a graph was captured twice"
     assert all(state.graphs.failure is None for state in states)
 
@@ -674,7 +675,7 @@ def test_failed_capture_cleans_up_retries_once_and_can_be_cleared(bundled, repla
     monkeypatch.setattr(ReplayedGraphs, "fail", False)
     fourth = _generate(model, tokenizer, texts, spec, cache_implementation="static")
     _assert_same(eager, fourth, "after clear_static_state")
-    assert fourth.spec_stats.runtime == "target: static cache, cuda_graph"
+    assert fourth.spec_stats.runtime == "target: static cache, cuda_graph, forwards only"   # (layouts checked)
     assert static_states(model)[0].graphs.captures > 0
 
 

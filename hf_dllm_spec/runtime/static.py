@@ -348,6 +348,7 @@ class StaticModelRunner(ModelRunner):
                                 and _bitsandbytes_bits(getattr(model, "hf_quantizer", None)) is None)
         self._compile_reason = compile_reason
         self._call_id = self._state.graphs.begin_call()
+        self._whole_steps = 0                    # decoding steps this call ran compiled or captured whole
         self._experts, experts_reason = capturable_experts(model, compile_mode, device)
         self._experts_note = f"; experts: {self._experts} ({experts_reason})" if self._experts else ""
         self._experts_configs = experts_configs(model) if self._experts else []
@@ -362,14 +363,17 @@ class StaticModelRunner(ModelRunner):
 
     @property
     def runtime_note(self) -> str:
-        """What ran this model's forwards, for `spec_stats.runtime`: the mode, why not another, the experts kernel
-        and any capture failure with its reason."""
+        """What ran this model's forwards, for `spec_stats.runtime`: the mode, why not another, whether the
+        strategy's decoding steps ran whole (forward and maths compiled or captured together, :meth:`run_step`) or
+        the forwards alone, the experts kernel and any capture failure with its reason."""
         notes = [self._compile_reason] if self._compile_reason else []
         if self.compile_mode == "cuda_graph":
             failure = self._state.graphs.note(self._call_id)
             if failure:
                 notes.append(failure)
         note = f"static cache, {self.compile_mode}" + (f" ({'; '.join(notes)})" if notes else "")
+        if self.compile_mode != "eager":
+            note += ", whole steps" if self._whole_steps else ", forwards only"
         return note + self._experts_note
 
     @property
@@ -585,6 +589,7 @@ class StaticModelRunner(ModelRunner):
                 outputs = table.run(key, function, self._step_options, owner, self, shape, *tensors)
             elif self.cache.allocated:
                 outputs = self._captured_step(key, function, owner, shape, tensors, attributes, read, bucket)
+            self._whole_steps += outputs is not None
             if outputs is None:    # the call's first forward allocates the buffers: eagerly (a graph would guard on
                 outputs = function(owner, self, shape, *_pad_batch(tensors, bucket))   # them); or no capture
         lengths, *outputs = outputs
