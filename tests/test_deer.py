@@ -229,11 +229,18 @@ def test_candidate_generator_path_equals_strategy_path(drafter, k):
 
 
 def test_candidate_generator_sampling_runs_in_transformers(drafter):
+    """Sampled assisted decoding through transformers (which draws from torch's global RNG): the prompt kept, the
+    same seed gives the same tokens, another seed others."""
     target = _target("qwen2")
-    torch.manual_seed(0)
-    out = hf_dllm_spec.deer_assisted_generate(target, PROMPT, drafter, num_draft_tokens=4, max_new_tokens=12,
-                                              do_sample=True, temperature=0.8, top_k=20)
-    assert out.shape == (1, PROMPT.shape[1] + 12)
+
+    def sample(seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        return hf_dllm_spec.deer_assisted_generate(target, PROMPT, drafter, num_draft_tokens=4, max_new_tokens=12,
+                                                   do_sample=True, temperature=0.8, top_k=20)
+
+    out = sample(0)
+    assert out.shape == (1, PROMPT.shape[1] + 12) and torch.equal(out[:, :PROMPT.shape[1]], PROMPT)
+    assert torch.equal(sample(0), out) and not torch.equal(sample(1), out)
 
 
 # -- sampling losslessness ----------------------------------------------------------------------------------------
