@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 
 from model_patches.generation import GENERATION_CONFIG_KEY, stored_decoding  # the families read it too
 
-from .validation import check_bool, check_choice, check_int, invalid  # noqa: F401 (check_bool: re-exported)
+from .validation import check_choice, check_int, invalid
 
 
 @dataclass

@@ -18,13 +18,13 @@ from typing import ClassVar
 
 import torch
 
-from ..configuration import DecodingConfig, check_bool, check_int
+from ..configuration import DecodingConfig
 from ..maths.editing import EditingConfig, EditRule, ThresholdEditRule
 from ..maths.masks import block_causal_mask, concat_segments, full_mask, left_pad, partially_causal_draft_mask
 from ..maths.sampling import entropy, step_processors
 from ..maths.unmasking import REMASKING_STRATEGIES, first_masked_span, scheduled_tokens, select_transfer
 from ..tracing import recording_step
-from ..validation import check_choice, check_range, invalid
+from ..validation import check_bool, check_choice, check_int, check_range, invalid
 from .base import DecodingStrategy
 
 

@@ -46,7 +46,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..configuration import check_bool, check_int
 from ..maths.editing import EditingConfig, ThresholdEditRule
 from ..maths.masks import causal_mask, verifier_2l_mask
 from ..maths.routing import (
@@ -68,7 +67,7 @@ from ..maths.routing import (
 from ..maths.sampling import draw_verification, entropy, rows_of, step_processors
 from ..maths.unmasking import first_masked_span
 from ..tracing import recording_step
-from ..validation import check_choice, check_range, invalid
+from ..validation import check_bool, check_choice, check_int, check_range, invalid
 from ..maths.verification import greedy_match, rejection_sample, span_writes
 from .base import RowStates
 from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, draft_and_propose,
