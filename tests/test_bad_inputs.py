@@ -192,6 +192,8 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("stored-without-a-name", dict(generation_config=_stored({"block_size": 4})), "generation_config.dllm_decoding",
      ValueError),
     ("preset-a-list", dict(decoding_strategy="s2d2", preset=["sdar-1.7b-config-a"]), "preset", ValueError),
+    ("preset-of-another-strategy", dict(decoding_strategy="block_diffusion", preset="sdar-1.7b-config-a"), "preset",
+     ValueError),
     ("max-cache-len-zero", dict(decoding_strategy="s2d2", cache_implementation="static", max_cache_len=0),
      "max_cache_len", ValueError),
     ("max-cache-len-str", dict(decoding_strategy="s2d2", cache_implementation="static", max_cache_len="4096"),

@@ -366,3 +366,10 @@ def test_no_device_sync_per_forward_on_cuda(sdar_model, prompt, monkeypatch):
                          return_dict_in_generate=True)
     assert out.spec_stats.nfe > 8 and len(calls) <= 2          # the call's start and end only
     assert 0 < out.spec_stats.forward_time_s <= out.spec_stats.wall_time_s
+
+
+def test_a_preset_of_another_strategy_names_that_strategy(sdar_model, prompt):
+    """Before: "must be one of '<none>'; use one of the presets of decoding_strategy='block_diffusion'" for an S2D2
+    preset on SDAR without `decoding_strategy` (the native strategy has no presets)."""
+    with pytest.raises(ValueError, match=r"\(it is one of decoding_strategy='s2d2'\); pass decoding_strategy='s2d2'"):
+        sdar_model.generate(prompt, preset="sdar-1.7b-config-a", max_new_tokens=4)

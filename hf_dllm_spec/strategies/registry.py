@@ -184,7 +184,13 @@ def resolve_config(
 
     Raises:
         ValueError: unknown strategy, preset or parameter; out-of-range value; a `strategy_config` of another
-            strategy.
+            strategy; a preset of another strategy (naming that strategy).
     """
-    return merge_parameters(config_class_for(decoding_strategy), generation_config=generation_config,
-                            preset=preset, strategy_config=strategy_config, overrides=overrides)
+    config_class = config_class_for(decoding_strategy)
+    if isinstance(preset, str) and preset not in config_class.presets:
+        owners = [name for name, strategy in tuple(STRATEGIES.items()) if preset in strategy.config_class.presets]
+        if owners:
+            raise invalid("preset", preset, f"be a preset of decoding_strategy={config_class.decoding_strategy!r} "
+                          f"(it is one of decoding_strategy={owners[0]!r})", f"pass decoding_strategy={owners[0]!r}")
+    return merge_parameters(config_class, generation_config=generation_config, preset=preset,
+                            strategy_config=strategy_config, overrides=overrides)
