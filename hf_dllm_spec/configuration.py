@@ -94,10 +94,19 @@ class DecodingConfig:
         Raises:
             ValueError: for an unknown preset name (listing the valid ones).
         """
+        return cls.from_kwargs(**{**cls._preset_fields(name), **overrides})
+
+    @classmethod
+    def _preset_fields(cls, name: str) -> dict[str, Any]:
+        """The fields preset `name` sets (see `presets`).
+
+        Raises:
+            ValueError: for an unknown preset name, or one that is not a string (listing the valid ones).
+        """
         if not isinstance(name, str) or name not in cls.presets:
             check_choice("preset", name, tuple(cls.presets) or ("<none>",),
                          f"use one of the presets of decoding_strategy={cls.decoding_strategy!r}")
-        return cls.from_kwargs(**{**cls.presets[name], **overrides})
+        return cls.presets[name]
 
     def to_dict(self) -> dict[str, Any]:
         """Every parameter plus ``decoding_strategy``, JSON-serialisable."""
@@ -188,10 +197,7 @@ def merge_parameters(
     """
     params: dict[str, Any] = dict(cls.stored_defaults(generation_config))
     if preset is not None:
-        if not isinstance(preset, str) or preset not in cls.presets:
-            check_choice("preset", preset, tuple(cls.presets) or ("<none>",),
-                         f"use one of the presets of decoding_strategy={cls.decoding_strategy!r}")
-        params.update(cls.presets[preset])
+        params.update(cls._preset_fields(preset))
     if strategy_config is not None:
         if not isinstance(strategy_config, cls) or type(strategy_config) is not cls:
             raise invalid("strategy_config", type(strategy_config).__name__,
