@@ -225,3 +225,23 @@ def test_the_callable_and_the_hub_folder_run_the_stored_strategy(qwen_model):
     assert by_callable.tolist() == named.tolist() == by_folder.tolist()
     with pytest.raises(ValueError, match=r"`decoding_strategy` \(=None\) must be given, or stored"):
         qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, max_new_tokens=4, mask_token_id=98)
+
+
+def test_an_unregistered_stored_strategy_is_named_as_stored(sdar_model, qwen_model):
+    """A stored `dllm_decoding` naming no registered strategy (an uninstalled plugin) is refused under the stored
+    key on every entry point; the caller passed no `decoding_strategy` (before: "`decoding_strategy` (='mine')")."""
+    from transformers import GenerationConfig
+
+    stored = GenerationConfig(max_new_tokens=4, eos_token_id=None, mask_token_id=98)
+    stored.dllm_decoding = {"decoding_strategy": "uninstalled"}
+    prompt = torch.tensor([[5, 17, 42, 8]])
+    rule = r"`generation_config.dllm_decoding\['decoding_strategy'\]` \(='uninstalled'\) must name a registered"
+    for call in (lambda: sdar_model.generate(prompt, generation_config=stored),
+                 lambda: qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate,
+                                             generation_config=stored),
+                 lambda: qwen_model.generate(prompt, custom_generate=str(ROOT), trust_remote_code=True,
+                                             generation_config=stored)):
+        with pytest.raises(ValueError, match=rule):
+            call()
+    with pytest.raises(ValueError, match=r"`decoding_strategy` \(='other'\) must be one of"):
+        sdar_model.generate(prompt, generation_config=stored, decoding_strategy="other")

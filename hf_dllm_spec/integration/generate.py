@@ -45,7 +45,7 @@ from ..outputs import BatchStats, GenerateDllmOutput
 from ..runtime.runner import DRAFT_MODEL_SPAN
 from ..runtime.static import hold_static_runtime, make_runner
 from ..strategies import DecodingSession
-from ..strategies.registry import on_register, strategy_parameter_names
+from ..strategies.registry import STRATEGIES, get_strategy, on_register, strategy_parameter_names
 from ..strategies.streaming import TokenStream
 from ..validation import invalid
 from .checks import check_call, ending_streamer_on_error
@@ -178,7 +178,26 @@ def _stored_strategy(model, generation_config) -> str:
         raise invalid("decoding_strategy", None, "be given, or stored in the generation config (`dllm_decoding`, "
                       "written by `DecodingConfig.save_to_generation_config`)",
                       "pass decoding_strategy='s2d2' (or another registered strategy)")
+    check_strategy_name(stored, generation_config, getattr(model, "generation_config", None))
     return stored
+
+
+def check_strategy_name(decoding_strategy, *generation_configs) -> None:
+    """Refuse an unregistered `decoding_strategy` before any preparation, naming where it came from: the stored
+    `dllm_decoding` of the first of `generation_configs` (each a `GenerationConfig` or None) that stores it, else
+    the argument.
+
+    Raises:
+        ValueError: an unknown name, listing the registered ones.
+    """
+    if isinstance(decoding_strategy, str) and decoding_strategy not in STRATEGIES \
+            and stored_decoding_strategy(*generation_configs) == decoding_strategy:
+        names = ", ".join(map(repr, tuple(STRATEGIES)))
+        raise invalid("generation_config.dllm_decoding['decoding_strategy']", decoding_strategy,
+                      f"name a registered strategy ({names})",
+                      "pass decoding_strategy=..., register the strategy (or install its plugin), or store a "
+                      "registered one with `DecodingConfig.save_to_generation_config`")
+    get_strategy(decoding_strategy)
 
 
 def _draft_model(draft_model, assistant_model, call: dict[str, Any]):

@@ -16,8 +16,7 @@ from model_patches.generation import DllmGenerationMixin
 
 from .candidate_generator import draft_as_assistant, is_assistant_call
 from .checks import check_call, ending_streamer_on_error
-from .generate import dllm_generate, stop_strings_as_criteria
-from ..strategies.registry import get_strategy
+from .generate import check_strategy_name, dllm_generate, stop_strings_as_criteria
 
 
 def heal_tokens_first(model, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -64,7 +63,8 @@ def generate_with_strategy(model, args: tuple, kwargs: dict[str, Any], decoding_
             an integer, a model on the meta device (all before transformers prepares the inputs).
     """
     with ending_streamer_on_error(kwargs.get("streamer")):      # the callable's own `finally` is not reached yet
-        get_strategy(decoding_strategy)  # unknown names fail here, before input preparation
+        # unknown names fail here, before input preparation
+        check_strategy_name(decoding_strategy, kwargs.get("generation_config"), model.generation_config)
         # a stock target's assisted decoding asks this diffusion model for drafts
         assistant = is_assistant_call(kwargs)
         if not assistant:
