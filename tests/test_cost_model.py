@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from conftest import cpu_compile_config
 from hf_dllm_spec.tools.cost_model.cli import main
@@ -186,10 +187,10 @@ def test_smoke_count_and_time_phases_on_the_bundled_model(tmp_path):
     pred = {e["key"]: e for e in result["predict"]}
     assert pred["sdar/AR"]["predicted"]["efficiency"] == pytest.approx(1.0)
     assert pred["sdar/dynamic 0.9 B=4"]["predicted_tokens_per_s"] > 0
-    saved = json.loads((tmp_path / "tiny-cpu-float32.json").read_text())
+    saved = json.loads((tmp_path / "tiny-cpu-float32-sdar-rows.json").read_text())     # the name says what ran
     assert saved["meta"]["shape"] == "tiny" and saved["predict"]
-    assert "## PREDICT" in (tmp_path / "tiny-cpu-float32.md").read_text()
-    assert (tmp_path / "tiny-cpu-float32.png").stat().st_size > 0
+    assert "## PREDICT" in (tmp_path / "tiny-cpu-float32-sdar-rows.md").read_text()
+    assert (tmp_path / "tiny-cpu-float32-sdar-rows.png").stat().st_size > 0
 
 
 # -- the static-runtime mode (`--runtime static`, `hf-dllm-spec bench-gpu`, issue 25) --------------------------------
@@ -308,7 +309,7 @@ def test_static_mode_smoke_prints_the_stock_baseline_and_the_targets(tmp_path, r
                    "--reps", "1", "--warmup", "0", "--max-widths", "2", "--outside-tokens", "4", "--outside-reps",
                    "1", "--runtime", runtime, "--stock-tokens", "8", "--stock-reps", "3", "--out", str(tmp_path),
                    "--no-plot"])     # 8 tokens, median of 3: a step of 3 tokens, once, measured < 0 on a busy machine
-    saved = json.loads((tmp_path / f"tiny-cpu-float32-{runtime}.json").read_text())
+    saved = json.loads((tmp_path / f"tiny-cpu-float32-{runtime}-sdar-rows.json").read_text())
     assert saved["meta"]["runtime"] == runtime and saved["time"]["runtime"] == runtime
     shape = "tiny:sdar-tiny-arith"
     base = saved["time"]["baselines"][shape]
@@ -334,7 +335,7 @@ def test_static_mode_smoke_prints_the_stock_baseline_and_the_targets(tmp_path, r
     measured = predicted["sdar/dynamic 0.9 B=4"]["measured"]
     assert e2e["efficiency"] == pytest.approx(measured["speedup"] / measured["forward_ratio"])
     assert e2e["met"] == (e2e["efficiency"] >= 0.85)
-    md = (tmp_path / f"tiny-cpu-float32-{runtime}.md").read_text()
+    md = (tmp_path / f"tiny-cpu-float32-{runtime}-sdar-rows.md").read_text()
     assert "stock step ms" in md and "Qwen3ForCausalLM" in md and "not compiled" in md
     assert ("compile_config=CompileConfig()" in md) == (runtime == "compiled")
     verdict = "met" if targets["strategies"][1]["met"] else "not met"
@@ -389,3 +390,25 @@ def test_bench_gpu_without_cuda_exits_2_naming_device_and_the_cpu_smoke(capsys, 
         ("cuda", "bfloat16", "static", "static", "1.7b", None)
     assert (args.outside_tokens, args.outside_reps) == (64, 5)
     assert cli.build_parser().parse_args(["bench-gpu", "--runtime", "compiled"]).runtime == "compiled"
+
+
+def test_the_output_name_says_what_ran():
+    """A run of other settings never writes over another's files: a subset of groups or rows, or a COUNT phase on
+    another device or runtime, is in the name (before, `--groups sdar` or `--count-runtime static` at the tiny shape
+    wrote over the committed `tiny-cpu-float32.*`)."""
+    from hf_dllm_spec.tools.cost_model.count import GROUPS
+    from hf_dllm_spec.tools.cost_model.report import run_name
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda:1")
+    eager = {"device": "cpu"}
+    assert run_name("tiny", cpu, "float32", "none", "eager", eager, GROUPS, GROUPS) == "tiny-cpu-float32"
+    assert run_name("1.7b", cpu, "bfloat16", "none", "eager", eager, ("sdar", "fast_dllm_v2"), GROUPS) \
+        == "1.7b-cpu-bfloat16-sdar+fast_dllm_v2"
+    assert run_name("1.7b", cuda, "bfloat16", "nf4", "static", {"device": "cuda:0", "runtime": "static"}, GROUPS,
+                    GROUPS) == "1.7b-cuda-bfloat16-nf4-static-count-cuda-static"
+    assert run_name("tiny", cpu, "float32", "none", "eager", {"device": "cpu", "runtime": "compiled"}, GROUPS,
+                    GROUPS) == "tiny-cpu-float32-count-cpu-compiled"
+    assert run_name("tiny", cpu, "float32", "none", "eager", {"device": "cpu", "rows_kept": ["x"]}, ("sdar",),
+                    GROUPS, count_only=True) == "count-cpu-float32-sdar-rows"
+    assert run_name("tiny", cpu, "float32", "none", "eager", {"device": "cuda", "runtime": "static"}, GROUPS,
+                    GROUPS, count_only=True) == "count-cuda-float32-static"

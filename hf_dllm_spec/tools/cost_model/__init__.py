@@ -33,7 +33,8 @@ runtime, for the end-to-end figures.
 
 `report` writes the tables, plots and the machine description; `cli` is the command line
 (`benchmarks/cost_model.py`, `hf-dllm-spec bench-gpu`). Outputs in `--out` (default `benchmarks/results/cost_model/`):
-`<shape>-<device>-<dtype>[-<quant>].json`, the same name `.md` (tables) and `.png` (forward time vs query width
-per shape; predicted tokens/s per strategy). This is a measurement, not a test: record the machine and the
+`<shape>-<device>-<dtype>[-<quant>][-<runtime>].json` (`report.run_name`: a subset of groups or rows, or a COUNT
+phase elsewhere than the CPU's eager runtime, adds to the name), the same name `.md` (tables) and `.png` (forward
+time vs query width per shape; predicted tokens/s per strategy). This is a measurement, not a test: record the machine and the
 command next to the numbers.
 """

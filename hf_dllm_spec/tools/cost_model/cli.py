@@ -147,14 +147,16 @@ def _count(args: argparse.Namespace, groups: list[str]) -> dict:
                                          "pass --groups with the groups it has")
         if args.rows:
             keep = _kept_labels(args.rows, {r["label"] for r in count["rows"] if r["group"] in groups})
-            count = dict(count, rows=[r for r in count["rows"] if r["strategy"] == "ar" or r["label"] in keep])
+            count = dict(count, rows=[r for r in count["rows"] if r["strategy"] == "ar" or r["label"] in keep],
+                         rows_kept=sorted(keep))
         return dict(count, source=str(args.counts))
     rows = [r for r in default_rows() if r.group in groups]
     if args.rows:
         keep = _kept_labels(args.rows, {r.label for r in rows})
         rows = [r for r in rows if r.strategy == "ar" or r.label in keep]
-    return count_phase(rows, args.num_prompts, args.max_new_tokens, args.seed, repeats=args.count_repeats,
-                       device=args.count_device, runtime=args.count_runtime)
+    count = count_phase(rows, args.num_prompts, args.max_new_tokens, args.seed, repeats=args.count_repeats,
+                        device=args.count_device, runtime=args.count_runtime)
+    return dict(count, rows_kept=sorted(keep)) if args.rows else count
 
 
 def run(args: argparse.Namespace, command: str, cpu_hint: str = CPU_HINT) -> dict:
@@ -210,9 +212,8 @@ def _write(result: dict, args: argparse.Namespace, device: torch.device) -> None
     meta = result["meta"]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = (f"count-{torch.device(args.count_device).type}-float32"
-            + (f"-{args.count_runtime}" if args.count_runtime != "eager" else "") if args.count_only
-            else run_name(args.shape, device, args.dtype, args.quant, args.runtime))
+    name = run_name(args.shape, device, args.dtype, args.quant, args.runtime, result["count"],
+                    tuple(meta["groups"]), GROUPS, count_only=args.count_only)
     (out / f"{name}.json").write_text(json.dumps(json_ready(result), indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown(result))
     written = [out / f"{name}.json", out / f"{name}.md"]

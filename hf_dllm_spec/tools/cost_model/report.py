@@ -248,10 +248,26 @@ def machine_description(device: torch.device) -> str:
             f"Python {platform.python_version()}")
 
 
-def run_name(shape: str, device: torch.device, dtype: str, quant: str, runtime: str = "eager") -> str:
-    """Output file stem: `<shape>-<device type>-<dtype>[-<quant>][-static|-compiled]`."""
-    return (f"{shape}-{device.type}-{dtype}" + (f"-{quant}" if quant != "none" else "")
-            + (f"-{runtime}" if runtime != "eager" else ""))
+def run_name(shape: str, device: torch.device, dtype: str, quant: str, runtime: str, count: dict,
+             groups: tuple[str, ...], all_groups: tuple[str, ...], count_only: bool = False) -> str:
+    """Output file stem, naming what ran, so that a run of other settings never writes over another's files.
+
+    `<shape>-<device type>-<dtype>[-<quant>][-static|-compiled]`, then `-count-<device type>-<runtime>` when the
+    COUNT phase (`count`) ran elsewhere than on the CPU's eager runtime; with `count_only`,
+    `count-<device type>-float32[-<runtime>]`. Then `-<group>+<group>...` when `groups` are fewer than
+    `all_groups`, and `-rows` when `count` keeps a `--rows` subset.
+    """
+    count_device, count_runtime = torch.device(count.get("device", "cpu")).type, count.get("runtime") or "eager"
+    if count_only:
+        name = f"count-{count_device}-float32" + (f"-{count_runtime}" if count_runtime != "eager" else "")
+    else:
+        name = (f"{shape}-{device.type}-{dtype}" + (f"-{quant}" if quant != "none" else "")
+                + (f"-{runtime}" if runtime != "eager" else ""))
+        if (count_device, count_runtime) != ("cpu", "eager"):
+            name += f"-count-{count_device}-{count_runtime}"
+    if set(groups) != set(all_groups):
+        name += "-" + "+".join(groups)
+    return name + ("-rows" if count.get("rows_kept") else "")
 
 
 def json_ready(obj):
