@@ -371,11 +371,15 @@ def test_custom_generate_path_checks_the_same(counted):
 
 
 def test_exact_allowed_processor_still_runs(sdar_model):
-    """The allow-list is by exact class: the stock warper is accepted."""
-    out = sdar_model.generate(torch.tensor(PROMPT), decoding_strategy="s2d2", max_new_tokens=4, do_sample=True,
-                              logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.7)]),
-                              generator=torch.Generator().manual_seed(0))
-    assert out.shape[1] <= len(PROMPT[0]) + 4
+    """The allow-list is by exact class: the stock warper is accepted, and it warps as `temperature=` does."""
+    common = dict(decoding_strategy="s2d2", max_new_tokens=8, do_sample=True, eos_token_id=None)
+    passed = sdar_model.generate(torch.tensor(PROMPT), **common,
+                                 logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.7)]),
+                                 generator=torch.Generator().manual_seed(0))
+    keyword = sdar_model.generate(torch.tensor(PROMPT), **common, temperature=0.7,
+                                  generator=torch.Generator().manual_seed(0))
+    plain = sdar_model.generate(torch.tensor(PROMPT), **common, generator=torch.Generator().manual_seed(0))
+    assert passed.tolist() == keyword.tolist() != plain.tolist()
 
 
 def test_consistent_position_ids_are_accepted(sdar_model):

@@ -194,13 +194,18 @@ def test_batch_of_8_padded_equals_8_singles(llada2_model, strategy, params):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decoder_runs_in_fp32_and_bf16(llada2_model, dtype):
+def test_decoder_equals_the_reference_in_fp32_and_bf16(llada2_model, dtype):
+    """The editing decoder in each dtype equals the Hub loop run on the same weights in that dtype."""
     model = llada2_model.to(dtype)
     try:
-        out = model.generate(PROMPT[None], decoding_strategy="llada2", block_size=B, max_new_tokens=8, **EDITING)
+        out = model.generate(PROMPT[None], decoding_strategy="llada2", block_size=B, max_new_tokens=8,
+                             use_cache=False, max_post_steps=2, **EDITING)
+        expected = reference_llada2(model, PROMPT, 8, threshold=EDITING["confidence_threshold"],
+                                    editing_threshold=EDITING["editing_threshold"], max_post_steps=2,
+                                    num_to_transfer=1)
     finally:
         llada2_model.to(torch.float32)
-    assert out.shape == (1, len(PROMPT) + 8) and not (out[0, len(PROMPT):] == MASK_ID).any()
+    assert out[0, len(PROMPT):].tolist() == expected and MASK_ID not in expected
 
 
 def test_plain_generate_runs_the_family_decoder(llada2_model):
