@@ -552,6 +552,53 @@ def test_captured_steps_replay_the_eager_tokens(name, strategy, sampled, bundled
     assert all(state.graphs.failure is None for state in states)
 
 
+#: Two calls' sampling settings: the same processors with other values (other step keys), the suppressed ids a
+#: tensor the call makes.
+SETTINGS = (dict(do_sample=True, temperature=0.5, top_k=20, suppress_tokens=[5], epsilon_cutoff=1e-3),
+            dict(do_sample=True, temperature=1.4, top_k=20, suppress_tokens=[5, 6], epsilon_cutoff=2e-3))
+
+
+@pytest.mark.parametrize("name,strategy", fast_first([(name, s) for name, (rows, _) in CASES.items() for s in rows]))
+def test_captured_steps_serve_later_calls_of_other_settings(name, strategy, bundled, replayed_graphs,
+                                                            as_users_run_it):
+    """A graph holds what it read at capture: a call's own tensors (a `SuppressTokensLogitsProcessor`'s ids, made by
+    each call) are graph inputs, copied in at each replay, not the capturing call's (freed after it; before, the
+    tape refused them). Calls of two settings, each captured then replayed in a later call, give the eager
+    runtime's tokens and counters."""
+    tokenizer, model, spec = _spec(bundled, name, strategy)
+    texts = _texts(name)
+    for m in (model, spec.draft_model):
+        if m is not None:
+            clear_static_state(m)
+
+    def run(settings: dict, cache):
+        generators = [torch.Generator().manual_seed(5 + i) for i in range(len(texts))]
+        return _generate(model, tokenizer, texts, spec, cache_implementation=cache, generator=generators, **settings)
+
+    for settings in (*SETTINGS, *SETTINGS):       # the second round replays the graphs the first captured
+        eager = run(settings, None)
+        for label in ("captured", "replayed"):
+            _assert_same(eager, run(settings, "static"), f"{name} / {spec.label}, {settings}, {label}")
+    assert _step_graphs(_states(model, spec)), "no decoding step was captured"
+
+
+def test_eta_cutoff_runs_its_steps_eagerly_under_graphs(bundled, replayed_graphs, as_users_run_it):
+    """`eta_cutoff`'s warper validates its distribution on the host, which a capture cannot hold (before, every
+    step's capture failed): its steps run eagerly, the forwards captured, the eager runtime's tokens."""
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "s2d2")
+    texts = _texts("sdar-tiny-arith")
+    clear_static_state(model)
+    runs = []
+    for cache in (None, "static", "static"):
+        generators = [torch.Generator().manual_seed(5 + i) for i in range(len(texts))]
+        runs.append(_generate(model, tokenizer, texts, spec, cache_implementation=cache, generator=generators,
+                              do_sample=True, eta_cutoff=1e-3))
+    for label, out in zip(("captured", "replayed"), runs[1:]):
+        _assert_same(runs[0], out, f"eta_cutoff, {label}")
+    assert "forwards only" in runs[-1].spec_stats.runtime
+    assert all(state.graphs.failure is None for state in static_states(model))
+
+
 @pytest.mark.parametrize("name,strategy", fast_first([("sdar-tiny-arith", "s2d2"), ("sdar-tiny-arith", "dynamic"),
                                                       ("llada2-tiny", "llada2"), ("fast-dllm-v2-tiny", "s2d2"),
                                                       ("sdar-large", "simsd"), ("qwen2-tiny-ar", "deer")]))

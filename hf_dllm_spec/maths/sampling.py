@@ -62,16 +62,17 @@ POSITION_INDEPENDENT_PROCESSORS: tuple[type, ...] = (
     MinPLogitsWarper,
     TypicalLogitsWarper,
     EpsilonLogitsWarper,
-    EtaLogitsWarper,
     SuppressTokensLogitsProcessor,
 )
 
-#: Position-independent too (`renormalize_logits`, `remove_invalid_values`, `top_h`), applied by the eager step
-#: only: a compiled step keys and traces the classes above.
+#: Position-independent too (`renormalize_logits`, `remove_invalid_values`, `top_h`, `eta_cutoff`), applied by the
+#: eager step only: a compiled step keys and traces the classes above (`eta_cutoff`'s warper validates its
+#: distribution on the host, which a CUDA graph cannot capture).
 EAGER_POSITION_INDEPENDENT_PROCESSORS: tuple[type, ...] = (
     LogitNormalization,
     InfNanRemoveLogitsProcessor,
     TopHLogitsWarper,
+    EtaLogitsWarper,
 )
 _ACCEPTED_PROCESSORS = POSITION_INDEPENDENT_PROCESSORS + EAGER_POSITION_INDEPENDENT_PROCESSORS
 
@@ -617,9 +618,16 @@ class Sampler:
     @property
     def graph_inputs(self) -> list[tuple[object, str]]:
         """The tensors a step calling this sampler reads through attributes, as `(object, attribute name)`: the
-        rows' groups of per-row processors (:attr:`RowProcessors.group_ids`, replaced as rows join and leave), else
-        none. A CUDA graph of the step takes them as inputs (`StaticModelRunner.run_step`)."""
-        return [(self.logits_processor, "group_ids")] if isinstance(self.logits_processor, RowProcessors) else []
+        rows' groups of per-row processors (:attr:`RowProcessors.group_ids`, replaced as rows join and leave) and
+        every tensor a processor holds (`SuppressTokensLogitsProcessor.suppress_tokens`, `EtaLogitsWarper.epsilon`:
+        made by each call, so a graph that kept the capturing call's would read freed memory). A CUDA graph of the
+        step takes them as inputs (`StaticModelRunner.run_step`); the step's key holds their values
+        (:func:`processors_key`)."""
+        processors = self.logits_processor
+        lists = processors.groups if isinstance(processors, RowProcessors) else [processors]
+        held = [(proc, name) for group in lists for proc in group
+                for name, value in vars(proc).items() if isinstance(value, torch.Tensor)]
+        return [(processors, "group_ids")] * isinstance(processors, RowProcessors) + held
 
     def draw_noise(self, noise: torch.Tensor, rows: int) -> torch.Tensor:
         """The random draw of :meth:`choose` over `probs` of shape `(rows, *noise.shape[1:])`, made beforehand into
