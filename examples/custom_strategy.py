@@ -18,7 +18,10 @@ The command line and the server find strategies that an installed package declar
     hf-dllm-spec generate --prompt "..." --strategy burst --first-step-tokens 3
     hf-dllm-spec serve models/sdar-tiny-arith        # requests may then name decoding_strategy="burst"
 
-Run as a script, it decodes one arithmetic prompt of the bundled model with `burst` and with `block_diffusion`.
+Run as a script, it decodes one arithmetic prompt of the bundled model with `block_diffusion` and with `burst`, both
+static (one token per denoising step, `confidence_threshold=1.0`), where the burst's saving shows: on the CPU in
+float32, 18 and 10 forwards for the same 16 tokens. (At the default threshold the trained model already commits most blocks
+in one or two steps, and both take 7.)
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ if __name__ == "__main__":
     tokenizer, model = load(ROOT / "models" / "sdar-tiny-arith")
     ids = tokenizer(arithmetic_prompts(ROOT / "models" / "sdar-tiny-arith", 1)[0].text, return_tensors="pt").input_ids
     for strategy, extra in (("block_diffusion", {}), ("burst", {"first_step_tokens": 3})):
-        out = model.generate(ids, decoding_strategy=strategy, max_new_tokens=16, return_dict_in_generate=True, **extra)
+        out = model.generate(ids, decoding_strategy=strategy, max_new_tokens=16, confidence_threshold=1.0,
+                             return_dict_in_generate=True, **extra)
         text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         print(f"{strategy:>15}: {out.spec_stats.num_forward_calls} forwards  {text!r}")

@@ -123,8 +123,9 @@ class S2D2Config(BlockDiffusionConfig, EditingConfig):
         ucb_entropy_source (`str`, defaults to "span"): "contextual_bandit_ucb": mean entropy over the span C_t
             ("span") or over every masked position ("masked").
     Acceptance:
-        ssd_ratio_tempering_factor (`float`, defaults to 1.0): gamma of min(1, (q/p)^gamma), > 0 (App. A.8).
-        allow_resample (`bool`, defaults to True): draw the recovered token from (q - p)+ on rejection; False
+        ssd_ratio_tempering_factor (`float`, defaults to 1.0): gamma of min(1, (p/q)^gamma), p the verifier's
+            probability of the draft, q the drafter's; > 0 (App. A.8).
+        allow_resample (`bool`, defaults to True): draw the recovered token from (p - q)+ on rejection; False
             commits the rejected draft (SDAR reference).
         s2d2_acceptance (`str`, *optional*): "stochastic" (rejection sampling, Alg. 3) or "greedy_match"
             (accept iff draft = verifier argmax; deterministic; a documented deviation). `None` picks
@@ -270,9 +271,10 @@ def build_policy(config: "S2D2Config", *, ucb_counts_prompt_tail: bool) -> Routi
 class S2D2Strategy(BlockDiffusionStrategy):
     """S2D2 self-speculation inside block diffusion (arXiv 2603.25702, Algorithms 3-4).
 
-    Acceptance is `s2d2_acceptance`: "stochastic" (Alg. 3: accept with min(1, (q/p)^gamma), residual
-    (q - p)+ on the first rejection) or "greedy_match" (accept iff the draft is the verifier argmax, commit the
-    argmax at the first mismatch; deterministic, a documented deviation from the paper). Each row has its own
+    Acceptance is `s2d2_acceptance`: "stochastic" (Alg. 3: accept with min(1, (p/q)^gamma), p the verifier's
+    probability, q the drafter's; residual (p - q)+ on the first rejection) or "greedy_match" (accept iff the
+    draft is the verifier argmax, commit the argmax at the first mismatch; deterministic, a documented deviation
+    from the paper). Each row has its own
     routing policy state. The RNG order per step is: the sampler's draft draw for all N x B positions, then
     the verifier's uniforms and residual draws for the verifying rows (the module docstring).
     """
