@@ -20,8 +20,8 @@ The command line and the server find strategies that an installed package declar
 
 Run as a script, it decodes one arithmetic prompt of the bundled model with `block_diffusion` and with `burst`, both
 static (one token per denoising step, `confidence_threshold=1.0`), where the burst's saving shows: on the CPU in
-float32, 18 and 10 forwards for the same 16 tokens. (At the default threshold the trained model already commits most blocks
-in one or two steps, and both take 7.)
+float32, 18 and 10 forwards for the same 16 tokens. (At the default threshold the trained model already commits
+most blocks in one or two steps, and both take 7.)
 """
 
 from __future__ import annotations
