@@ -440,19 +440,20 @@ class DeerStrategy(DecodingStrategy):
         s, k, drafter = self.session, self.config.block_size, self.drafter
         b = len(draft_block_layout(k, drafter.mask_token_id, drafter.sep_token_id, drafter.sep_position)[0])
         noise = self.draft_noise(drafts)
+        drafting = [d > 0 for d in drafts]                                      # counted where it drafts
         if self.config.draft_attention == "full":
             drafter.extend_context(self.new_tokens)
             ids, valid = drafter.pad(drafter.context, width_bucket(max(c.shape[0] for c in drafter.context)))
             m = ids.shape[1]
             return s.drafter.run_step(deer_full_draft_step, self, ("deer-draft-full", m, *self.step_key),
                                       (ids, valid, noise), q=m + b, store_len=0, logits_to_keep=b, kind="draft",
-                                      rows=[d > 0 for d in drafts])
+                                      rows=drafting)
         new_ids, new_valid = self.pending
         m = new_ids.shape[1]                      # k + 1 (the first cycle, after a join: a width bucket)
         seen, *out = s.drafter.run_step(deer_draft_step, self, ("deer-draft", m, *self.step_key),
                                         (drafter.lengths, new_ids, new_valid, noise),
                                         q=m + b, store_len=m, logits_to_keep=b, kind="draft",
-                                        rows=[d > 0 for d in drafts])
+                                        rows=drafting)
         drafter.lengths = seen
         return out
 
