@@ -321,16 +321,19 @@ def test_per_row_processors_in_a_compiled_step_give_the_eager_scores():
 
 @pytest.mark.parametrize("case", fast_first(["block_diffusion", "fast_dllm_v2", "s2d2"]))
 @pytest.mark.parametrize("runtime", ["compiled", "captured"])
-def test_own_sampling_settings_in_compiled_steps(case, runtime, request, as_users_run_it):
+@pytest.mark.parametrize("initial_rows", [2, 3], ids=["joiners-grow-the-buffers", "joiner-fits"])
+def test_own_sampling_settings_in_compiled_steps(case, runtime, initial_rows, request, as_users_run_it):
     """Static runtime with `compile_config` (compiled steps), or in its CUDA-graph mode (captured steps; stood in
     for on the CPU, `replayed_graphs`): a sampled continuous batch whose rows (initial and joining) have their own
     temperature / top-k / top-p runs its steps compiled or captured (per-row processors traced, `RowProcessors`,
-    the rows' groups a graph input), and every row's tokens equal the eager runtime's from the same seeds."""
+    the rows' groups a graph input), and every row's tokens equal the eager runtime's from the same seeds. A row
+    whose settings no row had joins into buffers that need not grow (3 rows in 4): the steps' key changes with it
+    (before, block diffusion kept the call's first key, and the joiner replayed a graph without its warpers)."""
     from conftest import cpu_compile_config
 
     if runtime == "captured":
         request.getfixturevalue("replayed_graphs")
-    settings = [dict(temperature=0.7), dict(temperature=1.3, top_p=0.9), dict(top_k=5), dict()]
+    settings = [dict(temperature=0.7), dict(temperature=1.3, top_p=0.9), dict(top_k=5), dict(temperature=0.3, top_k=3)]
     seeds = [31, 32, 33, 34]
 
     def run(**extra) -> dict:
@@ -340,10 +343,10 @@ def test_own_sampling_settings_in_compiled_steps(case, runtime, request, as_user
             return RowRequest(PROMPTS[n], BUDGETS[n], generator=torch.Generator().manual_seed(seeds[n]),
                               on_done=lambda tokens, reason, stats: results.__setitem__(n, tokens), **settings[n])
 
-        initial = [row(0), row(1)]
-        feed = ScriptedFeed(initial, {2: [row(2), row(3)]})
-        width = len(PROMPTS[0])
-        ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
+        initial = [row(n) for n in range(initial_rows)]
+        feed = ScriptedFeed(initial, {2: [row(n) for n in range(initial_rows, 4)]})
+        width = max(len(PROMPTS[n]) for n in range(initial_rows))
+        ids = torch.tensor([[PAD] * (width - len(PROMPTS[n])) + PROMPTS[n] for n in range(initial_rows)])
         _call(case, ids, (ids != PAD).long(), 12, row_feed=feed, do_sample=True, temperature=0.9,
               generator=[r.generator for r in initial], **extra)
         return results

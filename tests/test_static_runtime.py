@@ -582,6 +582,24 @@ def test_captured_steps_serve_later_calls_of_other_settings(name, strategy, bund
     assert _step_graphs(_states(model, spec)), "no decoding step was captured"
 
 
+def test_simsd_eos_gate_is_captured(bundled, replayed_graphs, as_users_run_it):
+    """SimSD's EOS gate (`eos_min_prob`) in the captured verify step makes its stop ids on the device, not from a host
+    list (a capture refuses the copy; before, every capture of the step failed and the target ran without graphs):
+    the eager runtime's tokens and counters, the step captured, no capture failed."""
+    tokenizer, model, spec = _spec(bundled, "sdar-large", "simsd")
+    texts = _texts("sdar-large")
+    for m in (model, spec.draft_model):
+        clear_static_state(m)
+    free = _generate(model, tokenizer, texts, spec, max_new_tokens=16)
+    stop = int(free.sequences[0, -10])                       # a token the call emits: the gate has work to do
+    runs = [_generate(model, tokenizer, texts, spec, cache_implementation=cache, eos_token_id=[stop],
+                      eos_min_prob=0.99, max_new_tokens=16) for cache in (None, "static", "static")]
+    for label, out in zip(("captured", "replayed"), runs[1:]):
+        _assert_same(runs[0], out, f"simsd eos gate, {label}")
+    states = _states(model, spec)
+    assert _step_graphs(states) and all(state.graphs.failure is None for state in states)
+
+
 def test_eta_cutoff_runs_its_steps_eagerly_under_graphs(bundled, replayed_graphs, as_users_run_it):
     """`eta_cutoff`'s warper validates its distribution on the host, which a capture cannot hold (before, every
     step's capture failed): its steps run eagerly, the forwards captured, the eager runtime's tokens."""

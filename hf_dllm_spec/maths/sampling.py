@@ -554,6 +554,7 @@ class Sampler:
         # The suppression SuppressTokensLogitsProcessor would apply, as one `index_fill` (no vocabulary-wide isin).
         self._suppressed = tuple(sorted(set(self.suppress_token_ids)))
         self._suppress = torch.tensor(self._suppressed, dtype=torch.long, device=self.device)
+        self._plain_key: tuple = (None, ())                 # (a plain processor list, its processors_key)
 
     def probs(self, logits: torch.Tensor, rows: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """Processed distribution per position.
@@ -612,8 +613,15 @@ class Sampler:
     @property
     def step_key(self) -> tuple:
         """What a compiled step calling this sampler specialises on (hashable): whether it samples, the suppressed
-        ids, each processor's class and settings (:func:`processors_key`)."""
-        return self.do_sample, self._suppressed, processors_key(self.logits_processor)
+        ids, each processor's class and settings (:func:`processors_key`). Read at every step: per-row processors
+        gain a group when a row of new settings joins (:attr:`RowProcessors.key`); a plain list's key (a host read of
+        its tensors) is read once per list."""
+        processors = self.logits_processor
+        if isinstance(processors, RowProcessors):
+            return self.do_sample, self._suppressed, processors_key(processors)
+        if self._plain_key[0] is not processors:
+            self._plain_key = (processors, processors_key(processors))
+        return self.do_sample, self._suppressed, self._plain_key[1]
 
     @property
     def graph_inputs(self) -> list[tuple[object, str]]:

@@ -229,7 +229,7 @@ class BlockDiffusionStrategy(DecodingStrategy):
         # Greedy steps whose consumers read only each position's token and confidence skip the full distribution.
         self.full_probs = (session.sampler.do_sample or config.remasking_strategy == "entropy_bounded"
                            or self.edit_rule is not None)
-        self._step_key: tuple | None = None                     # step_key, built once
+        self._step_key: tuple | None = None          # step_key's part fixed for the call
         self._noise: dict[int, torch.Tensor] = {}               # step_noise's buffers, per rows bucket
         # Batch 1 with a streamer: what a compiled step's read adds for it (:meth:`stream_read`): the first masked
         # position after the step, then the draft canvas when the streamer takes drafts.
@@ -722,15 +722,16 @@ class BlockDiffusionStrategy(DecodingStrategy):
     @property
     def step_key(self) -> tuple:
         """What a compiled step specialises on besides its shapes: the strategy's class, rule and parameters, the
-        caching and drafting masks, the edit rule's, the sampler's (:attr:`Sampler.step_key`). Built once per call."""
+        caching and drafting masks, the edit rule's (built once per call), the sampler's (:attr:`Sampler.step_key`,
+        read each step: a row joining with new sampling settings changes it)."""
         if self._step_key is None:
             cfg, rule = self.config, self.edit_rule
             self._step_key = (type(self).__qualname__, self.block_size, self.sub_block_size, self.steps_per_block,
                               cfg.remasking_strategy, cfg.confidence_threshold, cfg.eb_threshold, cfg.cache_ver,
                               cfg.draft_ver, self.num_to_transfer,
                               None if rule is None else (rule.editing_threshold, rule.max_post_steps),
-                              self.session.mask_token_id, self.session.sampler.step_key, self.stream_columns)
-        return self._step_key
+                              self.session.mask_token_id, self.stream_columns)
+        return (*self._step_key, self.session.sampler.step_key)
 
     @property
     def step_counters(self) -> tuple[str, ...]:

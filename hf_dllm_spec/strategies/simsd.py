@@ -67,7 +67,7 @@ from ..configuration import DrafterConfig, check_int
 from ..maths.masks import full_mask, temporal_verify_mask
 from ..maths.sampling import Sampler, draw_exponential, draw_verification, entropy, step_processors
 from ..maths.unmasking import first_masked_span, scheduled_tokens, select_transfer
-from ..tracing import recording_step
+from ..tracing import device_constant, recording_step
 from ..validation import check_choice, check_range, invalid
 from ..maths.verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
 from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, continuing_rows,
@@ -245,7 +245,7 @@ def gate_stop_tokens(committed_ids: torch.Tensor, result: VerificationResult, ta
     rows = torch.arange(committed_ids.shape[0], device=committed_ids.device)
     slot = result.num_accepted.clamp(max=committed_ids.shape[1] - 1)
     probs = target_probs[rows, slot]                                                  # (N, V)
-    stop = torch.tensor(stop_token_ids, device=probs.device)
+    stop = device_constant(tuple(stop_token_ids), torch.long, probs.device)      # (a capture copies no host list)
     token = committed_ids[rows, slot]
     below = probs.gather(1, token.clamp(min=0)[:, None])[:, 0] < min_prob
     gated = result.recovered & torch.isin(token, stop) & below
