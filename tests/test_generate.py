@@ -77,7 +77,9 @@ def test_custom_generate_on_plain_qwen3_matches_sdar_class(sdar_model, qwen_mode
 
 
 def test_stats_add_up(sdar_model, prompt):
-    for strategy, extra in [("s2d2", {"min_ssd_span_length": 2}), ("block_diffusion", {}), ("ar", {})]:
+    for strategy, extra in [("s2d2", {"min_ssd_span_length": 2}), ("block_diffusion", {}), ("ar", {}),
+                            ("block_diffusion", {"steps_per_block": 2}),      # two commits per step
+                            ("s2d2", {"steps_per_block": 2, "min_ssd_span_length": 4})]:
         out = sdar_model.generate(prompt, decoding_strategy=strategy, max_new_tokens=13, eos_token_id=None,
                                   return_dict_in_generate=True, **extra)
         s = out.spec_stats

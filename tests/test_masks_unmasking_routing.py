@@ -561,3 +561,58 @@ def test_s2d2_routing_context_buckets_from_block_state(family, expected):
     for c, e in zip(contexts, expected):
         c.ucb_bucket = None
         assert UCBPolicy(1.0, 3, 3, 2, counts_prompt_tail=patch.ucb_progress_counts_prompt_tail).bucket(c) == e
+
+
+def test_the_dynamic_rule_is_strictly_above_the_threshold():
+    """`low_confidence_dynamic` commits positions whose confidence is above the threshold (SDAR's `confidence >
+    threshold`): one exactly at it is not confident, so k = 1 takes the top one alone."""
+    masked = torch.tensor([[True, True, True]])
+    confidence = torch.tensor([[0.5, 0.5, 0.25]])
+    got = select_transfer("low_confidence_dynamic", masked=masked, confidence=confidence, num_tokens=1,
+                          confidence_threshold=0.5)
+    assert got.tolist() == [[True, False, False]]
+    above = select_transfer("low_confidence_dynamic", masked=masked, confidence=confidence, num_tokens=1,
+                            confidence_threshold=0.49)
+    assert above.tolist() == [[True, True, False]]
+
+
+def test_a_sampled_token_reports_its_own_probability():
+    """`Sampler.choose` returns the chosen token's probability as its confidence, also when sampling drew a token
+    other than the argmax (the commit rule ranks positions by it)."""
+    from transformers import LogitsProcessorList
+
+    from hf_dllm_spec.maths.sampling import Sampler
+
+    probs = torch.tensor([[0.4, 0.35, 0.25]]).expand(64, 3).contiguous()
+    sampler = Sampler(LogitsProcessorList(), True, [], generator=torch.Generator().manual_seed(0))
+    tokens, confidence = sampler.choose(probs)
+    assert len(set(tokens.tolist())) == 3                          # draws other than the argmax happened
+    assert torch.equal(confidence, probs.gather(-1, tokens[:, None])[:, 0])
+
+
+def test_s2d2_dynamic_score_counts_masked_positions_only(sdar_model, monkeypatch):
+    """Eq. 6's N_hi counts the still-masked positions above the confidence threshold, never committed ones: at every
+    routing decision it is at most |M_t|, and once positions are committed below a low threshold it is less than
+    the block's confident positions."""
+    import hf_dllm_spec.strategies.s2d2 as s2d2
+
+    seen = []
+    score, columns = s2d2.verify_score, s2d2.S2D2Strategy.routing_columns
+
+    def spied_score(k_hat, *, num_confident, **kwargs):
+        seen.append([num_confident.clone()])
+        return score(k_hat, num_confident=num_confident, **kwargs)
+
+    def spied_columns(self, block, draft_probs, confidence, start, end):
+        out = columns(self, block, draft_probs, confidence, start, end)
+        seen[-1] += [out["num_masked"].clone(), (confidence > self.config.confidence_threshold).sum(dim=1)]
+        return out
+
+    monkeypatch.setattr(s2d2, "verify_score", spied_score)
+    monkeypatch.setattr(s2d2.S2D2Strategy, "routing_columns", spied_columns)
+    sdar_model.generate(torch.tensor([[5, 17, 42, 8, 23]]), decoding_strategy="s2d2", max_new_tokens=12,
+                        eos_token_id=None, do_verify_policy="score_threshold", do_verify_score_type="difference_dynamic",
+                        confidence_threshold=1e-4, steps_per_block=4, min_ssd_span_length=4)
+    assert seen and all(len(s) == 3 for s in seen)
+    assert all((n_hi <= masked).all() for n_hi, masked, _ in seen)
+    assert any((n_hi < everywhere).any() for n_hi, _, everywhere in seen)      # committed positions were confident
