@@ -611,8 +611,9 @@ def test_s2d2_dynamic_score_counts_masked_positions_only(sdar_model, monkeypatch
     monkeypatch.setattr(s2d2, "verify_score", spied_score)
     monkeypatch.setattr(s2d2.S2D2Strategy, "routing_columns", spied_columns)
     sdar_model.generate(torch.tensor([[5, 17, 42, 8, 23]]), decoding_strategy="s2d2", max_new_tokens=12,
-                        eos_token_id=None, do_verify_policy="score_threshold", do_verify_score_type="difference_dynamic",
-                        confidence_threshold=1e-4, steps_per_block=4, min_ssd_span_length=4)
+                        eos_token_id=None, do_verify_policy="score_threshold",
+                        do_verify_score_type="difference_dynamic", confidence_threshold=1e-4, steps_per_block=4,
+                        min_ssd_span_length=4)
     assert seen and all(len(s) == 3 for s in seen)
     assert all((n_hi <= masked).all() for n_hi, masked, _ in seen)
     assert any((n_hi < everywhere).any() for n_hi, _, everywhere in seen)      # committed positions were confident
