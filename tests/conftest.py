@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,6 +16,11 @@ import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# transformers copies `trust_remote_code` modules into one cache folder, truncating and rewriting each file, with
+# only a thread lock: each pytest process (an xdist worker) gets its own, so no worker imports a half-written copy
+if "HF_MODULES_CACHE" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="hf-dllm-spec-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], True)
 
 import pytest
 import torch

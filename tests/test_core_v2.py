@@ -156,9 +156,11 @@ def registered():
         added.append(strategy.name)
         return strategy
 
+    before = dict(STRATEGIES)
     yield add
-    for name in added:
-        STRATEGIES.pop(name)
+    STRATEGIES.clear()
+    STRATEGIES.update(before)
+    register_strategy(before["ar"])          # (refreshes the keywords `generate` accepts, as each registration does)
 
 
 def test_edit_hook_off_costs_nothing_and_never_firing_rule_costs_one_post_step(sdar_model, prompt, registered):

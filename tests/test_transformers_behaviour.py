@@ -48,6 +48,7 @@ def test_eos_none_disables_stopping_as_in_stock_generate(eos_model):
                                        eos_token_id=None)
         assert torch.equal(unstopped, free)
         # stock transformers does the same on an AR model: eos_token_id=None runs the whole budget
+        torch.manual_seed(0)                            # reproducible weights
         qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
         qwen.generation_config.eos_token_id = stop
         stock = qwen.generate(PROMPT, max_new_tokens=16, do_sample=False, eos_token_id=None)
@@ -148,6 +149,7 @@ def test_auto_classes_load_every_family_as_transformers_users_do(name):
 
 def test_plain_ar_models_keep_stock_generate():
     """A transformers Qwen model is untouched; `custom_generate` without a strategy is transformers' own call."""
+    torch.manual_seed(0)                                # reproducible weights
     qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
     stock = qwen.generate(PROMPT, max_new_tokens=6, do_sample=False)
     assert stock.shape[1] == PROMPT.shape[1] + 6
@@ -163,6 +165,7 @@ def test_more_position_independent_options_run_as_stock(options):
     """Options whose processors read each position's logits alone were refused (`top_h` and `renormalize_logits`
     under the name `logits_processor`): the library's AR gives stock transformers' seeded tokens with them, and
     S2D2 never emits a bad word; multi-token bad words stay refused under their own name."""
+    torch.manual_seed(0)                                # reproducible weights
     qwen = Qwen3ForCausalLM(Qwen3Config(**TINY)).eval()
     first = qwen.generate(PROMPT, max_new_tokens=1, do_sample=False)[0, -1].item()
     options = {"bad_words_ids": [[first]]} if options == dict(bad_words_ids="first") else options

@@ -444,21 +444,22 @@ def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0, ti
 
     import uvicorn
 
-    if port == 0:
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
+    listener = socket.socket()              # bound here and handed over: port 0 is never free for another taker
+    listener.bind((host, port))
+    port = listener.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **uvicorn_options))
-    thread = threading.Thread(target=server.run, name="hf-dllm-spec-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            server.should_exit = True
-            raise RuntimeError(f"the server did not start on {host}:{port} within {timeout:g} s")
-        time.sleep(0.02)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="hf-dllm-spec-uvicorn",
+                              daemon=True)
     try:
+        thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"the server did not start on {host}:{port} within {timeout:g} s")
+            time.sleep(0.02)
         yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
-        thread.join(timeout)
+        if thread.is_alive():
+            thread.join(timeout)
+        listener.close()
