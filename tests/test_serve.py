@@ -72,6 +72,10 @@ def reference(served, prompt_ids: list[int], max_tokens: int, strategy: str, **p
     return out.sequences[0, len(prompt_ids):][: out.spec_stats_per_row[0].num_generated_tokens].tolist()
 
 
+#: A sampled request's top-k and top-p where neither it nor the model's generation config sets them (none of the
+#: bundled models does): no top-k, top-p 1 (not transformers' fallback top-k of 50).
+NEUTRAL = dict(top_k=0, top_p=1.0)
+
 # (model, drafter, strategies); the first strategy is the server's default
 FAMILIES = [
     pytest.param(("sdar-tiny-arith", None, ("block_diffusion", "s2d2")), id="sdar"),
@@ -154,7 +158,7 @@ def test_concurrent_batches_give_each_request_its_batch_one_tokens(family):
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             texts = list(pool.map(ask, range(6)))
     for i, (prompt, strategy, sampled) in enumerate(cases):
-        extra = dict(do_sample=True, temperature=0.8, generator=[torch.Generator().manual_seed(40 + i)]) \
+        extra = dict(do_sample=True, temperature=0.8, generator=[torch.Generator().manual_seed(40 + i)], **NEUTRAL) \
             if sampled else {}
         want = reference(served, tok(prompt)["input_ids"], 8, strategy, **extra)
         assert texts[i] == tok.decode(want, skip_special_tokens=True), (i, strategy, sampled)
@@ -197,7 +201,8 @@ def test_concurrent_streams_are_batched_each_with_its_batch_one_tokens(sdar):
 
 def test_seeded_sampled_requests_share_a_batch_each_with_its_own_tokens(sdar):
     """Sampling (temperature > 0) with a seed per request: concurrent requests are batched, and each gets the
-    tokens of `generate(do_sample=True, generator=[torch.Generator().manual_seed(seed)])` on its own."""
+    tokens of `generate(do_sample=True, generator=[torch.Generator().manual_seed(seed)], top_k=0, top_p=1.0)` on
+    its own (`NEUTRAL`)."""
     served, client, base, app = sdar
     tok = served.tokenizer
     prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS[:6]]
@@ -211,7 +216,7 @@ def test_seeded_sampled_requests_share_a_batch_each_with_its_own_tokens(sdar):
         texts = list(pool.map(ask, range(6)))
     for i, text in enumerate(texts):
         want = reference(served, tok(prompts[i])["input_ids"], 8, served.default_strategy, do_sample=True,
-                         temperature=0.9, generator=[torch.Generator().manual_seed(100 + i)])
+                         temperature=0.9, generator=[torch.Generator().manual_seed(100 + i)], **NEUTRAL)
         assert text == tok.decode(want, skip_special_tokens=True), i
     assert max(r["batch_size"] for r in list(app.state.batcher.history)[before:]) > 1
 
@@ -236,7 +241,7 @@ def test_requests_with_their_own_sampling_settings_share_a_batch(sdar):
         texts = list(pool.map(ask, range(6)))
     for i, text in enumerate(texts):
         want = reference(served, tok(prompts[i])["input_ids"], 8, served.default_strategy, do_sample=True,
-                         generator=[torch.Generator().manual_seed(200 + i)], **settings[i])
+                         generator=[torch.Generator().manual_seed(200 + i)], **{**NEUTRAL, **settings[i]})
         assert text == tok.decode(want, skip_special_tokens=True), (i, settings[i])
     assert max(r["batch_size"] for r in list(app.state.batcher.history)[before:]) > 1
 
@@ -290,6 +295,24 @@ def test_a_draft_continues_the_text_sent_so_far(tokenizer):
     assert sent + deltas.draft(ids[split:]) == "ok 😀🙂"
     assert sent + deltas.draft(ids[split:-1]) == tokenizer.decode(ids[:-1]).rstrip("\ufffd")
     assert "\ufffd" not in deltas.draft(ids[split:split + 1])
+
+
+def test_a_seeded_request_gets_the_same_text_with_and_without_drafts(sdar):
+    """One sampled request and seed, streamed with `stream_drafts` (a `generate` call of its own) or in a batch:
+    the same committed text, the one of `generate` with the request's warpers and the neutral ones (`NEUTRAL`).
+    Before, the drafts' call left top-k unset, and transformers' fallback top-k of 50 cut a flat distribution."""
+    served, client, base, app = sdar
+    tok = served.tokenizer
+    prompt = f"Question: {QUESTIONS[3]}\nAnswer:"
+    texts = []
+    for extra in ({}, {"stream_drafts": True}):
+        stream = client.completions.create(model=served.name, prompt=prompt, max_tokens=24, stream=True,
+                                           temperature=3.0, seed=7, extra_body=extra)
+        texts.append("".join(chunk.choices[0].text for chunk in stream
+                             if chunk.choices and (chunk.model_extra or {}).get("dllm_draft") is None))
+    want = reference(served, tok(prompt)["input_ids"], 24, served.default_strategy, do_sample=True,
+                     temperature=3.0, generator=[torch.Generator().manual_seed(7)], **NEUTRAL)
+    assert texts[0] == texts[1] == tok.decode(want, skip_special_tokens=True)
 
 
 def test_stream_drafts_sends_the_drafts_of_generate_marked_as_such(sdar):

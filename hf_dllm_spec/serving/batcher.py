@@ -372,17 +372,18 @@ class Batcher:
         """`(input_ids, attention_mask, keywords)` of the `generate` call that starts with `jobs`."""
         options = jobs[0].request.options
         ids, valid, _ = left_pad([torch.tensor(j.request.prompt_ids, dtype=torch.long) for j in jobs])
-        kwargs = options.generate_kwargs(per_row=not jobs[0].request.stream_drafts)
+        kwargs = {**options.generate_kwargs(per_row=not jobs[0].request.stream_drafts), **self._sampling(options)}
         if get_strategy(options.decoding_strategy).uses_drafter and self.drafter is not None:
             kwargs["draft_model"] = self.drafter
         if options.do_sample:             # one generator per row: a request's draws do not depend on its batch
             kwargs["generator"] = [self._generator(j) for j in jobs]
         return ids.masked_fill(~valid, self.pad_token_id), valid.long(), kwargs
 
-    def _warpers(self, options) -> dict[str, Any]:
-        """A sampled request's own temperature, top-k and top-p (the model's generation config where the request
-        is silent, neutral where neither says), for a strategy with per-row sampling; none otherwise."""
-        if not options.do_sample or not get_strategy(options.decoding_strategy).per_row_sampling:
+    def _sampling(self, options) -> dict[str, Any]:
+        """A sampled request's temperature, top-k and top-p: its own, else the model's generation config's, else
+        neutral (1.0, no top-k, 1.0; not transformers' fallback top-k of 50, which OpenAI-style requests do not
+        know); none for a greedy request. One rule for a batch's call, its rows and a `stream_drafts` call."""
+        if not options.do_sample:
             return {}
         gc = self.model.generation_config
 
@@ -391,6 +392,10 @@ class Batcher:
 
         return {"temperature": pick(options.temperature, gc.temperature, 1.0),
                 "top_k": pick(options.top_k, gc.top_k, 0), "top_p": pick(options.top_p, gc.top_p, 1.0)}
+
+    def _warpers(self, options) -> dict[str, Any]:
+        """A joining row's own warpers (:meth:`_sampling`), for a strategy with per-row sampling; none otherwise."""
+        return self._sampling(options) if get_strategy(options.decoding_strategy).per_row_sampling else {}
 
     def _generator(self, job: Job) -> torch.Generator | None:
         options = job.request.options
