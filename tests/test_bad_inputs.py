@@ -119,6 +119,8 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("max-new-tokens-zero", dict(decoding_strategy="s2d2", max_new_tokens=0), "max_new_tokens", ValueError),
     ("max-length-below-prompt", dict(decoding_strategy="s2d2", max_new_tokens=None, max_length=3), "max_length",
      ValueError),
+    ("max-length-the-prompt", dict(decoding_strategy="s2d2", max_new_tokens=None, max_length=len(PROMPT[0])),
+     "max_length", ValueError),                                   # room for no new token
     ("remasking-unknown", dict(decoding_strategy="block_diffusion", remasking_strategy="random"),
      "remasking_strategy", ValueError),
     ("policy-unknown", dict(decoding_strategy="s2d2", do_verify_policy="always"), "do_verify_policy", ValueError),
@@ -506,6 +508,9 @@ def test_block_size_budget_rule():
     with pytest.raises(ValueError, match=r"^`block_size` \(=32\) must be at most 16"):
         check_block_budget(32, None, [3, 20], 8)      # the shortest row: 11 -> 16 (each row alone decides)
     check_block_budget(32, None, [20], 8)             # that row alone: 28 -> 32
+    check_block_budget(16, None, [8], 8)              # a power of two is its own bound: 16 -> 16
+    with pytest.raises(ValueError, match=r"^`block_size` \(=32\) must be at most 16"):
+        check_block_budget(32, None, [8], 8)
 
 
 def test_deer_assisted_generate_checks_the_drafter_first(pair_models):

@@ -234,3 +234,19 @@ def test_deer_rows_near_their_budget_keep_their_counters(one_thread, runtime):
             assert {k: v for k, v in counters(got).items() if not k.endswith("_time_s")} == \
                 {k: v for k, v in counters(want).items() if not k.endswith("_time_s")}, (budget, i)
             assert (got.nfe, got.num_forward_calls) == (want.nfe, want.num_forward_calls), (budget, i)
+
+
+def test_rows_that_stop_early_are_padded_with_the_first_stop_id(sdar_model, batch):
+    """Without `pad_token_id`, a batch pads rows that end early with the first of the stop ids, as transformers
+    pads with `eos_token_id[0]`."""
+    ids, mask, _ = batch
+    free = sdar_model.generate(ids, attention_mask=mask, decoding_strategy="block_diffusion", max_new_tokens=14,
+                               eos_token_id=None, pad_token_id=0)
+    width = ids.shape[1]
+    early = free[0, width + 2].item()                                   # row 0 stops at its third token
+    late = next(t for t in range(90) if t not in free[:, width:].tolist()[0] and t != early)   # never generated
+    out = sdar_model.generate(ids, attention_mask=mask, decoding_strategy="block_diffusion", max_new_tokens=14,
+                              eos_token_id=[early, late], pad_token_id=None)
+    row = out[0, width:].tolist()
+    cut = row.index(early) + 1
+    assert cut <= 3 and row[cut:] == [early] * (len(row) - cut) and len(row) > cut

@@ -14,7 +14,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 import hf_dllm_spec
 from hf_dllm_spec import DrafterConfig, EditRule, S2D2Config, register_strategy, resolve_config
-from hf_dllm_spec.maths.masks import block_causal_mask, concat_segments, full_mask, to_additive
+from hf_dllm_spec.maths.masks import block_causal_mask, causal_mask, concat_segments, full_mask, to_additive
 from hf_dllm_spec.outputs import BatchStats
 from hf_dllm_spec.strategies.registry import STRATEGIES
 from hf_dllm_spec.runtime.runner import ModelRunner
@@ -89,6 +89,19 @@ def test_right_shift_runner_reads_predecessor_rows_and_carry(qwen2_ar):
     torch.testing.assert_close(fused[0], full2[0, 11:15], **ATOL)
     alone = runner.forward(nxt, pos2[:, B:], full_mask(B), kind="draft")                            # carry
     torch.testing.assert_close(alone[0], full2[0, 11:15], **ATOL)
+
+
+def test_right_shift_carry_is_the_last_stored_token_whatever_is_kept(qwen2_ar):
+    """A forward that stores 2 of its 6 query tokens and keeps 1 logit (fewer than its read-only tail) still leaves
+    the carry of its last stored token: the next query's first logits equal a full causal forward's."""
+    seq = torch.tensor([5, 17, 42, 8, 23, 61, 4, 9, 33, 7])
+    runner = ModelRunner(qwen2_ar, get_patch(qwen2_ar), BatchStats(1), batch_size=1)
+    pos = torch.arange(10)[None]
+    runner.forward(seq[None, :4], pos[:, :4], causal_mask(4), kind="prefill", store_len=4)
+    runner.forward(seq[None, 4:], pos[:, 4:], causal_mask(6), kind="draft", store_len=2, logits_to_keep=1)
+    following = runner.forward(seq[None, 6:7], pos[:, 6:7], full_mask(1), kind="draft")
+    full = qwen2_ar(input_ids=seq[None, :7], position_ids=pos[:, :7]).logits
+    torch.testing.assert_close(following[0, 0], full[0, 5], **ATOL)             # predicts position 6
 
 
 def test_right_shifted_block_diffusion_and_s2d2_cache_equals_no_cache(qwen2_ar, prompt):
