@@ -12,7 +12,6 @@ import pathlib
 import re
 
 import pytest
-import torch
 from transformers import TextDiffusionStreamer
 
 from conftest import Recorder
