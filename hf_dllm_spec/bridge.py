@@ -1,6 +1,7 @@
-"""The one bridge to transformers' private behaviour: everything the library relies on that transformers does not
-promise, in one module, each piece with the versions it was checked on (`tests/test_bridge.py` runs every piece on
-the installed transformers; CI runs it on the newest and the oldest supported release).
+"""The one bridge to transformers' private behaviour around `generate`: everything of it the library relies on that
+transformers does not promise, in one module, each piece with the versions it was checked on
+(`tests/test_front_door.py` runs every piece on the installed transformers; CI runs it on the newest and the oldest
+supported release).
 
 | piece | what it relies on | checked on |
 |---|---|---|
@@ -12,8 +13,11 @@ the installed transformers; CI runs it on the newest and the oldest supported re
 | :func:`spy_compile_decision` | the same method, called once per `generate` on the model | 5.17-5.24 |
 | :func:`prepared_by_generate` | `Cache._is_user_defined`: False on the cache `generate` prepares itself | 5.17-5.24 |
 
-Nothing else in the package reads frames or these private names. The cache keyword's rename (`past_key_values`
--> `cache` in 5.24) lives with the model families in `model_patches.compat`.
+Nothing else in the package reads transformers' frames or these private names. Three narrower private contacts stay
+where they are used: `runtime.experts` sets the MoE experts kernel (`config._experts_implementation`),
+`integration.candidate_generator` supplies DEER's candidate generator to assisted decoding, `integration.plan`
+reads whether a streamer takes logits. The cache keyword's rename (`past_key_values` -> `cache` in 5.24) lives with
+the model families in `model_patches.compat`.
 
 Source: issue 33 ("One bridge").
 """

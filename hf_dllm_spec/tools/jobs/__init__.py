@@ -1,6 +1,7 @@
 """The jobs behind the command line (`hf-dllm-spec main | bench | bench-batch`), importable and callable.
 
-Each module has `add_arguments(parser)`, `run(args, argv)` and `main(argv=None)`; `hf_dllm_spec.cli` mounts
+Each job module (`main`, `sweep`, `batch`) has `add_arguments(parser)`, `run(args, argv)` and `main(argv=None)`
+(`evaluation` holds the prompt sets and scoring they share); `hf_dllm_spec.cli` mounts
 them as subcommands, `./run.sh` calls the console script, and the scripts in `examples/` and `benchmarks/`
 call `main()`. They evaluate the bundled model `models/sdar-tiny-arith` of the source checkout by default.
 """
