@@ -223,7 +223,7 @@ STEP_CASES = [
     dict(remasking_strategy="entropy_bounded", eb_threshold=0.5),
     dict(SAMPLED, generator="shared"),
     dict(SAMPLED, remasking_strategy="low_confidence_static", generator="rows"),
-    dict(do_sample=True, min_p=0.05, typical_p=0.9, epsilon_cutoff=3e-4, eta_cutoff=3e-4, sub_block_size=2,
+    dict(do_sample=True, min_p=0.05, typical_p=0.9, epsilon_cutoff=3e-4, sub_block_size=2,    # (eta_cutoff: eager)
          generator="rows"),
     dict(fuse_cache_write=False, confidence_threshold=0.5),
     dict(cache_ver=True, draft_ver=True, confidence_threshold=0.5),

@@ -143,7 +143,7 @@ def test_overflowing_cache_and_width_buckets(bundled, monkeypatch, one_thread):
     monkeypatch.setattr(plan_module, "static_cache_length", lambda *args: 1)
     monkeypatch.setattr(static_runtime, "WIDTH_GRANULE", 8)
     monkeypatch.setattr(static_runtime, "LENGTH_GRANULE", 8)
-    assert [width_bucket(w) for w in (1, 3, 8, 9, 17)] == [1, 4, 8, 16, 24]
+    assert [width_bucket(w) for w in (1, 3, 8, 9, 16, 17)] == [1, 4, 8, 16, 16, 24]
     clear_static_state(model)
     texts = _texts("sdar-tiny-arith")
     for spec in specs(4, 0.9, ["dynamic", "s2d2"], {}):
@@ -152,6 +152,35 @@ def test_overflowing_cache_and_width_buckets(bundled, monkeypatch, one_thread):
         _assert_same(eager, static, f"overflow / {spec.label}")
     (state,) = static_states(model)  # grown, kept
     assert state.cache.max_cache_len >= max(len(tokenizer(t).input_ids) for t in texts) + MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("grows", [False, True], ids=["prefix-grows", "cache-grows"])
+@pytest.mark.parametrize("steps", [True, False], ids=["whole-steps", "forwards-only"])
+def test_captured_graphs_follow_a_growing_prefix_and_cache(bundled, monkeypatch, replayed_graphs, as_users_run_it,
+                                                           grows, steps):
+    """Captured (stood in for on the CPU), with a small length granule the attended prefix doubles several times in a
+    call (8, 16, 32, 64), and with a cache allocated far too short the cache grows mid-call: a graph kept across
+    either would attend to too few columns or read the old buffers. Whole steps captured (greedy) or forwards only
+    (`eta_cutoff`, whose steps run eagerly): the eager tokens and counters, in the call that captures and the next."""
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "s2d2")
+    monkeypatch.setattr(static_runtime, "LENGTH_GRANULE", 8)
+    if grows:
+        monkeypatch.setattr(plan_module, "static_cache_length", lambda *args: 1)
+    clear_static_state(model)
+    texts = _texts("sdar-tiny-arith")
+    options = {} if steps else dict(do_sample=True, eta_cutoff=1e-3)
+
+    def run(cache):
+        extra = {} if steps else {"generator": [torch.Generator().manual_seed(9 + i) for i in range(len(texts))]}
+        return _generate(model, tokenizer, texts, spec, cache_implementation=cache, max_new_tokens=40, **options,
+                         **extra)
+
+    eager = run(None)
+    for label in ("captured", "replayed"):
+        _assert_same(eager, run("static"), f"{label}")
+    (state,) = static_states(model)
+    assert bool(_step_graphs([state])) == steps and state.graphs.captures
+    clear_static_state(model)
 
 
 def test_max_cache_len_sizes_the_cache_for_the_calls_to_come(bundled, one_thread):
