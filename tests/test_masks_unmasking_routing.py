@@ -617,3 +617,10 @@ def test_s2d2_dynamic_score_counts_masked_positions_only(sdar_model, monkeypatch
     assert seen and all(len(s) == 3 for s in seen)
     assert all((n_hi <= masked).all() for n_hi, masked, _ in seen)
     assert any((n_hi < everywhere).any() for n_hi, _, everywhere in seen)      # committed positions were confident
+
+
+def test_concat_segments_second_sees_all_of_the_first_whatever_its_pattern():
+    """The second segment sees every position of the first, whatever the first's own pattern (here the identity:
+    each of its positions sees only itself), and the first never sees the second."""
+    out = concat_segments(torch.eye(2, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool))
+    assert out.tolist() == [[True, False, False], [False, True, False], [True, True, True]]

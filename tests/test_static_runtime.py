@@ -787,6 +787,23 @@ def test_a_failure_in_one_call_is_retried_in_the_next(bundled, replayed_graphs, 
     clear_static_state(model)
 
 
+def test_a_failed_capture_drops_the_graphs_captured_before(bundled, replayed_graphs, monkeypatch, one_thread):
+    """A capture that fails after others succeeded drops every graph of the model and role and their memory pool
+    (the allocator may still route to it): the failing call gives the eager tokens and holds no graph after."""
+    tokenizer, model, spec = _spec(bundled, "sdar-tiny-arith", "dynamic")
+    clear_static_state(model)
+    texts = _texts("sdar-tiny-arith")
+    _generate(model, tokenizer, texts, spec, cache_implementation="static")
+    (state,) = static_states(model)
+    assert state.graphs.graphs and state.graphs.failure is None
+    monkeypatch.setattr(ReplayedGraphs, "fail", True)
+    one = texts[:1]                                              # batch 1: shapes not captured yet
+    failed = _generate(model, tokenizer, one, spec, cache_implementation="static")
+    _assert_same(_generate(model, tokenizer, one, spec), failed, "failed after successes")
+    assert state.graphs.failure is not None and state.graphs.graphs == {} and state.graphs.pool is None
+    clear_static_state(model)
+
+
 def test_a_graph_that_differs_from_eager_is_dropped(bundled, replayed_graphs, monkeypatch, one_thread):
     """bitsandbytes#1308 (wrong 4-bit outputs under CUDA graphs), stood in for by a replay that adds 1 to every
     logit: the first replay of each capture is checked against its eager forward, the graph is dropped, the call
