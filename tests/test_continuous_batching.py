@@ -366,6 +366,24 @@ def test_own_sampling_settings_in_compiled_steps(case, runtime, initial_rows, re
     hf_dllm_spec.clear_static_state(model)
 
 
+@pytest.mark.parametrize("case", ["block_diffusion", "s2d2", "deer"])
+def test_a_joiner_longer_than_the_running_rows_widens_the_attended_prefix(case, replayed_graphs, as_users_run_it,
+                                                                          monkeypatch):
+    """Captured steps (stood in for on the CPU) with a small length granule: a 9-token prompt joins rows that stored
+    fewer tokens, at the first join point; the columns every forward attends over must grow to hold it (a prefix
+    sized for the running rows alone would hide the joiner's own tokens from it): every row gets its batch-1
+    tokens."""
+    import hf_dllm_spec.runtime.static as static_runtime
+
+    monkeypatch.setattr(static_runtime, "LENGTH_GRANULE", 8)
+    model = MODELS[CASES[case][0]]
+    hf_dllm_spec.clear_static_state(model)
+    results, _ = _continuous(case, {1: [2], 3: [4]}, cache_implementation="static")
+    for n in (0, 1, 2, 4):
+        assert results[n][0] == _alone(case, n), (case, n)
+    hf_dllm_spec.clear_static_state(model)
+
+
 @pytest.mark.parametrize("case", fast_first(list(CASES)))
 def test_captured_steps_take_joining_rows(case, replayed_graphs, as_users_run_it):
     """The static runtime's CUDA-graph mode (stood in for on the CPU) with rows joining mid-flight, more than the
