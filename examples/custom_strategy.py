@@ -32,8 +32,8 @@ from typing import ClassVar
 import torch
 
 from hf_dllm_spec import BlockDiffusionConfig, register_strategy
-from hf_dllm_spec.configuration import check_int
 from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionStrategy
+from hf_dllm_spec.validation import check_int
 
 
 @dataclass

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..configuration import DecodingConfig, check_int
-from ..validation import check_range, invalid
+from ..configuration import DecodingConfig
+from ..validation import check_int, check_range, invalid
 
 
 class EditRule:

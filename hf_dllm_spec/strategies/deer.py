@@ -42,11 +42,11 @@ from typing import Any, ClassVar
 import torch
 from transformers import LogitsProcessorList
 
-from ..configuration import DrafterConfig, check_int
+from ..configuration import DrafterConfig
 from .drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter, draft_block_layout
 from ..maths.masks import causal_mask, left_pad
 from ..runtime.static import width_bucket
-from ..validation import check_choice, invalid
+from ..validation import check_choice, check_int, invalid
 from ..maths.sampling import RowProcessors, draw_exponential, draw_verification, step_processors
 from ..maths.verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
 from .base import DecodingStrategy

@@ -274,9 +274,9 @@ class S2D2Strategy(BlockDiffusionStrategy):
     Acceptance is `s2d2_acceptance`: "stochastic" (Alg. 3: accept with min(1, (p/q)^gamma), p the verifier's
     probability, q the drafter's; residual (p - q)+ on the first rejection) or "greedy_match" (accept iff the
     draft is the verifier argmax, commit the argmax at the first mismatch; deterministic, a documented deviation
-    from the paper). Each row has its own
-    routing policy state. The RNG order per step is: the sampler's draft draw for all N x B positions, then
-    the verifier's uniforms and residual draws for the verifying rows (the module docstring).
+    from the paper). Each row has its own routing policy state. The RNG order per step is: the sampler's draft
+    draw for all N x B positions, then the verifier's uniforms and residual draws for the verifying rows (the
+    module docstring).
     """
 
     name = "s2d2"

@@ -63,12 +63,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..configuration import DrafterConfig, check_int
+from ..configuration import DrafterConfig
 from ..maths.masks import full_mask, temporal_verify_mask
 from ..maths.sampling import Sampler, draw_exponential, draw_verification, entropy, step_processors
 from ..maths.unmasking import first_masked_span, scheduled_tokens, select_transfer
 from ..tracing import device_constant, recording_step
-from ..validation import check_choice, check_range, invalid
+from ..validation import check_choice, check_int, check_range, invalid
 from ..maths.verification import ACCEPTANCE_RULES, VerificationResult, greedy_match, rejection_sample
 from .block_diffusion import (BlockDiffusionConfig, BlockDiffusionStrategy, BlockState, continuing_rows,
                               output_vocab_size, traceable_step_methods)
