@@ -148,15 +148,13 @@ class DecodingOptions:
         return get_strategy(self.decoding_strategy).per_row_stops
 
     def generate_kwargs(self, per_row: bool = False) -> dict[str, Any]:
-        """Keywords for `model.generate` (without the generator and the drafter); `per_row`: `ignore_eos` is left
-        to the row's own stop rule (a continuous batch of a strategy with :attr:`per_row_stops`)."""
+        """Keywords for `model.generate` (without the warpers, the generator and the drafter: the batcher resolves
+        them against the model, `Batcher._sampling`); `per_row`: `ignore_eos` is left to the row's own stop rule (a
+        continuous batch of a strategy with :attr:`per_row_stops`)."""
         out: dict[str, Any] = {"decoding_strategy": self.decoding_strategy, "do_sample": self.do_sample,
                                **self.params}
         if self.ignore_eos and not (per_row and self.per_row_stops):
             out["eos_token_id"] = None
-        if self.do_sample:
-            out.update({k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
-                                          ("top_k", self.top_k)) if v is not None})
         return out
 
 
