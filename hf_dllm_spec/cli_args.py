@@ -41,6 +41,39 @@ class UsageError(ValueError):
         self.flag = flag
 
 
+def torch_device(flag: str, value: str | int, no_cuda_fix: str = "pass cpu, or run on a machine with a GPU and a CUDA "
+                 "build of torch"):
+    """The `torch.device` a command-line value names, checked before anything loads: torch must parse it, and a
+    CUDA device must exist here (a visible index).
+
+    Args:
+        flag (`str`): the option as typed (`--device`, `--draft-device`, `--count-device`).
+        value (`str` or `int`): its value (`cpu`, `cuda`, `cuda:1`, ...; an int is a CUDA index, as in a
+            `device_map`).
+        no_cuda_fix (`str`): what to do instead when the value names CUDA on a machine without it.
+
+    Returns:
+        `torch.device`: the parsed device.
+
+    Raises:
+        UsageError: naming `flag`, for a value torch cannot parse, a CUDA device where torch sees none, or a CUDA
+            index beyond `torch.cuda.device_count()`.
+    """
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise UsageError(flag, f"must be a torch device (cpu, cuda, cuda:1, mps, ...), got {value!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(flag, f"names a CUDA device ({value!r}) but torch here sees none "
+                               f"(torch.cuda.is_available() is False): {no_cuda_fix}")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(flag, f"names {value!r} but torch sees {torch.cuda.device_count()} CUDA device(s): pass "
+                               f"cuda:0 ... cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
 def did_you_mean(value: str, choices: Iterable[str]) -> str:
     """" (did you mean 'x'?)" for the closest of `choices` to `value` (difflib), else ""."""
     close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.5)

@@ -382,9 +382,16 @@ def test_bench_gpu_without_cuda_exits_2_naming_device_and_the_cpu_smoke(capsys, 
         cli.main(["bench-gpu"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2
-    assert err.startswith("hf-dllm-spec bench-gpu: error: argument --device: cuda: CUDA is not available")
+    assert err.startswith("hf-dllm-spec bench-gpu: error: argument --device: names a CUDA device ('cuda') but "
+                          "torch here sees none")
     assert "--device cpu" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()                                   # nothing ran, nothing written
+    for argv, flag in ((["--device", "foo"], "--device"), (["--device", "cpu", "--count-device", "cuda:x"],
+                                                           "--count-device")):
+        with pytest.raises(SystemExit) as exit_:                              # a traceback from torch.device
+            cli.main(["bench-gpu", *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"argument {flag}: must be a torch device" in err and "Traceback" not in err
     args = cli.build_parser().parse_args(["bench-gpu"])
     assert (args.device, args.dtype, args.runtime, args.count_runtime, args.shape, args.out) == \
         ("cuda", "bfloat16", "static", "static", "1.7b", None)

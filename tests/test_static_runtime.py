@@ -1124,7 +1124,15 @@ def test_check_gpu_refuses_without_cuda(capsys, monkeypatch):
 
     with pytest.raises(SystemExit) as exit_info:
         main(["check-gpu"])
-    assert exit_info.value.code == 2 and "`--device` (='cuda') must be a CUDA device" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument --device: names a CUDA device ('cuda') but torch here sees none" \
+        in capsys.readouterr().err
+    for device in ("foo", "cpu"):                      # a traceback from torch.device; not a CUDA device
+        with pytest.raises(SystemExit) as exit_info:
+            main(["check-gpu", "--device", device])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err, err
+        assert ("argument --device: must be a torch device" if device == "foo" else
+                "`--device` (='cpu') must be a CUDA device: check-gpu needs one") in err, err
     with pytest.raises(SystemExit) as exit_info:
         main(["check-gpu", "--compiled-widths", "8,x"])
     assert exit_info.value.code == 2 and "`--compiled-widths` (='8,x') must be comma-separated positive" in \
@@ -1140,8 +1148,8 @@ def test_check_gpu_refuses_without_cuda(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit) as exit_info:
         main(["check-gpu", "--device", "cuda:3"])
-    assert exit_info.value.code == 2 and "`--device` (='cuda:3') must name one of the 1 visible CUDA devices" in \
-        capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument --device: names 'cuda:3' but torch sees 1 CUDA device(s): pass " \
+        "cuda:0 ... cuda:0" in capsys.readouterr().err
 
 
 def test_compile_plan_keeps_tensor_parallel_models_eager(sdar_model, monkeypatch):

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..cli_args import DTYPES, UsageError
+from ..cli_args import DTYPES, UsageError, torch_device
 
 LOAD_DTYPES = ("auto", *DTYPES)
 QUANTIZATIONS = ("4bit", "8bit")
@@ -95,12 +95,12 @@ class LoadOptions:
             raise UsageError("--device-map", "needs accelerate: pip install accelerate")
         for flag, device in (("--device", self.device), ("--draft-device", self.draft_device)):
             if device is not None:
-                _check_device(flag, device)
+                torch_device(flag, device)
         places = (self.device_map.values() if isinstance(self.device_map, dict)
                   else [self.device_map] if self.device_map not in (None, *_STRATEGIES_OF_PLACEMENT) else [])
         for device in places:
             if device != "disk":
-                _check_device("--device-map", device)
+                torch_device("--device-map", device)
         if self.quantization is None:
             return
         if "disk" in places:
@@ -151,27 +151,6 @@ class LoadOptions:
 
 #: accelerate's placement strategies (`device_map="auto"`, ...); any other string is a device.
 _STRATEGIES_OF_PLACEMENT = ("auto", "balanced", "balanced_low_0", "sequential")
-
-
-def _check_device(flag: str, value) -> None:
-    """Refuse a device that torch cannot parse, or a CUDA device on a machine without it (or beyond its count),
-    before anything loads (it failed inside `from_pretrained` / `.to()` with a traceback).
-
-    Raises:
-        UsageError: naming `flag`.
-    """
-    import torch
-
-    try:
-        device = torch.device(value)
-    except (RuntimeError, TypeError):
-        raise UsageError(flag, f"must be a torch device (cpu, cuda, cuda:1, mps, ...), got {value!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(flag, f"names a CUDA device ({value!r}) but torch here sees none: pass cpu, or run on a "
-                               "machine with a GPU and a CUDA build of torch")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UsageError(flag, f"names {value!r} but torch sees {torch.cuda.device_count()} CUDA device(s): pass "
-                               f"cuda:0 ... cuda:{torch.cuda.device_count() - 1}")
 
 
 def _device_map(text: str | None) -> str | dict | None:

@@ -34,6 +34,7 @@ from dataclasses import fields
 
 import torch
 
+from ...cli_args import torch_device
 from ...validation import invalid
 
 #: Bundled model -> (its strategy rows of the main job, its drafter): every strategy on every family.
@@ -279,8 +280,8 @@ def main(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: if `--compiled-widths` is not a list of positive integers, `--no-speed` and `--speed-only` are
-            both given, `--calls` < 2 (check 2 compares the last call with the second), `--device` is not an
-            available CUDA device (its index beyond `torch.cuda.device_count()`) or a dtype is unknown (the CLI
+            both given, `--calls` < 2 (check 2 compares the last call with the second), `--device` is no torch
+            device or no available CUDA device (:func:`~hf_dllm_spec.cli_args.torch_device`) or a dtype is unknown (the CLI
             turns it into a usage error, exit 2).
     """
     try:
@@ -296,14 +297,10 @@ def main(args: argparse.Namespace) -> int:
     if args.calls < 2 and not args.speed_only:
         raise invalid("--calls", args.calls, "be at least 2 (check 2 compares the memory and graphs after the "
                       "last call with those after the second)", "pass --calls 2 or more (default: 50)")
-    device = torch.device(args.device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise invalid("--device", args.device, "be a CUDA device: check-gpu needs one, and "
-                      f"{'none is available' if not torch.cuda.is_available() else 'this is not one'}",
-                      "run it on a GPU machine (the CPU checks are the test suite: `./run.sh test`)")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise invalid("--device", args.device, f"name one of the {torch.cuda.device_count()} visible CUDA devices",
-                      f"pass cuda:0 ... cuda:{torch.cuda.device_count() - 1}")
+    on_gpu = "run it on a GPU machine (the CPU checks are the test suite: `./run.sh test`)"
+    device = torch_device("--device", args.device, on_gpu)
+    if device.type != "cuda":
+        raise invalid("--device", args.device, "be a CUDA device: check-gpu needs one", on_gpu)
     dtypes = []
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name.strip(), None)

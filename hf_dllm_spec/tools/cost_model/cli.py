@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hf_dllm_spec.cli_args import UsageError, did_you_mean, positive_int
+from hf_dllm_spec.cli_args import UsageError, did_you_mean, positive_int, torch_device
 from hf_dllm_spec.tools.jobs.evaluation import ROOT
 
 from .count import GROUPS, RUNTIMES, count_phase, default_rows
@@ -94,12 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_devices(args: argparse.Namespace, cpu_hint: str) -> torch.device:
-    """The TIME device; a CUDA device asked for (--device, --count-device) where none exists is a usage error."""
-    for flag, value in (("--device", args.device), ("--count-device", args.count_device)):
-        if torch.device(value).type == "cuda" and not torch.cuda.is_available():
-            raise UsageError(flag, f"{value}: CUDA is not available here (torch.cuda.is_available() is False); "
-                                   f"run on a GPU machine, or {cpu_hint}")
-    return torch.device(args.device)
+    """The TIME device; a device torch cannot parse, or a CUDA device asked for (--device, --count-device) where none
+    exists, is a usage error (:func:`~hf_dllm_spec.cli_args.torch_device`)."""
+    device = torch_device("--device", args.device, f"run on a GPU machine, or {cpu_hint}")
+    torch_device("--count-device", args.count_device, f"run on a GPU machine, or {cpu_hint}")
+    return device
 
 
 def _check_arguments(args: argparse.Namespace, groups: list[str]) -> None:
