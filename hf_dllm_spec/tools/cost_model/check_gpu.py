@@ -281,8 +281,8 @@ def main(args: argparse.Namespace) -> int:
     Raises:
         ValueError: if `--compiled-widths` is not a list of positive integers, `--no-speed` and `--speed-only` are
             both given, `--calls` < 2 (check 2 compares the last call with the second), `--device` is no torch
-            device or no available CUDA device (:func:`~hf_dllm_spec.cli_args.torch_device`) or a dtype is unknown (the CLI
-            turns it into a usage error, exit 2).
+            device or no available CUDA device (:func:`~hf_dllm_spec.cli_args.torch_device`) or a dtype is unknown
+            (the CLI turns it into a usage error, exit 2).
     """
     try:
         compiled_widths = tuple(int(q) for q in args.compiled_widths.split(",") if q.strip())
