@@ -115,6 +115,12 @@ class DecodePlan:
     row_feed: RowFeed | None = None
 
     @property
+    def denoising_mask_id(self) -> int | None:
+        """The mask token the target is denoised with (`int`), or None where the call decodes the target without
+        one (AR on a right-shifted model): the token `suppress_ids` holds."""
+        return self.suppress_ids[0] if self.suppress_ids else None
+
+    @property
     def batch_size(self) -> int:
         """N, the rows the call starts with (`int`; one per entry of `lengths`)."""
         return len(self.lengths)
@@ -145,8 +151,9 @@ def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConf
     do_sample = bool(generation_config.do_sample)
     _check_acceptance(config, do_sample, generator)
     config, block_size, max_new_tokens = _resolve_sizes(patch, model, config, input_ids, generation_config)
+    needs_mask = _needs_mask(strategy, patch, model)
     mask, stop_ids, pad_id = _resolve_tokens(strategy, patch, model, input_ids, lengths, generation_config,
-                                             mask_token_id, draft_mask_token_id)
+                                             mask_token_id, draft_mask_token_id, needs_mask)
     draft_mask, draft_block_size = _resolve_drafter(strategy, config, model, patch, draft_model, drafter_patch,
                                                     input_ids, lengths, generation_config, stop_ids, block_size,
                                                     draft_mask_token_id)
@@ -160,7 +167,7 @@ def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConf
         cache_len=static_cache_length(input_ids.shape[1], max_new_tokens, max(block_size, draft_block_size or 0)),
         do_sample=do_sample, generator=generator,
         criteria=criteria_to_scan(stopping_criteria, stop_ids, input_ids.shape[1], max_new_tokens),
-        suppress_ids=(mask,) if mask is not None and _needs_mask(strategy, patch, model) else (), row_feed=row_feed)
+        suppress_ids=(mask,) if mask is not None and needs_mask else (), row_feed=row_feed)
     _check_prompts(plan, input_ids, lengths, max_new_tokens)
     if row_feed is not None:
         _check_feed(plan, row_feed, streamer)
@@ -296,12 +303,11 @@ def _resolve_block_size(patch, model, block_size: int | None, name: str = "block
 
 
 def _resolve_tokens(strategy, patch, model, input_ids, lengths, generation_config, mask_token_id,
-                    draft_mask_token_id):
+                    draft_mask_token_id, needs_mask: bool):
     """`(mask id or None, stop ids, pad id or None)` of the target, checked against the prompts (the mask ids given:
-    integers)."""
+    integers; `needs_mask`: :func:`_needs_mask`)."""
     check_token_id("mask_token_id", mask_token_id, "pass the mask token's integer id (e.g. `tokenizer.mask_token_id`)")
     check_token_id("draft_mask_token_id", draft_mask_token_id, "pass the drafter's mask token's integer id")
-    needs_mask = _needs_mask(strategy, patch, model)
     if mask_token_id is not None and not needs_mask and mask_token_id != patch.mask_token_id(model, None):
         raise invalid("mask_token_id", mask_token_id, f"be unset (or the model's own) for decoding_strategy="
                       f"{strategy.name!r} on model_type `{model.config.model_type}`, which decodes the target "
@@ -402,7 +408,7 @@ def _check_prompts(plan: DecodePlan, input_ids: torch.Tensor, lengths: list[int]
         if bad:
             raise invalid(name, bad[0] if len(ids) == 1 else ids, f"lie in [0, {vocab_size}) (the model's vocabulary)",
                           "pass the id the model's tokenizer uses")
-    mask = mask if _needs_mask(plan.strategy, plan.patch, plan.model) else None     # AR on a right-shifted model
+    mask = plan.denoising_mask_id                                       # None: AR on a right-shifted model
     if mask is not None and mask in stop_ids:
         raise invalid("mask_token_id", mask, f"differ from the stop ids {stop_ids}",
                       "pass the model's mask token, not its end-of-sequence token")
