@@ -117,14 +117,21 @@ def stop_id(name: str, case, models: dict = MODELS, **options) -> int | None:
 
 
 _FLOAT64: dict = {}
+#: Case name -> float32 mismatches forgiven as ties in this process (0 of 905 cases on 2026-11-29, torch 2.13).
+_TIES: dict = {}
 
 
 def check_or_tie(check: Callable[[str, tuple, dict], None], name: str, case) -> None:
     """`check(name, case, models)` in float32; a mismatch is re-checked in float64, where a float32 tie (see the module
-    docstring) disappears and a decoding bug stays. A family that cannot run in float64 keeps its float32 failure."""
+    docstring) disappears and a decoding bug stays. A family that cannot run in float64 keeps its float32 failure, and
+    so does a second mismatch of the same case name in one process: ties are rare (none in the suite's 905 cases when
+    this was written), while a bug of float32 alone (a dtype, a mask's fill value) would pass every float64 check."""
     try:
         check(name, case, MODELS)
     except AssertionError as float32_failure:
+        if _TIES.get(name, 0) >= 1:
+            raise AssertionError(f"a second float32 mismatch of {name!r} in this process: not a tie") \
+                from float32_failure
         if not _FLOAT64:
             _FLOAT64.update({key: copy.deepcopy(model).double() for key, model in MODELS.items()})
         try:
@@ -133,3 +140,5 @@ def check_or_tie(check: Callable[[str, tuple, dict], None], name: str, case) -> 
             raise
         except Exception:
             raise float32_failure from None
+        _TIES[name] = _TIES.get(name, 0) + 1
+        warnings.warn(f"{name}: a float32 mismatch that float64 resolves, taken as a tie: {case!r}")
