@@ -96,9 +96,10 @@ class Objective:
         model.generation_config.save_pretrained(out)
 
     def block_mask(self, seq_len: int, block_size: int) -> torch.Tensor:
-        if block_size not in self._mask_cache:
-            self._mask_cache[block_size] = bd_training_mask(seq_len, block_size)[None, None]
-        return self._mask_cache[block_size]
+        """`bd_training_mask(seq_len, block_size)` as `(1, 1, 2L, 2L)`, kept per `(seq_len, block_size)`."""
+        if (seq_len, block_size) not in self._mask_cache:
+            self._mask_cache[seq_len, block_size] = bd_training_mask(seq_len, block_size)[None, None]
+        return self._mask_cache[seq_len, block_size]
 
     def record(self) -> dict:
         """Objective-specific entries of the stage's training log."""
@@ -311,15 +312,15 @@ class D2AObjective(BlockDiffusionObjective):
     prefix (`[noisy | clean]` layout, :func:`d2a_training_mask`, as the drafter attends at inference).
 
     - Stage I (`--d2a-stage 1`, AR-style continuation distillation, Eq. 1-2): segments of k in {4, 8, 16, 32}
-      (the draft block sizes) at a random offset; one t ~ U(0, 1] per sequence masks continuation tokens,
-      loss (1/t) x cross-entropy on masked tokens.
+      (the draft block sizes) at a random offset; one t ~ U(1e-3, 1) per sequence (Eq. 1's U(0, 1], kept away
+      from 0, where 1/t explodes) masks continuation tokens, loss (1/t) x cross-entropy on masked tokens.
     - Stage II (`--d2a-stage 2`, prefix-conditioned refinement, Eq. 3-4): segments of R ~ U(1, R_max) tokens
       (`--d2a-max-refine`, 96 in the paper), every continuation token masked (t = 1, as at inference), token i
       of a segment (1-based) weighted alpha^(R - i) (`--d2a-alpha`, 1.01): tokens nearest the prefix weigh
       most.
-    - SEP (`--d2a-sep-token-id`): appended to each noisy segment as at inference
-      (`hf_dllm_spec.strategies.drafting.draft_block_layout`, "after_masks"): not used for the bundled drafter (the
-      tokenizer has no spare special token, and the masks already mark the boundary).
+    - SEP (`--d2a-sep-token-id`): refused (the packed layout inserts no SEP token; the drafter's inference layout
+      would append it after the masks, `hf_dllm_spec.strategies.drafting.draft_block_layout`). The bundled
+      drafter has none (the tokenizer has no spare special token, and the masks already mark the boundary).
     """
 
     name = "d2a"
@@ -336,11 +337,10 @@ class D2AObjective(BlockDiffusionObjective):
                              "negative base alternates their sign): pass e.g. 1.01 (the paper uses 1.01-1.05).")
         if refine < 1:
             raise ValueError(f"--d2a-max-refine (={refine}) must be >= 1 (R ~ U(1, R_max)): pass e.g. 96.")
-        cache = getattr(args, "d2a_teacher_cache", None)
-        if hasattr(args, "teacher") and args.teacher is None and not (cache and pathlib.Path(cache).exists()):
+        if hasattr(args, "teacher") and args.teacher is None:
             raise ValueError("--teacher (=None) is required for --objective d2a (the AR model whose continuations "
-                             "the drafter learns): pass e.g. --teacher models/qwen2-tiny-ar, or an existing "
-                             "--d2a-teacher-cache.")
+                             "the drafter learns; a --d2a-teacher-cache is reused only with the teacher it records): "
+                             "pass e.g. --teacher models/qwen2-tiny-ar.")
 
     def _teacher_settings(self) -> dict:
         """What the teacher's continuations depend on, kept in `--d2a-teacher-cache` and checked on reuse."""
@@ -455,7 +455,8 @@ class LLaDA2Objective(BlockDiffusionObjective):
     positions left visible (per sequence) is replaced by random tokens. Loss = the M2T loss (1/t weighted, masked
     positions) + the T2T loss: cross-entropy of the clean token at every visible maskable position of the noisy
     half (corrupted ones learn the correction, the others to keep their token), over the maskable count. The
-    block size mix holds 32 (LLaDA2's trained block size) and 1 (the AR mode S2D2 verifies with). `--init-from`
+    block size mix (`block_sizes`: 32 half the time, 16, 4 and 1) holds 32 (LLaDA2's trained block size) and 1
+    (the AR mode S2D2 verifies with). `--init-from`
     an SDAR checkpoint upcycles it first, function-preserving (`recipes.upcycle`); without it the model starts
     from scratch (8 experts in 2 groups, top-2 of 1 group, one shared expert).
     """

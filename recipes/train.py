@@ -4,7 +4,7 @@
     python -m recipes.train --objective ar --out models/qwen2-tiny-ar ...                   (AR Qwen2)
     python -m recipes.train --objective fast_dllm_v2 --init-from models/qwen2-tiny-ar \\
         --out models/fast-dllm-v2-tiny ...                                                 (Fast-dLLM v2)
-    python -m recipes.train --objective llada2 --init-from models/sdar-tiny-arith \
+    python -m recipes.train --objective llada2 --init-from models/sdar-tiny-arith \\
         --out models/llada2-tiny ...                                                       (LLaDA2 MoE, editing)
 
 Each model card (`models/*/README.md`) lists the exact commands of its stages. Objectives live in
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import random
 import time
@@ -71,12 +72,13 @@ def build_streams(tokenizer, code_texts: list[str], problems: list[dict]) -> dic
 
 
 def sample_batch(streams, batch_size: int, seq_len: int, arith_fraction: float, gen: torch.Generator):
-    """`(batch, seq_len)` windows at random offsets of the streams, and their `maskable` flags."""
+    """`(batch, seq_len)` windows at random offsets of the streams (any of a stream's `N - seq_len + 1` windows,
+    the one ending on its last token included), and their `maskable` flags."""
     rows, flags = [], []
     for _ in range(batch_size):
         name = "arith" if torch.rand((), generator=gen) < arith_fraction else "code"
         ids, maskable = streams[name]
-        start = int(torch.randint(0, ids.shape[0] - seq_len, (), generator=gen))
+        start = int(torch.randint(0, ids.shape[0] - seq_len + 1, (), generator=gen))
         rows.append(ids[start:start + seq_len])
         flags.append(maskable[start:start + seq_len])
     return torch.stack(rows), torch.stack(flags)
@@ -114,7 +116,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-minutes", type=float, default=None, help="stop early after this wall time")
     ap.add_argument("--checkpoint-minutes", type=float, default=None, help="write <out>/resume.pt this often")
     ap.add_argument("--resume", action="store_true", help="continue from <out>/resume.pt")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        ap.error(problem)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The first rule `args` break, as "FLAG (=value) must ...: fix", before any data loads; None if they hold."""
+    for flag in ("tokens", "seq_len", "batch_size", "train_problems", "layers", "hidden", "vocab_size", "bd_size",
+                 "max_operand"):
+        value = getattr(args, flag)
+        if value < 1:
+            return f"--{flag.replace('_', '-')} (={value}) must be >= 1"
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr (={args.lr}) must be a number > 0: pass e.g. 1e-3"
+    if not 0 <= args.arith_fraction <= 1:
+        return f"--arith-fraction (={args.arith_fraction}) must lie in [0, 1] (the share of arithmetic windows)"
+    for flag in ("max_minutes", "checkpoint_minutes"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            return f"--{flag.replace('_', '-')} (={value}) must be > 0 minutes"
+    if args.objective == "fast_dllm_v2" and args.seq_len % args.bd_size:
+        return (f"--seq-len (={args.seq_len}) must be a multiple of --bd-size (={args.bd_size}) for --objective "
+                f"fast_dllm_v2 (one masking rate per block of the window): pass e.g. --seq-len "
+                f"{max(1, args.seq_len // args.bd_size) * args.bd_size}")
+    if args.grow_layers is not None:
+        if not args.init_from:
+            return "--grow-layers needs --init-from (the trained model to grow): pass both"
+        if args.objective == "llada2":
+            return ("--grow-layers grows dense decoders (recipes.growth), not LLaDA2's MoE: grow the SDAR checkpoint "
+                    "first (--objective block_diffusion --grow-layers N), then upcycle it with --objective llada2")
+    if args.resume and not (pathlib.Path(args.out) / "resume.pt").exists():
+        return (f"--resume needs {pathlib.Path(args.out) / 'resume.pt'} (written with --checkpoint-minutes): run "
+                "without --resume, or pass the --out of the interrupted run")
+    return None
+
+
+def check_streams(streams: dict, seq_len: int, arith_fraction: float) -> None:
+    """Refuse a window longer than a stream it samples from (`sample_batch` draws from a stream's windows).
+
+    Raises:
+        ValueError: naming `--seq-len`, the stream and its length.
+    """
+    used = [name for name, share in (("arith", arith_fraction), ("code", 1 - arith_fraction)) if share > 0]
+    for name in used:
+        length = int(streams[name][0].shape[0])
+        if length < seq_len:
+            raise ValueError(f"--seq-len (={seq_len}) must be at most the {name} stream's {length} tokens: pass a "
+                             "shorter --seq-len, or more data (--train-problems)")
 
 
 def load_tokenizer(args, code: list[str], problems: list[dict]):
@@ -150,12 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = objective.prepare_tokenizer(load_tokenizer(args, code, problems))
     streams = objective.build_streams(tokenizer, code, problems, build_streams)
     print({k: int(v[0].shape[0]) for k, v in streams.items()}, "tokens per stream")
+    check_streams(streams, args.seq_len, args.arith_fraction)
 
     previous_stages = read_stages(args.init_from)
     model = objective.build_model(args, tokenizer, args.init_from)
-    if args.grow_layers is not None:
-        if not args.init_from:
-            raise ValueError("--grow-layers needs --init-from (the trained model to grow); pass both")
+    if args.grow_layers is not None:                # with --init-from, not llada2 (check_args)
         model = grow_depth(model, args.grow_layers)
     model.train()
     num_params = sum(p.numel() for p in model.parameters())

@@ -309,3 +309,68 @@ def test_continuing_a_fast_dllm_checkpoint_records_the_trained_block_size(tmp_pa
     Fast_dLLM_QwenForCausalLM(config).save_pretrained(tmp_path)
     objective = FastDLLMV2Objective(SimpleNamespace(bd_size=16))
     assert objective.build_model(objective.args, None, str(tmp_path)).config.bd_size == 16
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--objective", "fast_dllm_v2", "--seq-len", "10", "--bd-size", "4"],
+     "--seq-len (=10) must be a multiple of --bd-size (=4) for --objective fast_dllm_v2"),
+    (["--objective", "llada2", "--init-from", "models/sdar-tiny-arith", "--grow-layers", "8"],
+     "--grow-layers grows dense decoders"),
+    (["--objective", "block_diffusion", "--grow-layers", "8"], "--grow-layers needs --init-from"),
+    (["--objective", "ar", "--resume"], "--resume needs"),
+    (["--objective", "ar", "--batch-size", "0"], "--batch-size (=0) must be >= 1"),
+    (["--objective", "ar", "--train-problems", "0"], "--train-problems (=0) must be >= 1"),
+    (["--objective", "ar", "--bd-size", "0"], "--bd-size (=0) must be >= 1"),
+    (["--objective", "ar", "--arith-fraction", "1.5"], "--arith-fraction (=1.5) must lie in [0, 1]"),
+    (["--objective", "ar", "--lr", "0"], "--lr (=0.0) must be a number > 0"),
+    (["--objective", "ar", "--checkpoint-minutes", "0"], "--checkpoint-minutes (=0.0) must be > 0 minutes"),
+])
+def test_train_refuses_bad_arguments_before_any_data(argv, words, tmp_path, capsys):
+    """They crashed after the data loaded (a window of 10 against blocks of 4, LLaDA2's layers grown as dense ones,
+    a missing resume.pt) or inside the tokenizer library (no problems), or trained on nonsense."""
+    from recipes.train import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and words in err, err
+
+
+def test_training_windows_reach_the_last_token_and_fit_a_stream_of_one_window():
+    """`randint(0, N - seq_len)` never drew the window ending on a stream's last token (its final EOS) and failed on
+    a stream of exactly one window."""
+    from recipes.train import check_streams, sample_batch
+
+    ids = torch.arange(10)
+    streams = {"arith": (ids, torch.ones(10, dtype=torch.bool)), "code": (ids[:4], torch.ones(4, dtype=torch.bool))}
+    gen = torch.Generator().manual_seed(0)
+    ends = {int(row[-1]) for _ in range(50) for row in sample_batch(streams, 4, 4, 1.0, gen)[0]}
+    assert ends == set(range(3, 10))                               # every window, the last (ending on 9) included
+    assert sample_batch(streams, 2, 4, 0.0, gen)[0].tolist() == [[0, 1, 2, 3]] * 2
+    check_streams(streams, 4, 0.5)
+    with pytest.raises(ValueError, match=re.escape("--seq-len (=5) must be at most the code stream's 4 tokens")):
+        check_streams(streams, 5, 0.5)
+    check_streams(streams, 5, 1.0)                                 # the code stream is never sampled
+
+
+def test_an_objective_serves_windows_of_another_length():
+    """The block mask was kept per block size only: a second length reused the first length's mask."""
+    torch.manual_seed(0)
+    model = Fast_dLLM_QwenForCausalLM(Fast_dLLM_QwenConfig(bd_size=4, **SMALL)).eval()
+    objective = FastDLLMV2Objective(SimpleNamespace(bd_size=4))
+    objective.mask_id = 39
+    for seq_len in (8, 12):
+        x = torch.randint(3, 39, (2, seq_len))
+        loss = objective.loss(model, x, torch.ones(2, seq_len, dtype=torch.bool), torch.Generator().manual_seed(1))
+        assert torch.isfinite(loss)
+    assert objective.block_mask(12, 4).shape == (1, 1, 24, 24)
+    assert torch.equal(objective.block_mask(8, 4)[0, 0], bd_training_mask(8, 4))
+
+
+def test_d2a_refuses_no_teacher_even_with_an_existing_cache(tmp_path):
+    """A cache without `--teacher` was accepted, then refused after the data loaded: the cache records its teacher."""
+    cache = tmp_path / "teacher.pt"
+    cache.write_bytes(b"")
+    args = SimpleNamespace(d2a_stage=1, teacher=None, d2a_teacher_cache=str(cache))
+    with pytest.raises(ValueError, match=re.escape("--teacher (=None) is required")):
+        D2AObjective(args)

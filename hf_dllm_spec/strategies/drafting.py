@@ -40,8 +40,8 @@ def draft_block_layout(num_draft_tokens: int, mask_token_id: int, sep_token_id: 
                        sep_position: str) -> tuple[list[int], list[int], list[int]]:
     """Token ids, position offsets (from the first position after the prefix) and draft slots of the block.
 
-    Shared by inference (:class:`OneStepDrafter`) and training (the ``d2a`` objective), so both see the same
-    layout.
+    The layout :class:`OneStepDrafter` decodes with (the ``d2a`` training objective of `recipes` trains the
+    "causal_prefix" attention without SEP tokens, the case with `sep_token_id=None`).
 
     Args:
         num_draft_tokens (`int`): k.
