@@ -19,7 +19,9 @@ without `decoding_strategy`, `generate` runs the strategy stored in the generati
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import inspect
 from typing import Any, Callable, ClassVar
 
 from transformers import GenerationMixin
@@ -67,6 +69,42 @@ def decoding_backend() -> DecodingBackend:
     return _backends[0]
 
 
+@functools.cache
+def _positional_names() -> tuple[str, ...]:
+    """Stock `GenerationMixin.generate`'s positional parameters after `self` and `inputs`, in order."""
+    parameters = inspect.signature(GenerationMixin.generate).parameters.values()
+    return tuple(p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)[2:]
+
+
+def positional_as_keywords(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A `generate` call's positional arguments after `inputs` as keywords, under stock
+    `GenerationMixin.generate`'s names and order (`generation_config`, `logits_processor`, `stopping_criteria`,
+    ...), so that whatever reads the call by name (the stored strategy, the checks) sees them.
+
+    Args:
+        args (`tuple`): the call's positional arguments (`inputs` first).
+        kwargs (`dict`): its keyword arguments (not changed).
+
+    Returns:
+        `(args, kwargs)`: `(inputs,)` (or `()` without inputs, or with `None`) and the keywords with the others
+        added.
+
+    Raises:
+        TypeError: as Python raises it, for more positional arguments than stock `generate` takes, or one also
+            passed by keyword.
+    """
+    names = _positional_names()
+    if len(args) - 1 > len(names):
+        raise TypeError(f"generate() takes at most {len(names) + 1} positional arguments ({len(args)} were given)")
+    if len(args) > 1:
+        kwargs = dict(kwargs)
+        for name, value in zip(names, args[1:]):
+            if name in kwargs:
+                raise TypeError(f"generate() got multiple values for argument {name!r}")
+            kwargs[name] = value
+    return (args[:1] if args and args[0] is not None else ()), kwargs
+
+
 class DllmGenerationMixin(GenerationMixin):
     """`generate` of the families' diffusion model classes: the decoding backend's strategies, native by default.
 
@@ -92,6 +130,7 @@ class DllmGenerationMixin(GenerationMixin):
             RuntimeError: if no decoding backend is installed (see :func:`decoding_backend`).
             ValueError: whatever the backend refuses (an unknown strategy, bad inputs), before any forward.
         """
+        args, kwargs = positional_as_keywords(args, kwargs)      # a positional generation_config is read too
         if decoding_strategy is None and kwargs.get("custom_generate") is None:
             decoding_strategy = self.default_decoding_strategy(kwargs.get("generation_config"))
         if decoding_strategy is None:

@@ -32,12 +32,20 @@ import json, sys
 import torch
 from transformers import AutoModelForCausalLM
 
-bundled, tiny, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+bundled, tiny, prompt, stock = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 assert not {"hf_dllm_spec", "model_patches"} & set(sys.modules), "imported before loading"
 model = AutoModelForCausalLM.from_pretrained(bundled, trust_remote_code=True, dtype=torch.float32).eval()
 ids = torch.tensor([prompt])
 out = model.generate(ids, decoding_strategy="s2d2", max_new_tokens=8)
 default = model.generate(ids, max_new_tokens=8)  # transformers bound the checkpoint's custom_generate/ here
+# stock generate's positional generation_config, through the bound custom_generate/ (a TypeError before; the
+# class path then ignored the strategy it stores)
+from transformers import GenerationConfig
+stored = GenerationConfig(max_new_tokens=8, dllm_decoding={"decoding_strategy": "ar"})
+positional, keyword = model.generate(ids, stored), model.generate(ids, generation_config=stored)
+ar = AutoModelForCausalLM.from_pretrained(stock, trust_remote_code=True).eval()
+greedy = GenerationConfig(max_new_tokens=4, do_sample=False)
+stock_positional, stock_keyword = ar.generate(ids, greedy), ar.generate(ids, generation_config=greedy)
 small = AutoModelForCausalLM.from_pretrained(tiny, trust_remote_code=True).eval()
 with torch.no_grad():
     logits = small(ids).logits
@@ -48,6 +56,8 @@ print(json.dumps({
     "config_class": type(model.config).__module__,
     "tokens": out.tolist(),
     "default_tokens": default.tolist(),
+    "positional": positional.tolist(), "keyword": keyword.tolist(), "native": default.tolist(),
+    "stock_positional": stock_positional.tolist(), "stock_keyword": stock_keyword.tolist(),
     "tiny_class": type(small).__name__,
     "tiny_logits": logits.tolist(),
 }))
@@ -88,7 +98,7 @@ def tiny_export(sdar_model, tmp_path_factory) -> pathlib.Path:
 def fresh(tiny_export, tmp_path_factory) -> dict:
     """One fresh interpreter loads the bundled model and the tiny export with trust_remote_code=True alone."""
     proc = run_python(FRESH, str(MODEL_DIR), str(tiny_export), json.dumps(PROMPT_IDS),
-                      tmp=tmp_path_factory.mktemp("fresh"))
+                      str(ROOT / "models" / "qwen2-tiny-ar"), tmp=tmp_path_factory.mktemp("fresh"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -106,6 +116,28 @@ def test_bundled_model_generates_as_in_process(fresh):
     ids = torch.tensor([PROMPT_IDS])
     assert fresh["tokens"] == model.generate(ids, decoding_strategy="s2d2", max_new_tokens=8).tolist()
     assert fresh["default_tokens"] == model.generate(ids, max_new_tokens=8).tolist()
+
+
+def test_positional_generation_config_as_stock_generate_takes_it(fresh):
+    """`model.generate(ids, generation_config)` through a checkpoint's own custom_generate/: a TypeError before
+    (stock AR checkpoint and diffusion family alike), and the family class read no strategy stored in it."""
+    assert fresh["positional"] == fresh["keyword"] != fresh["native"]
+    assert fresh["stock_positional"] == fresh["stock_keyword"]
+
+
+def test_positional_arguments_are_stock_generates(sdar_model, prompt):
+    from transformers import GenerationConfig
+
+    from model_patches.generation import positional_as_keywords
+
+    config = GenerationConfig(max_new_tokens=4)
+    assert positional_as_keywords((prompt, config, None), {"x": 1}) == \
+        ((prompt,), {"x": 1, "generation_config": config, "logits_processor": None})
+    assert positional_as_keywords((None,), {}) == ((), {})
+    with pytest.raises(TypeError, match="got multiple values for argument 'generation_config'"):
+        sdar_model.generate(prompt, config, generation_config=config)
+    with pytest.raises(TypeError, match=r"takes at most 11 positional arguments \(12 were given\)"):
+        sdar_model.generate(prompt, *([None] * 11))       # inputs and stock generate's 10 others
 
 
 def test_exported_random_model_has_the_same_logits(fresh, sdar_model):

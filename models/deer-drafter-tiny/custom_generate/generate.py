@@ -14,7 +14,7 @@ The single source of this file is `hf_dllm_spec/hub/custom_generate/` in the hf-
 
 try:  # transformers' import check skips try blocks, so a missing package fails with the message below
     from hf_dllm_spec.integration.mixin import DllmGenerationMixin, generate_with_strategy
-    from model_patches.generation import stored_decoding_strategy
+    from model_patches.generation import positional_as_keywords, stored_decoding_strategy
 except ImportError as error:
     raise ImportError(
         f"This custom_generate folder runs the `hf-dllm-spec` package, which could not be imported ({error}); "
@@ -22,8 +22,9 @@ except ImportError as error:
     ) from error
 
 
-def generate(inputs=None, *, model, decoding_strategy=None, **kwargs):
-    """Decode `inputs` `(N, prompt_len)` (left-padded, with `attention_mask`) with `decoding_strategy`.
+def generate(inputs=None, *args, model, decoding_strategy=None, **kwargs):
+    """Decode `inputs` `(N, prompt_len)` (left-padded, with `attention_mask`) with `decoding_strategy`; the other
+    positional arguments are stock `generate`'s (`generation_config`, `logits_processor`, ...).
 
     A model class with hf_dllm_spec's `generate` (e.g. SDAR) runs it unchanged, so a checkpoint whose own
     `custom_generate/` transformers binds at `from_pretrained(..., trust_remote_code=True)` decodes as the
@@ -37,7 +38,7 @@ def generate(inputs=None, *, model, decoding_strategy=None, **kwargs):
     Returns what `hf_dllm_spec.custom_generate` returns: the sequences, or a `GenerateDllmOutput` with
     `spec_stats` when `return_dict_in_generate=True`.
     """
-    args = () if inputs is None else (inputs,)
+    args, kwargs = positional_as_keywords((inputs, *args), kwargs)   # stock generate's positional arguments
     if isinstance(model, DllmGenerationMixin):  # the class's own generate, not this function bound to the model
         return type(model).generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)
     if decoding_strategy is None:
