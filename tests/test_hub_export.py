@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -218,6 +219,52 @@ def test_export_refuses_an_output_inside_the_source_or_a_file(tiny_export, tmp_p
     with pytest.raises(ValueError, match=r"`output_dir` \(=.*\) must be a directory \(a file is there\)"):
         hf_dllm_spec.export_checkpoint(tiny_export, tmp_path / "a-file")
 
+
+
+@pytest.mark.parametrize("front,words", [("---\nlicense: [apache\n---\n# card\n", "ParserError"),
+                                         ("---\njust a string\n---\n# card\n", "should be a dict")])
+def test_export_refuses_a_readme_of_bad_front_matter_before_writing(tiny_export, tmp_path, capsys, front, words):
+    """It raised yaml's parser error (a traceback from `hf-dllm-spec export`) after the weights were written, and a
+    retry was refused as a non-empty OUTPUT_DIR."""
+    from hf_dllm_spec.cli import main
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_export, source)
+    (source / "README.md").write_text(front)
+    with pytest.raises(ValueError, match=r"`source` \(=.*README.md'\) must have a README.md whose front matter .* is "
+                                         rf"a YAML mapping \(.*{words}"):
+        hf_dllm_spec.export_checkpoint(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(source), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument SOURCE:" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(tokenizer="models/sdar-tiny-arith"), r"`tokenizer` \(='models/sdar-tiny-arith'\) must be a loaded tokenizer"),
+    (dict(output_dir=None), r"`output_dir` \(=None\) must be a directory path"),
+    (dict(overwrite="no"), r"`overwrite` \(='no'\) must be True or False"),
+])
+def test_export_refuses_bad_arguments_before_writing(tiny_export, tmp_path, kwargs, words):
+    """A tokenizer given as a path failed with an AttributeError after the weights were written; `output_dir=None`
+    with a bare TypeError; `overwrite="no"` counted as True."""
+    arguments = {"output_dir": tmp_path / "out", **kwargs}
+    with pytest.raises(ValueError, match=words):
+        hf_dllm_spec.export_checkpoint(tiny_export, **arguments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_leaves_version_control_and_download_caches_out(tiny_export, tmp_path):
+    source = tmp_path / "clone"
+    shutil.copytree(tiny_export, source)
+    for folder in (".git/lfs/objects", ".cache/huggingface"):
+        (source / folder).mkdir(parents=True)
+        (source / folder / "blob").write_text("x")
+    out = hf_dllm_spec.export_checkpoint(source, tmp_path / "out")
+    assert not (out / ".git").exists() and not (out / ".cache").exists()
+    assert (out / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
 
 TASK = """\
 task: sdar_tiny_arith

@@ -32,6 +32,8 @@ from ..validation import invalid
 
 CARD_TAGS = ("hf-dllm-spec", "custom_generate")
 CUSTOM_GENERATE_FILES = ("generate.py", "requirements.txt")
+#: Names a checkpoint directory's copy leaves out (a git clone's `.git`, huggingface_hub's `.cache` of a download).
+COPY_IGNORED = (".git", ".cache")
 _USAGE_HEADING = "## Loading with `trust_remote_code`"
 
 _USAGE = '''{heading}
@@ -44,7 +46,7 @@ This checkpoint carries an `auto_map` and two small shim modules (`{config_shim}
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("<this directory or repo>", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("<this directory or repo>")
+tokenizer = AutoTokenizer.from_pretrained("<this directory or repo>", trust_remote_code=True)
 ids = tokenizer("Question: 2 + 3 = ?\\nAnswer:", return_tensors="pt").input_ids
 out = model.generate(ids, decoding_strategy="s2d2", max_new_tokens=48)
 ```
@@ -82,15 +84,27 @@ def _write_custom_generate(directory: pathlib.Path) -> None:
         (target / name).write_bytes((source / name).read_bytes())
 
 
-def _write_card(directory: pathlib.Path, name: str) -> None:
+def _read_card(path: pathlib.Path, name: str):
+    """The model card to write: the one at `path` (a `README.md` with Hub front matter) or a new one named `name`.
+
+    Raises:
+        ValueError: naming `source`, for a `README.md` whose front matter is no YAML mapping.
+    """
     from huggingface_hub import ModelCard
 
-    path = directory / "README.md"
-    if path.is_file():
-        card = ModelCard(path.read_text(encoding="utf-8"))
-    else:
-        card = ModelCard(f"---\nlibrary_name: transformers\n---\n\n# {name}\n\n"
+    if not path.is_file():
+        return ModelCard(f"---\nlibrary_name: transformers\n---\n\n# {name}\n\n"
                          "A diffusion language model checkpoint exported by hf-dllm-spec.\n")
+    try:
+        return ModelCard(path.read_text(encoding="utf-8"))
+    except Exception as error:          # yaml's parser errors, huggingface_hub's "should be a dict" ValueError
+        raise invalid("source", str(path), "have a README.md whose front matter (between the `---` lines) is a "
+                      f"YAML mapping ({type(error).__name__}: {str(error).splitlines()[0]})",
+                      "fix or remove the README's front matter, then export again") from None
+
+
+def _write_card(card, path: pathlib.Path) -> None:
+    """`card` with the Hub keys and the loading section added, written to `path`."""
     data = card.data
     data.library_name = "transformers"
     data.pipeline_tag = data.pipeline_tag or "text-generation"
@@ -108,20 +122,35 @@ def export_checkpoint(source: Any, output_dir: str | os.PathLike, *, tokenizer: 
     Args:
         source (`PreTrainedModel`, `str` or `os.PathLike`): a loaded model of a family with its own classes
             (e.g. `SDARForCausalLM`), saved with `save_pretrained`; or a checkpoint directory, whose files are
-            copied unchanged (weights byte for byte) apart from `config.json`'s `auto_map` and the card.
-            `output_dir` may equal a source directory: the export then happens in place.
+            copied unchanged (weights byte for byte) apart from `config.json`'s `auto_map` and the card, and without
+            `.git` or `.cache` folders (:data:`COPY_IGNORED`). `output_dir` may equal a source directory: the
+            export then happens in place.
         output_dir (`str` or `os.PathLike`): the directory to write.
         tokenizer (`PreTrainedTokenizerBase`, *optional*): saved beside the weights when given.
-        overwrite (`bool`, defaults to `False`): allow writing into a non-empty `output_dir` that is not `source`.
+        overwrite (`bool`, defaults to `False`): allow writing into a non-empty `output_dir` that is not `source`
+            (the export's files replace theirs; other files stay).
 
     Returns:
         `pathlib.Path`: `output_dir`.
 
     Raises:
         ValueError: for a source that is neither a model nor a checkpoint directory, a family without its own
-            classes (plain Qwen3 needs no remote code), a non-empty `output_dir` without `overwrite=True`, an
-            `output_dir` inside a source directory (other than the source itself) or one that is a file.
+            classes (plain Qwen3 needs no remote code), a source `README.md` whose front matter is no YAML mapping,
+            an `output_dir` that is no path, a non-empty one without `overwrite=True`, one inside a source directory
+            (other than the source itself) or one that is a file, a `tokenizer` without `save_pretrained`, an
+            `overwrite` that is no bool; all before anything is written.
     """
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise invalid("output_dir", output_dir, "be a directory path (a str or os.PathLike)",
+                      "pass e.g. \"out/my-checkpoint\"")
+    if not isinstance(overwrite, bool):
+        raise invalid("overwrite", overwrite, "be True or False", "pass overwrite=True to write into a non-empty "
+                      "output_dir")
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise invalid("tokenizer", tokenizer if isinstance(tokenizer, str) else type(tokenizer).__name__,
+                      "be a loaded tokenizer (with save_pretrained)",
+                      "pass AutoTokenizer.from_pretrained(...)'s result; a checkpoint directory's own tokenizer files "
+                      "are copied with it")
     output = pathlib.Path(output_dir)
     is_model = hasattr(source, "save_pretrained") and hasattr(source, "config")
     if not is_model:
@@ -145,12 +174,13 @@ def export_checkpoint(source: Any, output_dir: str | os.PathLike, *, tokenizer: 
     else:
         model_type = json.loads((pathlib.Path(source) / "config.json").read_text(encoding="utf-8")).get("model_type")
     config_class, _ = _family_classes(model_type)
+    card = _read_card((output if is_model else pathlib.Path(source)) / "README.md", output.resolve().name)
 
     output.mkdir(parents=True, exist_ok=True)
     if is_model:
         source.save_pretrained(output)
-    elif not in_place:
-        shutil.copytree(source, output, dirs_exist_ok=True)
+    elif not in_place:        # a clone's version control and download caches are no part of the checkpoint
+        shutil.copytree(source, output, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*COPY_IGNORED))
     if tokenizer is not None:
         tokenizer.save_pretrained(output)
 
@@ -160,9 +190,9 @@ def export_checkpoint(source: Any, output_dir: str | os.PathLike, *, tokenizer: 
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     config_class.from_pretrained(output)  # the written config must load with the family's class
     _write_custom_generate(output)
-    _write_card(output, output.resolve().name)
+    _write_card(card, output / "README.md")
     return output
 
 
-__all__ = ["CONFIG_SHIM", "CUSTOM_GENERATE_FILES", "INSTALL_HINT", "MODEL_SHIM", "SHIM_MODULES", "ShimsConfigMixin",
-           "export_checkpoint", "names_shims", "write_shims"]
+__all__ = ["CONFIG_SHIM", "COPY_IGNORED", "CUSTOM_GENERATE_FILES", "INSTALL_HINT", "MODEL_SHIM", "SHIM_MODULES",
+           "ShimsConfigMixin", "export_checkpoint", "names_shims", "write_shims"]
