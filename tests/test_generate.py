@@ -176,9 +176,10 @@ def test_right_padding_streamer_batch_and_missing_mask_token(no_forward, qwen_mo
                             streamer=type("S", (), {"put": lambda self, v: None, "end": lambda self: None})())
     with pytest.raises(ValueError, match=r"`pad_token_id` \(=None\) must be set"):
         no_forward.generate(prompt.repeat(2, 1), decoding_strategy="s2d2", eos_token_id=None)
-    with pytest.raises(ValueError, match=r"`mask_token_id` \(=None\) must be known"):
-        qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="s2d2",
-                            block_size=4)
+    for sizes in ({"block_size": 4}, {}):          # without a block size too: it asked for one first
+        with pytest.raises(ValueError, match=r"`mask_token_id` \(=None\) must be known"):
+            qwen_model.generate(prompt, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="s2d2",
+                                **sizes)
 
 
 def test_context_dependent_processor_is_refused(sdar_model, prompt):

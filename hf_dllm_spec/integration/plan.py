@@ -8,8 +8,8 @@ argument, its value, the rule and the fix); nothing after it validates. Strategi
 their config and the session :func:`~hf_dllm_spec.integration.generate.dllm_generate` builds from it.
 
 The checks are this module's own, in the order of the plan: the models (loaded, quantized weights, family, served
-by the strategy), the inputs as given (options, ids, mask, model kwargs, generator), the sizes and the tokens
-resolved, the drafter, then the prompts against the finished plan (:func:`_check_prompts`, which
+by the strategy), the inputs as given (options, ids, mask, model kwargs, generator), the tokens and the sizes
+resolved (the mask token first: a model without one gets that error, not the block size's), the drafter, then the prompts against the finished plan (:func:`_check_prompts`, which
 :func:`check_row` runs on a row that joins a running call) and, with continuous batching, the row feed and its
 initial requests (:func:`_check_feed`). :mod:`~hf_dllm_spec.integration.checks` reuses them on
 the raw call, before transformers prepares it; `DeerCandidateGenerator` on its drafter.
@@ -131,8 +131,8 @@ def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConf
                preset: str | None, draft_model, mask_token_id: int | None, draft_mask_token_id: int | None,
                generator, streamer, stopping_criteria, raw_attention_mask=None,
                row_feed: RowFeed | None = None) -> DecodePlan:
-    """Resolve and check one call (see the module docstring): the models, the inputs as given, the sizes, the
-    tokens, the drafter, in that order; `model_kwargs` loses the static cache transformers prepared for
+    """Resolve and check one call (see the module docstring): the models, the inputs as given, the tokens, the
+    sizes, the drafter, in that order; `model_kwargs` loses the static cache transformers prepared for
     `cache_implementation="static"` (the static runtime keeps its own).
 
     Raises:
@@ -150,10 +150,10 @@ def build_plan(model, input_ids: torch.Tensor, generation_config: GenerationConf
                             streamer=streamer, raw_attention_mask=raw_attention_mask)
     do_sample = bool(generation_config.do_sample)
     _check_acceptance(config, do_sample, generator)
-    config, block_size, max_new_tokens = _resolve_sizes(patch, model, config, input_ids, generation_config)
     needs_mask = _needs_mask(strategy, patch, model)
     mask, stop_ids, pad_id = _resolve_tokens(strategy, patch, model, input_ids, lengths, generation_config,
                                              mask_token_id, draft_mask_token_id, needs_mask)
+    config, block_size, max_new_tokens = _resolve_sizes(patch, model, config, input_ids, generation_config)
     draft_mask, draft_block_size = _resolve_drafter(strategy, config, model, patch, draft_model, drafter_patch,
                                                     input_ids, lengths, generation_config, stop_ids, block_size,
                                                     draft_mask_token_id)
