@@ -19,10 +19,11 @@ EDITING = dict(confidence_threshold=0.6, editing_threshold=0.1)   # low threshol
 
 def reference_llada2(model, prompt: torch.Tensor, gen_length: int, *, threshold: float,
                      editing_threshold: float | None, max_post_steps: int, num_to_transfer: int | None,
-                     steps: int = B) -> list[int]:
+                     steps: int = B, edits: list | None = None) -> list[int]:
     """The LLaDA2.x Hub loop (`strategies.md` §3), batch 1, greedy, no cache: every step recomputes the window
     `x[:(b+1)B]` under a hard block-causal mask. Editing off (`editing_threshold=None`) is LLaDA2.0: k from the
-    steps schedule, the block ends when no mask is left. The mask token is suppressed, as in the library."""
+    steps schedule, the block ends when no mask is left. The mask token is suppressed, as in the library.
+    `edits` (a list), when given, gets each step's count of edited tokens (T2T)."""
     P = len(prompt)
     num_blocks = -(-(P + gen_length) // B)
     x = torch.full((num_blocks * B,), MASK_ID)
@@ -60,6 +61,8 @@ def reference_llada2(model, prompt: torch.Tensor, gen_length: int, *, threshold:
             if editing_threshold is not None:
                 t2t = ~active & ~in_prompt & (conf > editing_threshold) & (x0 != old)
             x[lo:hi] = torch.where(m2t | t2t, x0, old)
+            if edits is not None:
+                edits.append(int(t2t.sum()))
             step += 1
             if not active.any() and not t2t.any():
                 break
@@ -76,19 +79,22 @@ def generated(out, prompt_length: int) -> list[int]:
     dict(EDITING, max_post_steps=0),
     dict(EDITING, max_post_steps=3),
     dict(confidence_threshold=0.95, editing_threshold=0.5, max_post_steps=16, num_to_transfer=2),
-], ids=["2.0", "2.0-steps2", "2.1-post0", "2.1-post3", "2.1-k2"])
+    dict(EDITING),
+], ids=["2.0", "2.0-steps2", "2.1-post0", "2.1-post3", "2.1-k2", "2.1-default-post-steps"])
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
 def test_decoder_equals_reference_hub_loop(llada2_model, params, use_cache):
     out = llada2_model.generate(PROMPT[None], decoding_strategy="llada2", block_size=B, max_new_tokens=16,
                                 use_cache=use_cache, return_dict_in_generate=True, **params)
     preset_off = params.get("preset") == "llada2.0"
+    edits = []
     expected = reference_llada2(
         llada2_model, PROMPT, 16, threshold=params["confidence_threshold"],
         editing_threshold=None if preset_off else params["editing_threshold"],
-        max_post_steps=0 if preset_off else params["max_post_steps"],
+        max_post_steps=0 if preset_off else params.get("max_post_steps", 16),     # the Hub loop's default: 16
         num_to_transfer=None if preset_off else params.get("num_to_transfer", 1),
-        steps=params.get("steps_per_block", B))
+        steps=params.get("steps_per_block", B), edits=edits)
     assert generated(out, len(PROMPT)) == expected
+    assert out.spec_stats.num_edited_tokens == sum(edits)      # tokens edited, not steps or rows that edit
     if not preset_off and params["editing_threshold"] < 0.3:
         assert out.spec_stats.num_edited_tokens > 0        # the case exercises editing
 
