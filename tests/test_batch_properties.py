@@ -27,11 +27,16 @@ def _check(name: str, case, models: dict = MODELS) -> None:
     eos = stop_id(name, case, models)
     singles = [generate(name, torch.tensor([p]), None, params, budget, eos, models)[0, len(p):] for p in prompts]
     width = max(len(p) for p in prompts)
-    out = generate(name, *left_padded(prompts), params, budget, eos, models)
+    out = generate(name, *left_padded(prompts), params, budget, eos, models, return_dict_in_generate=True)
     for i, single in enumerate(singles):
-        row = out[i, width:]
+        row = out.sequences[i, width:]
         assert row[: single.shape[0]].tolist() == single.tolist(), f"row {i} of {prompts}"
         assert (row[single.shape[0]:] == PAD).all()
+        s = out.spec_stats_per_row[i]                 # each row's counters add up, whenever it left the batch
+        assert s.num_generated_tokens == single.shape[0], f"row {i} of {prompts}"
+        assert s.num_committed_tokens == s.num_generated_tokens + s.num_discarded_tokens, f"row {i} of {prompts}"
+        assert s.num_committed_tokens == (s.num_fallback_tokens + s.num_accepted_tokens + s.num_recovered_tokens
+                                          + s.num_bonus_tokens), f"row {i} of {prompts}: {s}"
 
 
 def _property(name: str, examples: int):
