@@ -174,10 +174,11 @@ def test_the_returned_rows_are_the_rows_on_done_got():
     call budget of 8; they were cut by the call's budget and stop ids), and the statistics a callback got do not
     change afterwards."""
     results: dict = {}
-    feed = ScriptedFeed(_requests([0, 1], results), {})
+    feed = ScriptedFeed(_requests([0, 1], results), {1: _requests([2], results)})    # and a row that joins
     width = len(PROMPTS[0])
     ids = torch.tensor([PROMPTS[0], [PAD] * (width - 2) + PROMPTS[1]])
     out = _call("block_diffusion", ids, (ids != PAD).long(), 8, row_feed=feed, return_dict_in_generate=True)
+    assert 2 in results and len(out.spec_stats_per_row) == out.sequences.shape[0] == 2    # the call's rows alone
     for n in (0, 1):
         tokens, _, stats = results[n]
         assert len(tokens) == BUDGETS[n] and stats.num_generated_tokens == len(tokens)

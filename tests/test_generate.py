@@ -337,3 +337,44 @@ def test_ar_on_a_right_shifted_model_takes_its_own_mask_id_and_never_suppresses_
     with pytest.raises(ValueError, match=r"`mask_token_id` \(=62\) must be unset \(or the model's own\)"):
         model.generate(ids, decoding_strategy="ar", max_new_tokens=6, eos_token_id=None, mask_token_id=62)
 
+
+
+def test_statistics_arithmetic_on_hand_computed_values():
+    """`SpecDecodingStats` / `BatchStats` (docs/metrics.md): discarded tokens, NFE and tokens per forward, the
+    per-position acceptance, tau, NaN acceptance without drafts; in a batch, a row without a draft this cycle adds no
+    histogram entry and no per-position zeros, and the call's totals keep the batch's forward calls and times (they
+    were summed over rows)."""
+    import math
+
+    from hf_dllm_spec.outputs import BatchStats, SpecDecodingStats
+
+    s = SpecDecodingStats(num_committed_tokens=8)
+    s.record_output(6)
+    assert (s.num_generated_tokens, s.num_discarded_tokens) == (6, 2)
+    s = SpecDecodingStats(num_prefill_forwards=1, num_draft_forwards=3, num_cache_write_forwards=1,
+                          num_generated_tokens=8)
+    assert s.nfe == 5 and s.tpf == 8 / (5 - 1)                   # tokens per forward after the prefill
+    s = SpecDecodingStats()
+    s.observe_verification(3, 1, recovered=True, bonus=False)
+    s.observe_verification(2, 2, False, True)
+    assert s.num_accepted_tokens_per_pos == [2, 1, 0] and s.num_drafts_reaching_pos == [2, 2, 1]
+    assert s.mean_acceptance_length == (3 + 1 + 1) / 2           # accepted plus the recovered or bonus token
+    assert math.isnan(SpecDecodingStats().acceptance_rate)
+
+    batch = BatchStats(2)                              # row 0 drafts 3 and accepts 1; row 1 drafts nothing
+    batch.observe_verification(torch.tensor([0, 1]), torch.tensor([3, 0]), torch.tensor([1, 0]),
+                               torch.tensor([True, False]), torch.tensor([False, False]), width=3)
+    batch.flush()
+    first, second = batch.per_row
+    assert dict(first.accepted_length_histogram) == {1: 1} and dict(second.accepted_length_histogram) == {}
+    assert first.num_accepted_tokens_per_pos == [1, 0, 0] and first.num_drafts_reaching_pos == [1, 1, 1]
+    assert second.num_accepted_tokens_per_pos == [] == second.num_drafts_reaching_pos
+
+    batch = BatchStats(2)                              # two batched calls, the second for row 0 alone
+    batch.count_forward("prefill")
+    batch.count_forward("draft", rows=[True, False])
+    for row in batch.per_row:
+        row.wall_time_s, row.prefill_time_s = 1.5, 0.5
+    total = batch.total()
+    assert [row.nfe for row in batch.per_row] == [2, 1] and total.num_forward_calls == 2
+    assert (total.wall_time_s, total.prefill_time_s) == (1.5, 0.5)
