@@ -35,9 +35,11 @@ def counters(stats: SpecDecodingStats) -> dict:
 
 
 def assert_batch_equals_singles(model, batch, **kwargs):
+    """The batch's rows, padding and per-row counters equal each prompt decoded alone (`kwargs` over `COMMON`)."""
     ids, mask, prompts = batch
-    out = model.generate(ids, attention_mask=mask, **COMMON, **kwargs)
-    singles = [model.generate(p[None], **COMMON, **kwargs) for p in prompts]
+    kwargs = {**COMMON, **kwargs}
+    out = model.generate(ids, attention_mask=mask, **kwargs)
+    singles = [model.generate(p[None], **kwargs) for p in prompts]
     width = ids.shape[1]
     for i, (p, single) in enumerate(zip(prompts, singles)):
         new = single.sequences[0, len(p):].tolist()
@@ -83,6 +85,20 @@ def test_s2d2_batch_equals_singles(sdar_model, batch, policy, ar_caching):
                                          cache_ver=ar_caching, draft_ver=ar_caching, **policy)
     if policy["do_verify_policy"] == "mask_span_length":
         assert out.spec_stats.num_verify_forwards > 0
+
+
+@pytest.mark.parametrize("policy", S2D2_POLICIES[3:], ids=lambda p: p["do_verify_policy"])
+@pytest.mark.filterwarnings("ignore:`block_size`")
+def test_s2d2_routing_states_follow_their_rows_when_rows_leave(sdar_model, batch, policy):
+    """Rows that end at their own stop id leave the batch; a stateful routing policy's per-row state (hysteresis,
+    the bandit's statistics) must leave with them, or the rows after them route with another row's state."""
+    ids, mask, _ = batch
+    kwargs = dict(decoding_strategy="s2d2", block_size=4, **policy)
+    free = sdar_model.generate(ids, attention_mask=mask, **COMMON, **kwargs)
+    stop = int(free.sequences[2, ids.shape[1] + 5])                  # a token row 2 emits mid-way
+    out, _ = assert_batch_equals_singles(sdar_model, batch, **kwargs, eos_token_id=stop)
+    lengths = [row.num_generated_tokens for row in out.spec_stats_per_row]
+    assert min(lengths) < COMMON["max_new_tokens"] and len(set(lengths)) > 1      # rows left at different steps
 
 
 @pytest.mark.filterwarnings("ignore:`block_size`")

@@ -378,3 +378,21 @@ def test_statistics_arithmetic_on_hand_computed_values():
     total = batch.total()
     assert [row.nfe for row in batch.per_row] == [2, 1] and total.num_forward_calls == 2
     assert (total.wall_time_s, total.prefill_time_s) == (1.5, 0.5)
+
+
+def test_the_bandit_is_rewarded_with_the_tokens_each_step_committed(sdar_model, prompt, monkeypatch):
+    """The UCB policy's feedback (`observe`) is the step's committed tokens: a verified step's accepted drafts plus
+    the recovered or bonus token (it was fed the accepted drafts alone), an unverified step's rule commits."""
+    from hf_dllm_spec.maths.routing import UCBPolicy
+
+    seen = []
+    observe = UCBPolicy.observe
+    monkeypatch.setattr(UCBPolicy, "observe",
+                        lambda self, num, verified: seen.append((num, verified)) or observe(self, num, verified))
+    out = sdar_model.generate(prompt, decoding_strategy="s2d2", do_verify_policy="contextual_bandit_ucb",
+                              block_size=4, max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
+    s = out.spec_stats
+    assert any(verified for _, verified in seen) and not all(verified for _, verified in seen)
+    assert sum(num for num, verified in seen if verified) == (s.num_accepted_tokens + s.num_recovered_tokens
+                                                            + s.num_bonus_tokens)
+    assert sum(num for num, _ in seen) == s.num_committed_tokens
