@@ -7,6 +7,7 @@ DEER (between two cycles), greedy and seeded sampling, eager and static runtime.
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -398,3 +399,62 @@ def test_captured_steps_take_joining_rows(case, replayed_graphs, as_users_run_it
     states = hf_dllm_spec.runtime.static.static_states(model)
     assert any(key[0] == "step" for state in states for key in state.graphs.graphs), "no step was captured"
     hf_dllm_spec.clear_static_state(model)
+
+
+def test_feed_admission_streams_reports_and_times_each_row_alone():
+    """`FeedAdmission` without a model: a cancelled row streams nothing more (its client is gone; tokens were still
+    sent), a row that ignores EOS ends by length on a stop id, each row's `on_done` gets a copy of its own counters,
+    a row that joined is timed from when it joined (it was timed from the call's start), and a row that ended before
+    its client left is not "cancelled"."""
+    from hf_dllm_spec.integration.continuous import FeedAdmission, RowFeed
+    from hf_dllm_spec.outputs import SpecDecodingStats
+
+    class Feed(RowFeed):
+        def __init__(self, initial, later):
+            super().__init__(initial)
+            self.later = later
+
+        def take(self, rows):
+            out, self.later = self.later, []
+            return out
+
+    class Strategy:                          # the class flags FeedAdmission reads
+        name, per_row_stops, per_row_sampling = "fake", True, False
+
+    stop, got = 2, {}
+
+    def request(n, budget, **kwargs):
+        return RowRequest([5, 6], budget, on_tokens=lambda ids: got.setdefault(("tokens", n), []).append(ids),
+                          on_done=lambda tokens, reason, stats: got.__setitem__(("done", n), (tokens, reason, stats)),
+                          **kwargs)
+
+    stats = [SpecDecodingStats() for _ in range(3)]
+    first, second, joiner = request(0, 3, ignore_eos=True), request(1, 5), request(2, 4)
+    admission = FeedAdmission(Feed([first, second], [joiner]), [stop], lambda ids, budget: None,
+                              lambda i: stats[i], Strategy, do_sample=False)
+    time.sleep(1.0)
+    admission.take(2)                                         # the joiner comes a second after the call started
+    for s in stats:
+        s.num_committed_tokens = 4
+    assert admission.stop_check(0, None, [1, 3, stop, 9]) is True
+    admission.stop_check(1, None, [4])
+    second.cancelled.set()
+    admission.stop_check(1, None, [4, 8])
+    assert admission.cancelled(1)
+    admission.left(0)
+    admission.left(1)
+    admission.stop_check(2, None, [7, stop])
+    admission.left(2)
+    assert got[("done", 0)][:2] == ([1, 3, stop], "length")
+    assert got[("tokens", 1)] == [[4]] and got[("done", 1)][1] == "cancelled"
+    assert [got[("done", n)][2].num_generated_tokens for n in range(3)] == [3, 2, 2]
+    assert got[("done", 2)][2].wall_time_s < got[("done", 0)][2].wall_time_s - 0.5
+    stats[0].num_generated_tokens = 99
+    assert got[("done", 0)][2].num_generated_tokens == 3      # a copy: later changes of the call's stats stay out
+
+    ended = request(3, 5)
+    admission = FeedAdmission(Feed([ended], []), [stop], lambda ids, budget: None, lambda i: SpecDecodingStats(),
+                              Strategy, False)
+    admission.stop_check(0, None, [1, stop])
+    ended.cancelled.set()
+    assert admission.cancelled(0) is False
