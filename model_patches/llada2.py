@@ -31,7 +31,8 @@ whose MoE maths is LLaDA2's (source: `../shared/reference/families.md` §4; the 
   layout that cannot split is refused before any weight loads (:func:`check_parallel_sizes`). The Hub tensors load
   unchanged (each rank reads its slices). docs/placement.md.
 - Tokens: the Hub config has no mask id. `config.mask_token_id` (set by `from_pretrained` from the tokenizer
-  files' `<|mask|>` when found) else 156895 with a warning (families.md §4.4); EOS 156892 from the config.
+  files' `<|mask|>` when found) else 156895 with a warning (families.md §4.4); EOS 156892 from the config, also
+  in the loaded generation config when the checkpoint's files name none (`adjust_generation_fn`).
 - Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): bitsandbytes
   replaces exact `nn.Linear` modules only (transformers' `replace_with_bnb_linear`), so only the attention
   (`query_key_value`, `dense`), the shared experts and the dense first layer(s)' MLP are quantized. The routed
@@ -600,6 +601,15 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_field(output_cache(out)))
+
+    def adjust_generation_fn(self, *args, **kwargs):
+        """transformers' loading of the generation config, then the Hub `generate`'s stop id (`eos_id` 156892, the
+        config's `eos_token_id`) where the checkpoint's files name none: the Hub config.json has no eos key
+        (families.md §4.1), and without a generation_config.json the generation config transformers derives from
+        that file had none, so decoding never stopped at EOS. A call's own `eos_token_id=None` still decodes on."""
+        super().adjust_generation_fn(*args, **kwargs)
+        if self.generation_config is not None and self.generation_config.eos_token_id is None:
+            self.generation_config.eos_token_id = self.config.eos_token_id
 
     def generate(self, *args, **kwargs):
         """`DllmGenerationMixin.generate` with the Hub keywords mapped (see :func:`map_hub_generate_kwargs`)."""

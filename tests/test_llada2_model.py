@@ -575,3 +575,19 @@ def test_a_sliding_window_key_limits_nothing():
 
     model = LLaDA2MoeModelLM(LLaDA2MoeConfig(**TINY_LLADA2, sliding_window=16))
     assert model.config.sliding_window == 16 and LLaDA2Patch().attention_window(model) is None
+
+
+def test_a_checkpoint_without_eos_keys_stops_at_the_hub_eos(llada2_model, tmp_path):
+    """The Hub config.json has no `eos_token_id` (families.md §4.1): without a generation_config.json, the generation
+    config transformers derived from that file had no stop id, and decoding never stopped at EOS. It now takes the
+    Hub `generate`'s `eos_id` (the config's default, 156892); a checkpoint's own stop ids are kept."""
+    from model_patches.llada2 import HUB_EOS_TOKEN_ID
+
+    llada2_model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("eos_token_id", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").unlink()
+    assert LLaDA2MoeModelLM.from_pretrained(tmp_path).generation_config.eos_token_id == HUB_EOS_TOKEN_ID
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert LLaDA2MoeModelLM.from_pretrained(tmp_path).generation_config.eos_token_id == [7, 9]
