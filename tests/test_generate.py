@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -185,6 +186,15 @@ def test_right_padding_streamer_batch_and_missing_mask_token(no_forward, qwen_mo
 def test_context_dependent_processor_is_refused(sdar_model, prompt):
     with pytest.raises(NotImplementedError, match="RepetitionPenaltyLogitsProcessor"):
         sdar_model.generate(prompt, decoding_strategy="s2d2", repetition_penalty=1.3)
+    # from the model's own generation config (a Hub generation_config.json sets it, e.g. Qwen2.5's 1.05): the fix
+    # says how to unset it (it said "drop `repetition_penalty`", an option the call never passed), and it works
+    model = copy.deepcopy(sdar_model)
+    model.generation_config.repetition_penalty = 1.05
+    with pytest.raises(NotImplementedError, match=r"pass repetition_penalty=None to generate, or set "
+                                                  r"`generation_config.repetition_penalty = None`"):
+        model.generate(prompt, decoding_strategy="s2d2", max_new_tokens=4)
+    assert torch.equal(model.generate(prompt, decoding_strategy="s2d2", max_new_tokens=4, repetition_penalty=None),
+                       sdar_model.generate(prompt, decoding_strategy="s2d2", max_new_tokens=4))
 
 
 def test_untrained_block_size_warns(sdar_model, prompt):

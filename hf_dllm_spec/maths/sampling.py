@@ -130,7 +130,9 @@ def check_logits_processors(processors: LogitsProcessorList | None) -> None:
         raise invalid(option, f"<{name}>", "add only processors that depend on each position's logits alone "
                       "(the context of a position is ill-defined when a diffusion decoder commits tokens out of "
                       f"order; subclasses are refused because they may read `input_ids`). Supported: {supported}",
-                      f"drop `{option}`", error=NotImplementedError)
+                      f"drop `{option}`" if option == "logits_processor" else
+                      f"pass {option}=None to generate, or set `generation_config.{option} = None` (the model's own "
+                      "generation_config.json may set it)", error=NotImplementedError)
 
 
 class RowGenerators:
