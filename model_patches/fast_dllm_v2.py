@@ -18,6 +18,8 @@ LLM", arXiv 2509.26328). Its Hub remote code pins transformers 4.53.1; here the 
 - Stop ids: the generation config's eos list ([151645, 151643] on the Hub).
 - Trained block size: `bd_size` (32); decoding splits blocks into sub-blocks (`sub_block_size`, 8).
 - `conplemenrary_mask` (sic), a training flag of the Hub config, is kept and written back as spelled.
+- The Hub modeling's cache keyword `update_past_key_values=False` (read-only: the cache is not written) is
+  honoured (`model_patches.hub_generate.read_only_cache_keyword`); unset or True writes as any transformers model.
 - `generate()` without `decoding_strategy` runs the family's decoder (`decoding_strategy="fast_dllm_v2"`), and
   accepts the Hub `generate` keywords (:data:`HUB_GENERATE_KEYWORDS`).
 - Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): every
@@ -34,7 +36,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
 from .base import FamilyPatch
 from .generation import DllmGenerationMixin
-from .hub_generate import MaskTokenFromFilesMixin, hub_temperature, rename_hub_keywords
+from .hub_generate import (MaskTokenFromFilesMixin, hub_temperature, read_only_cache_keyword,
+                           rename_hub_keywords)
 from .remote_code import ShimsConfigMixin
 
 #: The mask token's string in the Fast-dLLM v2 tokenizers (an additional special token).
@@ -130,6 +133,9 @@ class Fast_dLLM_QwenForCausalLM(MaskTokenFromFilesMixin, DllmGenerationMixin, Qw
     # untied 7B head (float32 head, float16 hidden states: a dtype error); "lm_head$" names the module only.
     native_decoding_strategy = "fast_dllm_v2"
     _keep_in_fp32_modules = ["lm_head$"]
+    #: Qwen2's forward; `update_past_key_values=False` (the Hub Fast-dLLM v2 modeling's keyword) leaves a given cache
+    #: as it was, `True` or unset writes it.
+    forward = read_only_cache_keyword("update_past_key_values", "Fast-dLLM v2")(Qwen2ForCausalLM.forward)
 
     def generate(self, *args, **kwargs):
         """`DllmGenerationMixin.generate` with the Hub keywords mapped (see :func:`map_hub_generate_kwargs`)."""

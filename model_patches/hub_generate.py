@@ -1,12 +1,17 @@
-"""What the families' Hub code does differently at the edges: its `generate` keywords and a mask token kept only in
-the tokenizer files. Shared by the families whose Hub `generate` this library replaces (Fast-dLLM v2, LLaDA2).
+"""What the families' Hub code does differently at the edges: its `generate` keywords, a mask token kept only in
+the tokenizer files, and the read-only cache keyword of its forward. Shared by the families whose Hub code this
+library replaces (SDAR, Fast-dLLM v2, LLaDA2).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
+
+from .compat import crop, find_cache
 
 #: Files of a checkpoint that may name the mask token with its id, in the order they are read.
 TOKENIZER_FILES = ("tokenizer.json", "added_tokens.json", "tokenizer_config.json")
@@ -101,3 +106,45 @@ def hub_temperature(kwargs: dict[str, Any], default_top_p: float | None = None) 
         if default_top_p is not None:
             kwargs.setdefault("top_p", default_top_p)
     return kwargs
+
+
+def read_only_cache_keyword(keyword: str, family: str) -> Callable[[Callable], Callable]:
+    """Decorate a causal LM's `forward` to honour its Hub modeling's cache keyword (families.md: SDAR's and the S2D2
+    LLaDA2 port's `store_kv`, Fast-dLLM v2's `update_past_key_values`): `False` leaves a given cache as it was (the
+    positions the forward appended are cropped: read-only), `True` or unset writes it as any transformers model does.
+    Without it the keyword went down to the attention unread and the cache grew on every forward of code ported
+    from the Hub; the library's own runner never passes it.
+
+    Args:
+        keyword (`str`): the forward's keyword. family (`str`): the family named in the error.
+
+    Raises:
+        ValueError: (at call time) for a value that is not True, False or None, naming `keyword`.
+    """
+
+    def decorate(forward: Callable) -> Callable:
+        signature = inspect.signature(forward)
+
+        @functools.wraps(forward)
+        def wrapper(self, *args, **kwargs):
+            store = kwargs.pop(keyword, None)
+            if store is not None and not isinstance(store, bool):
+                raise ValueError(f"`{keyword}` (={store!r}) must be True, False or unset (the Hub {family} modeling's "
+                                 f"cache protocol); pass {keyword}=False for a read-only forward.")
+            if store is False and args:              # the cache passed by position: every argument by name
+                named = dict(signature.bind_partial(self, *args, **kwargs).arguments)
+                named.pop("self")
+                variadic = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+                extra = named.pop(variadic[0], {}) if variadic else {}
+                args, kwargs = (), {**named, **extra}
+            cache = find_cache(kwargs) if store is False else None
+            length = cache.get_seq_length() if cache is not None else 0
+            out = forward(self, *args, **kwargs)
+            if cache is not None and cache.get_seq_length() > length:
+                crop(cache, cache.get_seq_length() - length)
+            return out
+
+        return wrapper
+
+    return decorate
+

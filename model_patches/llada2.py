@@ -76,7 +76,8 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (
 from .base import FamilyPatch
 from .compat import CACHE_NAMES, accepts_cache_names, cache_field, cache_kwarg, output_cache
 from .generation import DllmGenerationMixin
-from .hub_generate import MaskTokenFromFilesMixin, hub_temperature, rename_hub_keywords
+from .hub_generate import (MaskTokenFromFilesMixin, hub_temperature, read_only_cache_keyword,
+                           rename_hub_keywords)
 from .remote_code import ShimsConfigMixin
 
 try:
@@ -580,12 +581,14 @@ class LLaDA2MoeModelLM(MaskTokenFromFilesMixin, DllmGenerationMixin, LLaDA2MoePr
         """Replace the output head `lm_head` with `value`."""
         self.lm_head = value
 
+    @read_only_cache_keyword("store_kv", "LLaDA2 (S2D2's port)")
     @accepts_cache_names
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: DynamicCache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
-        """`LLaDA2MoeModel.forward`, then the head on the last `logits_to_keep` rows (0 = all), in fp32.
+        """`LLaDA2MoeModel.forward`, then the head on the last `logits_to_keep` rows (0 = all), in fp32;
+        `store_kv=False` (S2D2's LLaDA2 port's keyword) leaves a given cache as it was.
 
         `labels` `(N, q)` gives the position-aligned cross-entropy (logits at i against token i, -100 ignored),
         the Hub's loss convention.

@@ -19,7 +19,8 @@ needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SD
 - The Hub modeling's cache protocol: a forward with a cache writes it only with `store_kv=True` (its scripts,
   e.g. SDAR's `block_diffusion_generate`, pass `store_kv=False` for the denoising forwards). This class writes
   the cache like any transformers model, and honours an explicit `store_kv=False` by rolling the cache back to
-  its length before the forward (read-only); the library's own runner never passes it.
+  its length before the forward (read-only; `model_patches.hub_generate.read_only_cache_keyword`, shared with
+  LLaDA2 and Fast-dLLM v2); the library's own runner never passes it.
 - Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): every
   `nn.Linear` of the decoder (q/k/v/o projections, the MLP) is quantized; the output head `lm_head` stays
   unquantized, in the load dtype (`SDARForCausalLM._keep_in_fp32_modules`); embeddings and norms are not linear
@@ -28,14 +29,11 @@ needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SD
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from .base import FamilyPatch
-from .compat import crop, find_cache
 from .generation import DllmGenerationMixin
+from .hub_generate import read_only_cache_keyword
 from .remote_code import ShimsConfigMixin
 
 
@@ -87,26 +85,9 @@ class SDARForCausalLM(DllmGenerationMixin, Qwen3ForCausalLM):
     # head in float32 beside float16 hidden states; "lm_head$" names the module only (no parameter is upcast).
     _keep_in_fp32_modules = ["lm_head$"]
 
-    @functools.wraps(Qwen3ForCausalLM.forward)          # the signature transformers inspects (logits_to_keep, ...)
-    def forward(self, *args, store_kv: bool | None = None, **kwargs):
-        """Qwen3's forward; `store_kv=False` (the Hub SDAR modeling's keyword) leaves a given cache as it was (the
-        positions this forward appended are cropped), `True` or unset writes it (see the module docstring)."""
-        if store_kv is not None and not isinstance(store_kv, bool):
-            raise ValueError(f"`store_kv` (={store_kv!r}) must be True, False or unset (the Hub SDAR modeling's cache "
-                             "protocol); pass store_kv=False for a read-only forward.")
-        if store_kv is False and args:                   # the cache passed by position: every argument by name
-            signature = inspect.signature(Qwen3ForCausalLM.forward)
-            named = dict(signature.bind_partial(self, *args, **kwargs).arguments)
-            named.pop("self")
-            variadic = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
-            extra = named.pop(variadic[0], {}) if variadic else {}
-            args, kwargs = (), {**named, **extra}
-        cache = find_cache(kwargs) if store_kv is False else None
-        length = cache.get_seq_length() if cache is not None else 0
-        out = super().forward(*args, **kwargs)
-        if cache is not None and cache.get_seq_length() > length:
-            crop(cache, cache.get_seq_length() - length)
-        return out
+    #: Qwen3's forward; `store_kv=False` (the Hub SDAR modeling's keyword) leaves a given cache as it was, `True`
+    #: or unset writes it (see the module docstring).
+    forward = read_only_cache_keyword("store_kv", "SDAR")(Qwen3ForCausalLM.forward)
 
 
 class SDARPatch(FamilyPatch):

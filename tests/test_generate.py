@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import MASK_ID, TINY, gen
+from conftest import MASK_ID, TINY, gen, tiny_family_models
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -285,25 +285,29 @@ def test_s2d2_on_a_sliding_window_model_keeps_its_read_only_queries_inside_the_w
         sliding.generate(prompt, max_new_tokens=10, **call)
 
 
-def test_the_hub_store_kv_protocol_is_honoured(sdar_model):
-    """The Hub SDAR modeling writes a cache only with `store_kv=True` (its scripts denoise with `store_kv=False`);
-    before, the keyword vanished into `**kwargs` and every denoising forward of such a script grew the cache."""
+@pytest.mark.parametrize("family,keyword", [("sdar", "store_kv"), ("llada2", "store_kv"),
+                                            ("fast", "update_past_key_values")])
+def test_the_hub_read_only_cache_keyword_is_honoured(family, keyword):
+    """The Hub modelings write a cache only when told (SDAR's and S2D2's LLaDA2 port's `store_kv=True`, Fast-dLLM
+    v2's `update_past_key_values=True`; their scripts denoise with False); before, the keyword vanished into
+    `**kwargs` and every denoising forward of such a script grew the cache (SDAR was fixed first)."""
     from transformers import DynamicCache
 
     from model_patches.compat import CACHE_KWARG
 
-    cache = DynamicCache(config=sdar_model.config)
+    model = tiny_family_models()[family]
+    cache = DynamicCache(config=model.config)
     ids = torch.tensor([[5, 17, 42, 8]])
     with torch.no_grad():
-        sdar_model(ids, **{CACHE_KWARG: cache}, store_kv=True, use_cache=True)
-        read = [sdar_model(ids, **{CACHE_KWARG: cache}, store_kv=False, use_cache=True).logits for _ in range(2)]
+        model(ids, **{CACHE_KWARG: cache, keyword: True}, use_cache=True)
+        read = [model(ids, **{CACHE_KWARG: cache, keyword: False}, use_cache=True).logits for _ in range(2)]
         assert cache.get_seq_length() == 4 and torch.equal(read[0], read[1])
-        sdar_model(ids, **{CACHE_KWARG: cache}, use_cache=True)                   # transformers' default: writes
+        model(ids, **{CACHE_KWARG: cache}, use_cache=True)                        # transformers' default: writes
         assert cache.get_seq_length() == 8
-        sdar_model(ids, None, None, cache, store_kv=False, use_cache=True)       # the cache passed by position
+        model(ids, None, None, cache, use_cache=True, **{keyword: False})        # the cache passed by position
         assert cache.get_seq_length() == 8
-        with pytest.raises(ValueError, match=r"`store_kv` \(=0\) must be True, False or unset"):
-            sdar_model(ids, store_kv=0)
+        with pytest.raises(ValueError, match=rf"`{keyword}` \(=0\) must be True, False or unset"):
+            model(ids, **{keyword: 0})
 
 
 @pytest.mark.parametrize("params", [dict(steps_per_block=2),
