@@ -19,7 +19,7 @@ OLDEST_TRANSFORMERS=$(sed -n 's/^ *"transformers>=\([0-9.]*\).*/\1/p' pyproject.
 # Test files that run on the newest transformers only: they test the library's own layers above `generate` (the
 # CLI, the HTTP server and its limits, the cost model, the import rules) or repeat, on random batches, the
 # transformers-facing calls the deterministic batch tests make on both versions (the batch property).
-OLDEST_SKIPS=(test_cli.py test_serve.py test_serve_limits.py test_cost_model.py test_architecture.py
+OLDEST_SKIPS=(test_cli.py test_serve.py test_serve_limits.py test_serve_wire.py test_cost_model.py test_architecture.py
               test_batch_properties.py)
 
 # setup VENV [PIN ...]: create VENV with the CPU torch wheel and the package (editable, with the dev extra),

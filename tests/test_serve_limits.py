@@ -367,6 +367,7 @@ def test_past_max_waiting_requests_get_429_with_retry_after(served):
                                             json.dumps({"prompt": PROMPT, "max_tokens": 2}),
                                             {"Content-Type": "application/json", **AUTH})
             assert status == 429 and "--max-waiting" in message(text) and int(headers["retry-after"]) >= 1
+            assert json.loads(text)["error"]["type"] == "rate_limit_error"          # OpenAI's type for a 429
         deadline = time.monotonic() + 30
         while json.loads(request(base, "GET", "/health")[2])["running"] and time.monotonic() < deadline:
             time.sleep(0.05)

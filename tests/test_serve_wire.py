@@ -1,0 +1,182 @@
+"""The server on the wire (raw HTTP, the standard library): the OpenAI framing of streams, request fields at their
+boundaries, the limits at theirs, and batching at `--max-batch-size` / `--max-step-tokens`. Each test pins a rule a
+mutation of `hf_dllm_spec/serving/` broke without any other test failing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import http.client
+import json
+import pathlib
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from hf_dllm_spec.serving.app import create_app, load_served_model, serve_in_background  # noqa: E402
+from hf_dllm_spec.serving.limits import ServerLimits  # noqa: E402
+from test_serve import health  # noqa: E402
+
+MODEL = pathlib.Path(__file__).resolve().parents[1] / "models" / "sdar-tiny-arith"
+PROMPT = "Question: 2 + 3?\nAnswer:"
+CHAT = [{"role": "user", "content": "2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def served(one_thread):
+    return load_served_model(str(MODEL))
+
+
+@pytest.fixture(scope="module")
+def base(served):
+    with serve_in_background(create_app(served, ServerLimits())) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(served, limits: ServerLimits | None = None, **changes):
+    """A server of its own: `served` with `changes` (its batching options), under `limits`."""
+    model = dataclasses.replace(served, **changes) if changes else served
+    with serve_in_background(create_app(model, limits or ServerLimits())) as url:
+        yield url
+
+
+def post(url: str, path: str, body, headers: dict | None = None) -> tuple[int, dict, str]:
+    """(status, headers, body text) of one POST; `body` a dict (sent as JSON) or the raw text."""
+    conn = http.client.HTTPConnection(url.split("//")[1], timeout=120)
+    try:
+        conn.request("POST", path, body if isinstance(body, str) else json.dumps(body),
+                     {"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read().decode()
+    finally:
+        conn.close()
+
+
+def events(text: str) -> list[str]:
+    """The `data:` payloads of a server-sent event stream, in order."""
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+@contextlib.contextmanager
+def long_stream(url: str, **extra):
+    """A streamed `ignore_eos` request of 1,500 tokens, running once its first chunk arrived; closed at the end
+    (its client goes away: the server cancels it)."""
+    conn = http.client.HTTPConnection(url.split("//")[1], timeout=60)
+    body = {"prompt": extra.pop("prompt", "#\n#\n"), "max_tokens": 1500, "stream": True, "ignore_eos": True, **extra}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")
+    try:
+        yield response
+    finally:
+        conn.close()
+
+
+# -- the OpenAI framing --------------------------------------------------------------------------------------------
+
+def test_a_stream_ends_with_done_and_counts_its_prompt(served, base):
+    status, _, text = post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stream": True})
+    payloads = events(text)
+    assert status == 200 and payloads[-1] == "[DONE]"
+    usage = json.loads(payloads[-2])["usage"]
+    prompt_tokens = len(served.tokenizer(PROMPT)["input_ids"])
+    assert usage["prompt_tokens"] == prompt_tokens and usage["total_tokens"] == prompt_tokens + usage[
+        "completion_tokens"]
+
+
+def test_a_chat_stream_opens_with_the_assistant_role_and_closes_with_an_empty_delta(base):
+    status, _, text = post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "stream": True})
+    chunks = [json.loads(p) for p in events(text) if p != "[DONE]"]
+    assert status == 200 and chunks[0]["id"].startswith("chatcmpl-")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_max_completion_tokens_wins_over_max_tokens(base):
+    status, _, text = post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 9,
+                                                          "max_completion_tokens": 2, "ignore_eos": True})
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2
+
+
+# -- request fields at their boundaries -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [("n", 0), ("min_tokens", 1)])
+def test_fields_just_past_their_rule_are_refused(base, field, value):
+    """`n` must be 1 (0 was served), `min_tokens` needs `ignore_eos` from 1 token on (1 was served)."""
+    status, _, text = post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, field: value})
+    assert status == 400 and json.loads(text)["error"]["param"] == field, text
+
+
+@pytest.mark.parametrize("stop", [[], "", None])
+def test_an_empty_stop_asks_for_nothing(base, stop):
+    status, _, text = post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stop": stop})
+    assert status == 200, text
+
+
+def test_seed_zero_is_a_seed(base):
+    """`seed=0` sampled with a fresh random seed (a truthiness test): three requests, three texts."""
+    body = {"prompt": PROMPT, "max_tokens": 32, "temperature": 3.0, "seed": 0, "ignore_eos": True}
+    texts = {json.loads(post(base, "/v1/completions", body)[2])["choices"][0]["text"] for _ in range(3)}
+    assert len(texts) == 1
+
+
+# -- limits at their boundaries -------------------------------------------------------------------------------------
+
+def test_limits_hold_at_their_boundaries(served):
+    """A body of exactly `max_body_bytes` is read and nested exactly `max_json_depth` deep is parsed (one byte or
+    level more is refused); the bearer scheme is case-insensitive (RFC 7235); a prompt of exactly
+    `--max-step-tokens` tokens is served."""
+    raw = json.dumps({"messages": CHAT, "max_tokens": 1})                 # depth 3: {} -> [] -> {}
+    limits = ServerLimits(api_key="k", max_body_bytes=len(raw), max_json_depth=3)
+    with serving(served, limits, max_step_tokens=12) as url:
+        auth = {"Authorization": "bearer k"}
+        assert post(url, "/v1/chat/completions", raw, auth)[0] == 200
+        assert post(url, "/v1/chat/completions", raw + " ", auth)[0] == 413
+    with serving(served, ServerLimits(max_json_depth=3), max_step_tokens=12) as url:
+        assert post(url, "/v1/completions", {"prompt": list(range(5, 17)), "max_tokens": 1})[0] == 200
+        assert post(url, "/v1/completions", {"prompt": list(range(5, 18)), "max_tokens": 1})[0] == 400
+        assert post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "2 + 3?"}]}], "max_tokens": 1})[0] == 400           # depth 5
+
+
+# -- batching at its bounds -----------------------------------------------------------------------------------------
+
+def test_a_request_joins_a_running_call_up_to_the_bounds_and_no_further(served):
+    """`--max-batch-size 1`: a request sent while a long stream decodes waits for it (it joined: batch size 2). Two
+    prompts of 10 tokens under `--max-step-tokens 20` fit exactly (the joiner was kept out), under 19 they do not."""
+    ten = list(range(5, 15))
+    for changes, expected in (({"max_batch_size": 1}, 1), ({"max_step_tokens": 20}, 2),
+                              ({"max_step_tokens": 19}, 1)):
+        with serving(served, **changes) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with long_stream(url, prompt=ten):
+                reply = pool.submit(post, url, "/v1/completions", {"prompt": ten, "max_tokens": 4})
+                deadline = time.monotonic() + 30
+                while not reply.done() and not health(url)["queued"] and time.monotonic() < deadline:
+                    time.sleep(0.02)                     # joined (and done), or waiting behind the stream
+            status, _, text = reply.result(timeout=60)   # the stream's client left: a waiting request runs now
+            assert status == 200 and json.loads(text)["dllm_stats"]["batch_size"] == expected, (changes, text)
+
+
+def test_a_stream_drafts_client_that_leaves_frees_its_row(served):
+    """A disconnected `stream_drafts` client decoded its whole budget (its criterion ignored the cancellation) and
+    was counted as finished by length."""
+    app = create_app(served, ServerLimits())
+    with serve_in_background(app) as url:
+        with long_stream(url, stream_drafts=True) as response:
+            response.readline()
+        deadline = time.monotonic() + 60
+        while health(url)["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        conn = http.client.HTTPConnection(url.split("//")[1], timeout=10)
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        conn.close()
+    row = app.state.batcher.history[-1]
+    assert row["finish_reason"] == "cancelled" and row["tokens"] < 1500, row
+    assert 'finish_reason="cancelled"' in metrics and 'finish_reason="length"' not in metrics
