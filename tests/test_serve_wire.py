@@ -154,12 +154,17 @@ def test_a_request_joins_a_running_call_up_to_the_bounds_and_no_further(served):
     for changes, expected in (({"max_batch_size": 1}, 1), ({"max_step_tokens": 20}, 2),
                               ({"max_step_tokens": 19}, 1)):
         with serving(served, **changes) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
-            with long_stream(url, prompt=ten):
+            with long_stream(url, prompt=ten) as stream:
                 reply = pool.submit(post, url, "/v1/completions", {"prompt": ten, "max_tokens": 4})
-                deadline = time.monotonic() + 30
-                while not reply.done() and not health(url)["queued"] and time.monotonic() < deadline:
-                    time.sleep(0.02)                     # joined (and done), or waiting behind the stream
-            status, _, text = reply.result(timeout=60)   # the stream's client left: a waiting request runs now
+                if expected == 2:
+                    reply.result(timeout=60)                 # it joins at the stream's next join point
+                else:
+                    deadline = time.monotonic() + 30
+                    while not health(url)["queued"] and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    for _ in range(40):                      # many steps, so many join points, pass meanwhile
+                        stream.readline()
+            status, _, text = reply.result(timeout=60)       # the stream's client left: a waiting request runs
             assert status == 200 and json.loads(text)["dllm_stats"]["batch_size"] == expected, (changes, text)
 
 
@@ -180,3 +185,27 @@ def test_a_stream_drafts_client_that_leaves_frees_its_row(served):
     row = app.state.batcher.history[-1]
     assert row["finish_reason"] == "cancelled" and row["tokens"] < 1500, row
     assert 'finish_reason="cancelled"' in metrics and 'finish_reason="length"' not in metrics
+
+
+def test_a_stream_drafts_request_runs_alone_beside_a_waiting_request_of_its_options(served):
+    """A greedy request and a greedy `stream_drafts` request wait behind a sampled call (other options): when it
+    ends, the first runs; the `stream_drafts` one runs alone after it, streaming its drafts (they started one call,
+    and it got no draft and a batch of 2)."""
+    app = create_app(served, ServerLimits())
+    with serve_in_background(app) as url, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with long_stream(url, temperature=1.0, seed=1):
+            plain = pool.submit(post, url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8})
+            deadline = time.monotonic() + 30
+            while health(url)["queued"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            drafts = pool.submit(post, url, "/v1/completions", {"prompt": "Question: 4 + 1?\nAnswer:",
+                                                                "max_tokens": 16, "stream": True,
+                                                                "stream_drafts": True})
+            while health(url)["queued"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert health(url)["running"] == 1 and health(url)["queued"] == 2
+        status, _, text = drafts.result(timeout=60)
+        assert plain.result(timeout=60)[0] == 200
+    chunks = [json.loads(p) for p in events(text) if p != "[DONE]"]
+    assert status == 200 and any("dllm_draft" in c for c in chunks)
+    assert chunks[-1]["dllm_stats"]["batch_size"] == 1
