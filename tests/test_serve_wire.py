@@ -20,6 +20,7 @@ pytest.importorskip("uvicorn")
 
 from hf_dllm_spec.serving.app import create_app, load_served_model, serve_in_background  # noqa: E402
 from hf_dllm_spec.serving.limits import ServerLimits  # noqa: E402
+from recipes.arithmetic import format_prompt  # noqa: E402
 from test_serve import health  # noqa: E402
 
 MODEL = pathlib.Path(__file__).resolve().parents[1] / "models" / "sdar-tiny-arith"
@@ -209,3 +210,37 @@ def test_a_stream_drafts_request_runs_alone_beside_a_waiting_request_of_its_opti
     chunks = [json.loads(p) for p in events(text) if p != "[DONE]"]
     assert status == 200 and any("dllm_draft" in c for c in chunks)
     assert chunks[-1]["dllm_stats"]["batch_size"] == 1
+
+
+def test_the_minimal_chat_template_and_the_tokens_per_forward_gauge(served):
+    """A chat of one user message is prompted as the bundled models were trained ("Question: ...\\nAnswer:", no
+    trailing space); `tokens_per_forward` is the request's completion tokens over its forwards."""
+    app = create_app(served, ServerLimits())
+    with serve_in_background(app) as url:
+        status, _, text = post(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 16, "ignore_eos": True})
+        conn = http.client.HTTPConnection(url.split("//")[1], timeout=10)
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        conn.close()
+    reply = json.loads(text)
+    expected = served.tokenizer(format_prompt("2 + 3?"), add_special_tokens=False)["input_ids"]   # the training format
+    assert status == 200 and reply["usage"]["prompt_tokens"] == len(expected)
+    gauge = [line for line in metrics.splitlines() if line.startswith("hf_dllm_spec_tokens_per_forward{")]
+    assert len(gauge) == 1 and float(gauge[0].split()[-1]) == pytest.approx(
+        reply["usage"]["completion_tokens"] / reply["dllm_stats"]["nfe"])
+
+
+def test_retry_after_counts_the_batches_the_queue_fills(served):
+    """`--max-waiting 1`, `--max-batch-size 1`, no batch finished yet (1 s each, the default): one long stream runs
+    and one waits, so a third request waits for 1 + 1 batches: `Retry-After: 2` (it said 1)."""
+    limits = ServerLimits(max_waiting=1)
+    with serving(served, limits, max_batch_size=1) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with long_stream(url):
+            waiting = pool.submit(post, url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+            deadline = time.monotonic() + 30
+            while not health(url)["queued"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            status, headers, text = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert waiting.result(timeout=60)[0] == 200
+    retry = {k.lower(): v for k, v in headers.items()}["retry-after"]
+    assert status == 429 and json.loads(text)["error"]["type"] == "rate_limit_error" and retry == "2", (retry, text)
