@@ -124,6 +124,7 @@ def read_only_cache_keyword(keyword: str, family: str) -> Callable[[Callable], C
 
     def decorate(forward: Callable) -> Callable:
         signature = inspect.signature(forward)
+        variadic = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
 
         @functools.wraps(forward)
         def wrapper(self, *args, **kwargs):
@@ -134,7 +135,6 @@ def read_only_cache_keyword(keyword: str, family: str) -> Callable[[Callable], C
             if store is False and args:              # the cache passed by position: every argument by name
                 named = dict(signature.bind_partial(self, *args, **kwargs).arguments)
                 named.pop("self")
-                variadic = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
                 extra = named.pop(variadic[0], {}) if variadic else {}
                 args, kwargs = (), {**named, **extra}
             cache = find_cache(kwargs) if store is False else None
@@ -147,4 +147,3 @@ def read_only_cache_keyword(keyword: str, family: str) -> Callable[[Callable], C
         return wrapper
 
     return decorate
-

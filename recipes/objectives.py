@@ -456,9 +456,9 @@ class LLaDA2Objective(BlockDiffusionObjective):
     positions) + the T2T loss: cross-entropy of the clean token at every visible maskable position of the noisy
     half (corrupted ones learn the correction, the others to keep their token), over the maskable count. The
     block size mix (`block_sizes`: 32 half the time, 16, 4 and 1) holds 32 (LLaDA2's trained block size) and 1
-    (the AR mode S2D2 verifies with). `--init-from`
-    an SDAR checkpoint upcycles it first, function-preserving (`recipes.upcycle`); without it the model starts
-    from scratch (8 experts in 2 groups, top-2 of 1 group, one shared expert).
+    (the AR mode S2D2 verifies with). `--init-from` an SDAR checkpoint upcycles it first, function-preserving
+    (`recipes.upcycle`); without it the model starts from scratch (8 experts in 2 groups, top-2 of 1 group, one
+    shared expert).
     """
 
     name = "llada2"

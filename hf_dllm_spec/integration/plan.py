@@ -9,8 +9,9 @@ their config and the session :func:`~hf_dllm_spec.integration.generate.dllm_gene
 
 The checks are this module's own, in the order of the plan: the models (loaded, quantized weights, family, served
 by the strategy), the inputs as given (options, ids, mask, model kwargs, generator), the tokens and the sizes
-resolved (the mask token first: a model without one gets that error, not the block size's), the drafter, then the prompts against the finished plan (:func:`_check_prompts`, which
-:func:`check_row` runs on a row that joins a running call) and, with continuous batching, the row feed and its
+resolved (the mask token first: a model without one gets that error, not the block size's), the drafter, then the
+prompts against the finished plan (:func:`_check_prompts`, which :func:`check_row` runs on a row that joins a
+running call) and, with continuous batching, the row feed and its
 initial requests (:func:`_check_feed`). :mod:`~hf_dllm_spec.integration.checks` reuses them on
 the raw call, before transformers prepares it; `DeerCandidateGenerator` on its drafter.
 

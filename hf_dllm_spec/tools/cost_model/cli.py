@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_devices(args: argparse.Namespace, cpu_hint: str) -> torch.device:
     """The TIME device; a device torch cannot parse, or a CUDA device asked for (--device, --count-device) where none
     exists, is a usage error (:func:`~hf_dllm_spec.cli_args.torch_device`)."""
-    device = torch_device("--device", args.device, f"run on a GPU machine, or {cpu_hint}")
-    torch_device("--count-device", args.count_device, f"run on a GPU machine, or {cpu_hint}")
+    fix = f"run on a GPU machine, or {cpu_hint}"
+    device = torch_device("--device", args.device, fix)
+    torch_device("--count-device", args.count_device, fix)
     return device
 
 
