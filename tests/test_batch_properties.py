@@ -105,7 +105,7 @@ def test_check_or_tie_forgives_one_float32_mismatch_per_case_name(monkeypatch):
     rare mismatch is taken for a tie."""
     import random_batches
 
-    monkeypatch.setattr(random_batches, "_TIES", {})
+    monkeypatch.setattr(random_batches, "_TIES", set())
 
     def float32_bug(name, case, models):
         assert next(iter(models.values())).dtype != torch.float32, "float32 differs"

@@ -209,7 +209,6 @@ def test_export_refuses_families_without_own_classes(qwen_model, tmp_path):
         hf_dllm_spec.export_checkpoint(tmp_path / "missing", tmp_path / "out")
 
 
-
 def test_export_refuses_an_output_inside_the_source_or_a_file(tiny_export, tmp_path):
     """An OUTPUT_DIR inside SOURCE copied a partial export into itself; a file there failed with an OSError."""
     with pytest.raises(ValueError, match=r"`output_dir` \(=.*\) must not lie inside the source directory"):
@@ -218,7 +217,6 @@ def test_export_refuses_an_output_inside_the_source_or_a_file(tiny_export, tmp_p
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(ValueError, match=r"`output_dir` \(=.*\) must be a directory \(a file is there\)"):
         hf_dllm_spec.export_checkpoint(tiny_export, tmp_path / "a-file")
-
 
 
 @pytest.mark.parametrize("front,words", [("---\nlicense: [apache\n---\n# card\n", "ParserError"),

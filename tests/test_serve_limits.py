@@ -345,15 +345,16 @@ def test_seeded_sampling_with_ignore_eos_equals_generate(served, server):
 # -- waiting requests -------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def long_stream(base: str, name: str):
-    """A streamed `ignore_eos` request of 1,500 tokens, running once its first chunk arrived; closed at the end."""
-    conn = http.client.HTTPConnection(base.split("//")[1], timeout=30)
-    body = {"model": name, "prompt": "#\n#\n", "max_tokens": 1500, "stream": True, "ignore_eos": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **AUTH})
+def long_stream(base: str, headers: dict | None = None, **extra):
+    """A streamed `ignore_eos` request of 1,500 tokens (`extra`: other body fields, or another prompt), running once
+    its first chunk arrived; closed at the end (its client goes away: the server cancels it). Yields the response."""
+    conn = http.client.HTTPConnection(base.split("//")[1], timeout=60)
+    body = {"prompt": "#\n#\n", "max_tokens": 1500, "stream": True, "ignore_eos": True, **extra}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
     response = conn.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data:")
     try:
-        yield
+        yield response
     finally:
         conn.close()
 
@@ -362,7 +363,7 @@ def test_past_max_waiting_requests_get_429_with_retry_after(served):
     """`max_waiting=0`: while a batch runs, a new request gets 429 with `Retry-After`; once it ends (its client
     went away), requests are served again."""
     with serve_in_background(create_app(served, ServerLimits(api_key=KEY, max_waiting=0))) as base:
-        with long_stream(base, served.name):
+        with long_stream(base, AUTH, model=served.name):
             status, headers, text = request(base, "POST", "/v1/completions",
                                             json.dumps({"prompt": PROMPT, "max_tokens": 2}),
                                             {"Content-Type": "application/json", **AUTH})
@@ -437,7 +438,7 @@ def test_a_short_request_does_not_wait_for_a_long_batch_with_two_workers(served)
     two = dataclasses.replace(served, max_concurrent_batches=2)
     with serve_in_background(create_app(two, ServerLimits(api_key=KEY))) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, timeout=60, max_retries=0)
-        with long_stream(base, served.name):
+        with long_stream(base, AUTH, model=served.name):
             t0 = time.monotonic()
             r = client.completions.create(model=served.name, prompt=PROMPT, max_tokens=8)
             short = time.monotonic() - t0

@@ -22,6 +22,7 @@ from hf_dllm_spec.serving.app import create_app, load_served_model, serve_in_bac
 from hf_dllm_spec.serving.limits import ServerLimits  # noqa: E402
 from recipes.arithmetic import format_prompt  # noqa: E402
 from test_serve import health  # noqa: E402
+from test_serve_limits import long_stream, request  # noqa: E402
 
 MODEL = pathlib.Path(__file__).resolve().parents[1] / "models" / "sdar-tiny-arith"
 PROMPT = "Question: 2 + 3?\nAnswer:"
@@ -48,35 +49,14 @@ def serving(served, limits: ServerLimits | None = None, **changes):
 
 
 def post(url: str, path: str, body, headers: dict | None = None) -> tuple[int, dict, str]:
-    """(status, headers, body text) of one POST; `body` a dict (sent as JSON) or the raw text."""
-    conn = http.client.HTTPConnection(url.split("//")[1], timeout=120)
-    try:
-        conn.request("POST", path, body if isinstance(body, str) else json.dumps(body),
-                     {"Content-Type": "application/json", **(headers or {})})
-        response = conn.getresponse()
-        return response.status, dict(response.getheaders()), response.read().decode()
-    finally:
-        conn.close()
+    """(status, headers, body text) of one JSON POST; `body` a dict (sent as JSON) or the raw text."""
+    return request(url, "POST", path, body if isinstance(body, str) else json.dumps(body),
+                   {"Content-Type": "application/json", **(headers or {})}, timeout=120)
 
 
 def events(text: str) -> list[str]:
     """The `data:` payloads of a server-sent event stream, in order."""
     return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
-
-
-@contextlib.contextmanager
-def long_stream(url: str, **extra):
-    """A streamed `ignore_eos` request of 1,500 tokens, running once its first chunk arrived; closed at the end
-    (its client goes away: the server cancels it)."""
-    conn = http.client.HTTPConnection(url.split("//")[1], timeout=60)
-    body = {"prompt": extra.pop("prompt", "#\n#\n"), "max_tokens": 1500, "stream": True, "ignore_eos": True, **extra}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data:")
-    try:
-        yield response
-    finally:
-        conn.close()
 
 
 # -- the OpenAI framing --------------------------------------------------------------------------------------------
