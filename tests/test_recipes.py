@@ -10,11 +10,25 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from model_patches.fast_dllm_v2 import Fast_dLLM_QwenConfig, Fast_dLLM_QwenForCausalLM
-from recipes.objectives import (AutoregressiveObjective, D2AObjective, FastDLLMV2Objective, bd_training_mask,
-                                cut_at_continuation_edges, d2a_training_mask, packed_windows_mask, random_segments)
+from recipes.objectives import (EOS_ID, AutoregressiveObjective, BlockDiffusionObjective, D2AObjective,
+                                FastDLLMV2Objective, bd_training_mask, cut_at_continuation_edges, d2a_training_mask,
+                                packed_windows_mask, random_segments)
 
 SMALL = dict(vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=True, attn_implementation="sdpa")
+
+
+def _packed(allowed: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """`allowed` `(2L, 2L)` with each noisy position kept from the noisy copies of later documents of `row` `(L,)` in
+    its block (a document ends with its EOS): the explicit form of `packed_windows_mask`."""
+    document = torch.cat([torch.zeros(1, dtype=torch.long), (row == EOS_ID).long().cumsum(0)[:-1]])
+    seq_len = row.shape[0]
+    allowed = allowed.clone()
+    for i in range(seq_len):
+        for j in range(seq_len):
+            if document[j] > document[i]:
+                allowed[i, j] = False
+    return allowed
 
 
 def test_bd_training_mask_regions():
@@ -52,6 +66,39 @@ def test_ar_loss_is_next_token_cross_entropy_on_targets():
     assert torch.allclose(loss, model(input_ids=x, labels=labels).loss, atol=1e-6)
 
 
+def test_block_diffusion_loss_equals_explicit_masked_loss():
+    """SDAR's loss: cross-entropy at masked positions weighted 1/t, over the maskable count, each row's noisy block
+    seeing only its own document's noisy tokens (an EOS inside a block ends a document)."""
+    from model_patches.sdar import SDARConfig, SDARForCausalLM
+
+    torch.manual_seed(0)
+    model = SDARForCausalLM(SDARConfig(head_dim=8, block_size=4, **SMALL)).eval()
+    objective = BlockDiffusionObjective(SimpleNamespace())
+    objective.block_sizes = {4: 1.0}
+    b, seq_len = 2, 8
+    x = torch.randint(3, 40, (b, seq_len))
+    x[:, 5] = EOS_ID                                                # a document ends inside the second block
+    maskable = torch.ones(b, seq_len, dtype=torch.bool)
+    maskable[:, :2] = False
+    loss = objective.loss(model, x, maskable, torch.Generator().manual_seed(0))
+
+    gen = torch.Generator().manual_seed(0)                          # the same draws, explicitly
+    t = torch.rand(b, generator=gen) * (1 - 1e-3) + 1e-3
+    noise = (torch.rand(b, seq_len, generator=gen) < t[:, None]) & maskable
+    assert noise[:, 4:6].any() and noise[:, 6:].any()               # both documents of the block are noisy
+    total = torch.tensor(0.0)
+    for row in range(b):
+        allowed = _packed(bd_training_mask(seq_len, 4), x[row])
+        additive = torch.zeros(2 * seq_len, 2 * seq_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        noisy = torch.where(noise[row], torch.tensor(2), x[row])
+        logits = model(input_ids=torch.cat([noisy, x[row]])[None], position_ids=torch.arange(seq_len).repeat(2)[None],
+                       attention_mask=additive[None, None]).logits[0]
+        for i in range(seq_len):
+            if noise[row, i]:
+                total = total + torch.nn.functional.cross_entropy(logits[i][None], x[row, i][None]) / t[row]
+    assert torch.allclose(loss, total / maskable.sum(), atol=1e-5)
+
+
 def test_fast_dllm_v2_loss_equals_explicit_complementary_loss():
     """Complementary copies mask every target exactly once; row i - 1 of the noisy copy predicts token i."""
     torch.manual_seed(0)
@@ -60,6 +107,7 @@ def test_fast_dllm_v2_loss_equals_explicit_complementary_loss():
     objective.mask_id = 39
     b, seq_len = 2, 8
     x = torch.randint(3, 39, (b, seq_len))
+    x[:, 5] = EOS_ID                                               # a document ends inside the second block
     maskable = torch.ones(b, seq_len, dtype=torch.bool)
     maskable[:, :3] = False                                        # a question: never masked, never a target
     loss = objective.loss(model, x, maskable, torch.Generator().manual_seed(5))
@@ -71,7 +119,7 @@ def test_fast_dllm_v2_loss_equals_explicit_complementary_loss():
     for noise in (draw & maskable, ~draw & maskable):
         for row in range(b):
             noisy = torch.where(noise[row], torch.tensor(39), x[row])
-            allowed = bd_training_mask(seq_len, 4)
+            allowed = _packed(bd_training_mask(seq_len, 4), x[row])
             additive = torch.zeros(2 * seq_len, 2 * seq_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
             logits = model(input_ids=torch.cat([noisy, x[row]])[None],
                            position_ids=torch.arange(seq_len).repeat(2)[None],
@@ -243,6 +291,7 @@ def test_llada2_loss_equals_explicit_m2t_plus_t2t():
     objective.edit_max_rate = 0.9                                   # corrupt often, so the case is exercised
     b, seq_len = 2, 8
     x = torch.randint(3, 40, (b, seq_len))
+    x[:, 5] = EOS_ID                                                # a document ends inside the second block
     maskable = torch.ones(b, seq_len, dtype=torch.bool)
     maskable[:, :2] = False
     loss = objective.loss(model, x, maskable, torch.Generator().manual_seed(3))
@@ -255,9 +304,9 @@ def test_llada2_loss_equals_explicit_m2t_plus_t2t():
     random_tokens = torch.randint(3, 40, (b, seq_len), generator=gen)
     assert corrupt.any() and noise.any()
     total = torch.tensor(0.0)
-    allowed = bd_training_mask(seq_len, 4)
-    additive = torch.zeros(2 * seq_len, 2 * seq_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
     for row in range(b):
+        allowed = _packed(bd_training_mask(seq_len, 4), x[row])
+        additive = torch.zeros(2 * seq_len, 2 * seq_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
         noisy = torch.where(noise[row], torch.tensor(2), torch.where(corrupt[row], random_tokens[row], x[row]))
         logits = model(input_ids=torch.cat([noisy, x[row]])[None], position_ids=torch.arange(seq_len).repeat(2)[None],
                        attention_mask=additive[None, None]).logits[0]
