@@ -182,24 +182,6 @@ def _stored_strategy(model, generation_config) -> str:
     return stored
 
 
-def check_strategy_name(decoding_strategy, *generation_configs) -> None:
-    """Refuse an unregistered `decoding_strategy` before any preparation, naming where it came from: the stored
-    `dllm_decoding` of the first of `generation_configs` (each a `GenerationConfig` or None) that stores it, else
-    the argument.
-
-    Raises:
-        ValueError: an unknown name, listing the registered ones.
-    """
-    if isinstance(decoding_strategy, str) and decoding_strategy not in STRATEGIES \
-            and stored_decoding_strategy(*generation_configs) == decoding_strategy:
-        names = ", ".join(map(repr, tuple(STRATEGIES)))
-        raise invalid("generation_config.dllm_decoding['decoding_strategy']", decoding_strategy,
-                      f"name a registered strategy ({names})",
-                      "pass decoding_strategy=..., register the strategy (or install its plugin), or store a "
-                      "registered one with `DecodingConfig.save_to_generation_config`")
-    get_strategy(decoding_strategy)
-
-
 def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
     """`draft_model`, or transformers' `assistant_model` as its alias (also when transformers dropped it)."""
     assistant_model = assistant_model if assistant_model is not None else call.get("assistant_model")
@@ -275,6 +257,24 @@ def _output(plan: DecodePlan, input_ids, generated: list[torch.Tensor], session:
         return GenerateDllmOutput(sequences=sequences, spec_stats=stats.total(),
                                   spec_stats_per_row=stats.per_row[:plan.batch_size])
     return sequences
+
+
+def check_strategy_name(decoding_strategy, *generation_configs) -> None:
+    """Refuse an unregistered `decoding_strategy` before any preparation, naming where it came from: the stored
+    `dllm_decoding` of the first of `generation_configs` (each a `GenerationConfig` or None) that stores it, else
+    the argument.
+
+    Raises:
+        ValueError: an unknown name, listing the registered ones.
+    """
+    if isinstance(decoding_strategy, str) and decoding_strategy not in STRATEGIES \
+            and stored_decoding_strategy(*generation_configs) == decoding_strategy:
+        names = ", ".join(map(repr, tuple(STRATEGIES)))
+        raise invalid("generation_config.dllm_decoding['decoding_strategy']", decoding_strategy,
+                      f"name a registered strategy ({names})",
+                      "pass decoding_strategy=..., register the strategy (or install its plugin), or store a "
+                      "registered one with `DecodingConfig.save_to_generation_config`")
+    get_strategy(decoding_strategy)
 
 
 _BASE_SIGNATURE = inspect.signature(dllm_generate)
