@@ -22,9 +22,12 @@ def invalid(name: str, value: Any, rule: str, fix: str, *, error: type[Exception
         error (`type[Exception]`, defaults to `ValueError`): the exception class.
 
     Returns:
-        `Exception`: ``error("`name` (=value) must <rule>; <fix>.")``, for the caller to ``raise``.
+        `Exception`: ``error("`name` (=value) must <rule>; <fix>.")``, for the caller to ``raise``; its `param`
+        attribute is `name` (the server answers with the request field it names).
     """
-    return error(f"`{name}` (={value!r}) must {rule}; {fix}.")
+    err = error(f"`{name}` (={value!r}) must {rule}; {fix}.")
+    err.param = name
+    return err
 
 
 def check_range(

@@ -420,27 +420,34 @@ def test_a_short_request_joins_running_long_streams_and_cancelled_rows_leave_at_
 
 
 BAD = [
-    pytest.param({"model": "other"}, 404, "`model` (='other')", id="unknown-model"),
-    pytest.param({"decoding_strategy": "nope"}, 400, "`decoding_strategy` (='nope')", id="unknown-strategy"),
-    pytest.param({"block_size": 0}, 400, "`block_size` (=0)", id="bad-parameter"),
-    pytest.param({"no_such_option": 1}, 400, "`no_such_option` (=1) must be a parameter", id="unknown-parameter"),
-    pytest.param({"max_tokens": 0}, 400, "`max_tokens` (=0)", id="max-tokens-0"),
-    pytest.param({"max_tokens": -3}, 400, "`max_tokens` (=-3)", id="max-tokens-negative"),
-    pytest.param({"n": 2}, 400, "`n` (=2)", id="n-2"),
-    pytest.param({"prompt": [5] * 2100}, 400, "`input_ids` (='<prompt of 2100 tokens>') must fit", id="too-long"),
-    pytest.param({"decoding_strategy": "simsd"}, 400, "--draft-model PATH`", id="no-drafter"),
-    pytest.param({"logprobs": 2}, 400, "`logprobs` (=2)", id="unsupported-field"),
+    pytest.param({"model": "other"}, 404, "`model` (='other')", "model", id="unknown-model"),
+    pytest.param({"decoding_strategy": "nope"}, 400, "`decoding_strategy` (='nope')", "decoding_strategy",
+                 id="unknown-strategy"),
+    pytest.param({"block_size": 0}, 400, "`block_size` (=0)", "block_size", id="bad-parameter"),
+    pytest.param({"no_such_option": 1}, 400, "`no_such_option` (=1) must be a parameter", "no_such_option",
+                 id="unknown-parameter"),
+    pytest.param({"max_tokens": 0}, 400, "`max_tokens` (=0)", "max_tokens", id="max-tokens-0"),
+    pytest.param({"max_tokens": -3}, 400, "`max_tokens` (=-3)", "max_tokens", id="max-tokens-negative"),
+    pytest.param({"n": 2}, 400, "`n` (=2)", "n", id="n-2"),
+    pytest.param({"prompt": [5] * 2100}, 400, "`prompt` (='<prompt of 2100 tokens>') must fit with max_tokens=4",
+                 "prompt", id="too-long"),
+    pytest.param({"decoding_strategy": "simsd"}, 400, "--draft-model PATH`", "decoding_strategy", id="no-drafter"),
+    pytest.param({"logprobs": 2}, 400, "`logprobs` (=2)", "logprobs", id="unsupported-field"),
+    pytest.param({"max_completion_tokens": 4}, 400, "`max_completion_tokens` (=4) must be left out: /v1/completions "
+                 "has no such field; pass `max_tokens`", "max_completion_tokens", id="chat-only-field"),
 ]
 
 
-@pytest.mark.parametrize("change, status, message", BAD)
-def test_bad_requests_get_4xx_with_the_library_message_and_the_server_keeps_serving(sdar, change, status, message):
+@pytest.mark.parametrize("change, status, message, param", BAD)
+def test_bad_requests_get_4xx_with_the_library_message_and_the_server_keeps_serving(sdar, change, status, message,
+                                                                                    param):
     served, client, base, app = sdar
     body = {"model": served.name, "prompt": "Question: 1 + 1?\nAnswer:", "max_tokens": 4, **change}
     for stream in (False, True):
         code, text = post(base, "/v1/completions", {**body, "stream": stream})
         assert code == status, text
         assert message in json.loads(text)["error"]["message"]
+        assert json.loads(text)["error"]["param"] == param
     assert health(base)["status"] == "ok"
     assert client.completions.create(model=served.name, prompt="Question: 1 + 1?\nAnswer:",
                                      max_tokens=4).usage.completion_tokens >= 1

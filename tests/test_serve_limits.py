@@ -286,10 +286,10 @@ def test_chat_logprobs_are_refused_for_every_value_but_false(served, server):
         assert status == 400 and "`logprobs`" in message(text)
     assert post(server, {**base, "logprobs": False}, path="/v1/chat/completions")[0] == 200
     status, text = post(server, {**base, "messages": [{"role": "user", "content": 5}]}, path="/v1/chat/completions")
-    assert status == 400 and "`messages`" in message(text)
+    assert status == 400 and "`messages[0].content` (=5)" in message(text)
     parts = [{"role": "user", "content": [{"type": "text", "text": 5}]}]          # was a 500 (a TypeError)
     status, text = post(server, {**base, "messages": parts}, path="/v1/chat/completions")
-    assert status == 400 and "`messages`" in message(text)
+    assert status == 400 and "`messages[0].content[0]`" in message(text)
 
 
 def test_neutral_values_are_served_and_a_tiny_temperature_is_greedy(served, server):
@@ -587,8 +587,8 @@ def test_a_refused_request_does_not_split_the_good_ones_of_its_batch(served):
             await asyncio.to_thread(batcher.close, 60)
 
     outcomes, history, ids = asyncio.run(scenario())
-    (_, (kind, (status, text))), *good = outcomes
-    assert kind == "error" and status == 400 and "max_tokens" in text
+    (_, (kind, (status, text, param))), *good = outcomes
+    assert kind == "error" and status == 400 and "max_tokens" in text and param == "prompt"
     assert [history[i]["batch_size"] for i in ids] == [len(ids)] * len(ids)
     for prompt, (tokens, (kind, result)) in zip(prompts, good):
         assert kind == "done" and tokens == result.tokens == reference(served, prompt, 6)

@@ -11,6 +11,7 @@ import dataclasses
 import http.client
 import json
 import pathlib
+import re
 import time
 
 import pytest
@@ -224,3 +225,118 @@ def test_retry_after_counts_the_batches_the_queue_fills(served):
         assert waiting.result(timeout=60)[0] == 200
     retry = {k.lower(): v for k, v in headers.items()}["retry-after"]
     assert status == 429 and json.loads(text)["error"]["type"] == "rate_limit_error" and retry == "2", (retry, text)
+
+
+# -- chat messages, routes and error answers ------------------------------------------------------------------------
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% if m.get('name') %} (name {{ m['name'] }}){% endif %}"
+    "{% for call in m.get('tool_calls') or [] %} call {{ call['function']['name'] }}"
+    "{% for k, v in call['function']['arguments'].items() %} {{ k }}={{ v }}{% endfor %}{% endfor %}"
+    "{% if m.get('tool_call_id') %} for {{ m['tool_call_id'] }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if messages[0]['role'] == 'wizard' %}{{ raise_exception('no wizards') }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(served):
+    import copy
+
+    tokenizer = copy.deepcopy(served.tokenizer)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    return tokenizer
+
+
+def test_chat_messages_reach_the_template_as_transformers_serve_passes_them(tool_tokenizer):
+    """Text parts joined with spaces (chat's "text" and the Responses API's "input_text"), an assistant turn without
+    content, its tool calls with their JSON arguments parsed (templates iterate them), `tool_call_id` and `name`
+    (all dropped before: the template saw neither the calls nor the names)."""
+    from hf_dllm_spec.serving.protocol import chat_prompt
+
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "2 +"}, {"type": "input_text", "text": "3?"}],
+         "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "content": "5", "tool_call_id": "c1"},
+    ]
+    expected = "user: 2 + 3? (name ann)\nassistant:  call add a=2 b=3\ntool: 5 for c1\n"
+    assert chat_prompt({"messages": messages}, tool_tokenizer) == tool_tokenizer(
+        expected, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("message, where", [
+    ({"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+     "`messages[0].content[1]`"),                                      # an image the text model would never see
+    ({"role": "user", "content": ["2 + 3?"]}, "`messages[0].content[0]`"),          # not a part: an empty prompt
+    ({"role": "user", "content": [{"text": "2 + 3?"}]}, "`messages[0].content[0]`"),  # a part without its type
+    ({"role": "user"}, "`messages[0].content`"),                      # no content: an empty user turn
+    ({"role": "user", "content": None}, "`messages[0].content`"),
+    ({"role": "user", "content": 0}, "`messages[0].content`"),
+    ({"role": "user", "content": False}, "`messages[0].content`"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+     "`messages[0].tool_calls[0]`"),
+    ({"role": "tool", "content": "5", "tool_call_id": 7}, "`messages[0].tool_call_id`"),
+])
+def test_chat_messages_a_text_model_cannot_read_are_refused(tool_tokenizer, message, where):
+    from hf_dllm_spec.serving.protocol import RequestError, chat_prompt
+
+    with pytest.raises(RequestError, match=re.escape(where)) as refused:
+        chat_prompt({"messages": [message]}, tool_tokenizer)
+    assert refused.value.status == 400 and refused.value.param == "messages"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(served, tool_tokenizer):
+    """A template's own `raise_exception` (roles it does not take, turns that do not alternate) was a plain-text
+    500 (the `openai` client retried it)."""
+    model = dataclasses.replace(served, tokenizer=tool_tokenizer)
+    with serving(model) as url:
+        status, _, text = post(url, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "messages" and "no wizards" in error["message"]
+
+
+def test_a_model_is_retrieved_by_its_id(served, base):
+    status, _, text = request(base, "GET", f"/v1/models/{served.name}")
+    assert status == 200 and json.loads(text)["id"] == served.name and json.loads(text)["object"] == "model"
+    status, _, text = request(base, "GET", "/v1/models/other")
+    assert status == 404 and json.loads(text)["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),          # OpenAI: only with stream=true
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"stream": True, "stream_options": "yes"}, "stream_options"),
+    ({"max_tokens": "abc", "max_completion_tokens": 2}, "max_tokens"),       # was ignored beside the other
+    ({"web_search_options": {}}, "web_search_options"),                       # its presence turns search on
+    ({"prompt": "2 + 3?"}, "prompt"),                                          # a /v1/completions field
+])
+def test_chat_fields_the_openai_api_refuses_are_refused(base, body, param):
+    status, _, text = post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **body})
+    assert status == 400 and json.loads(text)["error"]["param"] == param, text
+
+
+@pytest.mark.parametrize("body", [{"parallel_tool_calls": True}, {"modalities": ["text"]},
+                                  {"stream": True, "stream_options": {"include_usage": True}}])
+def test_chat_fields_at_the_openai_default_are_served(base, body):
+    assert post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **body})[0] == 200
+
+
+def test_every_error_answer_is_openai_json(served):
+    """A `Host` outside the allowed ones (was Starlette's plain-text 400) and a failure of the server itself (was
+    a plain-text 500) answer in the OpenAI error shape; an IPv6 loopback `Host` with its port is served."""
+    class Broken:
+        chat_template = "x"
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise RuntimeError("the tokenizer broke")
+
+    with serving(served, ServerLimits(allowed_hosts=("localhost", "::1"))) as url:
+        status, _, text = request(url, "GET", "/health", headers={"Host": "evil.example"})
+        assert status == 400 and json.loads(text)["error"]["param"] == "Host"
+        assert request(url, "GET", "/health", headers={"Host": "[::1]:8000"})[0] == 200
+    with serving(dataclasses.replace(served, tokenizer=Broken())) as url:
+        status, _, text = post(url, "/v1/chat/completions", {"messages": CHAT})
+    error = json.loads(text)["error"]
+    assert status == 500 and error["type"] == "server_error" and "the tokenizer broke" in error["message"]

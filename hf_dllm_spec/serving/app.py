@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over a :class:`~hf_dllm_spec.serving.batcher.Batcher`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with `stream=true`),
-`GET /v1/models`, `GET /health` (the queue and the batch in progress), `GET /metrics` (Prometheus text,
+`GET /v1/models` (and `/v1/models/{id}`), `GET /health` (the queue and the batch in progress), `GET /metrics` (Prometheus text,
 :mod:`~hf_dllm_spec.serving.metrics`). Responses are the `openai` package's own
 types (as in transformers' `serve`), with two additions: `usage` in every response (also in the last streamed
 chunk) and `dllm_stats`, the library's statistics of the request's row (NFE, tokens per forward, acceptance
@@ -34,13 +34,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from ..validation import invalid
 from .batcher import Batcher, Job, Result
-from .limits import BodyLimitMiddleware, ServerLimits, check_content_type, key_matches, parse_json, shorten
+from .limits import (BodyLimitMiddleware, HostCheckMiddleware, ServerLimits, check_content_type, error_body,
+                     error_response, key_matches, parse_json)
 from .loading import LoadOptions
-from .protocol import RequestError, ensure_chat_template, parse_request
+from .protocol import RequestError, ensure_chat_template, excerpt, parse_request
 
 
 @dataclass
@@ -115,15 +115,6 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
     ensure_chat_template(tokenizer)
     return ServedModel(name or pathlib.Path(path).name, model, tokenizer, default, drafter, dict(params or {}),
                        **options)
-
-
-_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
-
-
-def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": shorten(message), "type": kind, "param": param, "code": None}},
-                        status_code=status, headers=headers)
 
 
 class TextDeltas:
@@ -236,16 +227,21 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
     app.state.served, app.state.batcher, app.state.limits, app.state.metrics = served, batcher, limits, metrics
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     if tuple(limits.allowed_hosts) != ("*",):
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(limits.allowed_hosts))
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=limits.allowed_hosts)
     created = int(time.time())
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, err: RequestError) -> JSONResponse:
-        return _error(err.status, str(err), err.param, err.headers)
+        return error_response(err.status, str(err), err.param, err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        return _error(err.status_code, str(err.detail), None, getattr(err, "headers", None))
+        return error_response(err.status_code, str(err.detail), None, getattr(err, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, err: Exception) -> JSONResponse:
+        """Anything else is the server's fault: 500 in the same JSON shape (Starlette logs the traceback)."""
+        return error_response(500, f"{type(err).__name__}: {err}")
 
     async def require_key(request: Request) -> None:
         """401 unless the request carries `Authorization: Bearer <key>` (when the server has a key)."""
@@ -260,10 +256,18 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
     async def health() -> dict:
         return {"status": "ok", "model": served.name, **batcher.status()}
 
+    model_card = {"id": served.name, "object": "model", "created": created, "owned_by": "hf-dllm-spec"}
+
     @keyed.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
-                                            "owned_by": "hf-dllm-spec"}]}
+        return {"object": "list", "data": [model_card]}
+
+    @keyed.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != served.name:
+            raise RequestError(str(invalid("model", excerpt(model_id), f"be the served model {served.name!r}",
+                                           "list the served models at /v1/models")), status=404, param="model")
+        return model_card
 
     @keyed.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -307,7 +311,7 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         if first is None:
             return Response(status_code=499)          # the client went away (nobody reads this answer)
         if first[0] == "error":
-            return _error(*first[1])
+            return error_response(*first[1])
         shape = _ChatShape(job, served.name) if chat else _TextShape(job, served.name)
         if parsed.stream:
             return StreamingResponse(_stream(job, first, shape, served.tokenizer), media_type="text/event-stream")
@@ -321,7 +325,7 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         if event is None:
             return Response(status_code=499)
         if event[0] == "error":
-            return _error(*event[1])
+            return error_response(*event[1])
         result: Result = event[1]
         text = served.tokenizer.decode(result.tokens, skip_special_tokens=True)
         return JSONResponse(shape.whole(text, result, len(parsed.prompt_ids)))
@@ -412,7 +416,7 @@ async def _stream(job: Job, first: tuple, shape: _TextShape, tokenizer):
                 event = await job.events.get()
                 continue
             if event[0] == "error":
-                yield _sse({"error": {"message": event[1][1], "type": "server_error", "param": None, "code": None}})
+                yield _sse(error_body(*event[1]))
                 done = True
                 return
             result: Result = event[1]

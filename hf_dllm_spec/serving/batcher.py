@@ -38,7 +38,7 @@ from ..maths.masks import left_pad
 from ..runtime.placement import execution_device
 from ..strategies.registry import get_strategy
 from ..integration.continuous import RowFeed, RowRequest
-from .protocol import ParsedRequest, server_terms
+from .protocol import ParsedRequest, server_error
 
 _ids = itertools.count()
 _SHUTTING_DOWN = "the server is shutting down and takes no more requests; retry on a running server"
@@ -56,7 +56,7 @@ class Result:
 @dataclass
 class Job:
     """One request in flight. The worker thread posts `(kind, payload)` events to `events` on the request's event
-    loop: `("tokens", [ids])` as tokens become final, then `("done", Result)` or `("error", (status, message))`.
+    loop: `("tokens", [ids])` as tokens become final, then `("done", Result)` or `("error", (status, message[, param]))`.
     Setting `cancelled` (the client went away) ends the row at the batch's next join point (a `stream_drafts` request,
     which runs alone, at its next final token). `observer` (the server's
     :class:`~hf_dllm_spec.serving.metrics.ServerMetrics`, set by :meth:`Batcher.submit`) sees every event."""
@@ -76,7 +76,8 @@ class Job:
 
         Args:
             kind (`str`): "tokens", "draft", "done" or "error".
-            payload: `list[int]` (tokens, draft), a :class:`Result` (done), or `(status, message)` (error).
+            payload: `list[int]` (tokens, draft), a :class:`Result` (done), or `(status, message[, param])`
+                (error; `param`: the request field it is about).
         """
         if self.observer is not None:
             self._observe(kind, payload)
@@ -95,6 +96,12 @@ class Job:
                                payload.stats, waited)
         elif kind == "error":
             self.observer.error(payload[0])
+
+
+def _refusal(err: Exception, job: Job) -> tuple[int, str, str | None]:
+    """The error event of a request the library refused: `(400, message, param)` in the server's terms."""
+    refused = server_error(err, job.request.prompt_field)
+    return 400, str(refused), refused.param
 
 
 def row_stats(stats, decoding_strategy: str, batch_size: int) -> dict[str, Any]:
@@ -347,7 +354,7 @@ class Batcher:
         oldest request alone, the others back at the head of the queue, where they join it at its first join point
         (each checked as a row of its own) or start the next batch: only a bad request gets the error (a budget
         that fits one prompt may not fit the batch's largest), and the good ones still decode together. The
-        library's message is said in the server's terms (:func:`~.protocol.server_terms`)."""
+        library's message is said in the server's terms (:func:`~.protocol.server_error`)."""
         try:
             self._decode(jobs)
         except (ValueError, NotImplementedError) as err:
@@ -359,7 +366,7 @@ class Batcher:
                 self._run(jobs[:1])
                 return
             self._count("errors")
-            jobs[0].emit("error", (400, server_terms(str(err))))
+            jobs[0].emit("error", _refusal(err, jobs[0]))
             self._release(1)
         except Exception as err:                                  # noqa: BLE001 - reported to the client
             traceback.print_exc()
@@ -478,7 +485,7 @@ class _QueueFeed(RowFeed):
             self.open.pop(id(job), None)
             self.batcher._count("errors")
             self.batcher._release(1)
-            job.emit("error", (400, server_terms(str(err))))
+            job.emit("error", _refusal(err, job))
 
         options = job.request.options
         return RowRequest(list(job.request.prompt_ids), job.request.max_tokens, generator=generator,

@@ -3,7 +3,7 @@ JSON nesting, huge integers and non-finite numbers; and the short excerpts error
 
 Order of the checks on a request (each answer is `{"error": {"message", "type", "param", "code"}}`):
 
-1. `Host` not in `allowed_hosts` -> 400 (Starlette's `TrustedHostMiddleware`; DNS rebinding of a loopback server).
+1. `Host` not in `allowed_hosts` -> 400 (:class:`HostCheckMiddleware`; DNS rebinding of a loopback server).
 2. No `Authorization: Bearer <api_key>` (when a key is set; every route but `/health`) -> 401, compared in
    constant time (`secrets.compare_digest`).
 3. `Content-Type` other than `application/json` on a POST -> 415 (a browser's cross-origin "simple" POST is
@@ -76,6 +76,57 @@ class ServerLimits:
                           "pass e.g. body_timeout_s=30")
         if self.api_key is not None and not self.api_key:
             raise invalid("api_key", self.api_key, "be a non-empty string or None", "pass a key, or None for none")
+
+
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The OpenAI error object of an answer with HTTP `status`: `{"error": {"message", "type", "param", "code"}}`,
+    the message cut by :func:`shorten`."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": shorten(message), "type": kind, "param": param, "code": None}}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None):
+    """:func:`error_body` as a `JSONResponse` with `status` and extra `headers`."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def host_allowed(host_header: str | None, allowed_hosts) -> bool:
+    """Whether a `Host` header value (port aside; `[::1]:8000` is `::1`) matches one of `allowed_hosts`: `"*"`, the
+    name itself (case-insensitive; an IPv6 address with or without brackets), or `"*.example.com"` for any name
+    under example.com (Starlette's `TrustedHostMiddleware` patterns)."""
+    value = (host_header or "").strip().lower()
+    if value.startswith("["):
+        host = value[1:value.find("]")] if "]" in value else value
+    else:
+        host = value.rpartition(":")[0] if value.count(":") == 1 else value
+    for pattern in (p.lower().strip("[]") for p in allowed_hosts):
+        if pattern == "*" or host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:])):
+            return True
+    return False
+
+
+class HostCheckMiddleware:
+    """ASGI middleware: a request whose `Host` header is not in `allowed_hosts` (:func:`host_allowed`) gets 400
+    naming `Host` before any route runs (DNS rebinding of a loopback server)."""
+
+    def __init__(self, app, allowed_hosts) -> None:
+        self.app, self.allowed_hosts = app, tuple(allowed_hosts)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+            if not host_allowed(host, self.allowed_hosts):
+                message = str(invalid("Host", excerpt(host), "be one of the server's allowed hosts "
+                                      f"({', '.join(self.allowed_hosts)})", "call the server by one of those names "
+                                      "(or start it with --allowed-hosts)"))
+                await error_response(400, message, "Host")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def key_matches(authorization: str | None, api_key: str) -> bool:

@@ -53,12 +53,25 @@ _SERVER_TERMS = (
 )
 
 
-def server_terms(message: str) -> str:
+def server_terms(message: str, prompt_field: str = "prompt") -> str:
     """A library message with its Python fixes said in the server's terms (`max_new_tokens` -> `max_tokens`,
-    `draft_model=` -> the `--draft-model` flag)."""
-    for python, server in _SERVER_TERMS:
+    `draft_model=` -> the `--draft-model` flag, `input_ids` -> `prompt_field`: `prompt` or chat's `messages`)."""
+    for python, server in (*_SERVER_TERMS, ("`input_ids`", f"`{prompt_field}`")):
         message = message.replace(python, server)
     return message
+
+
+def server_error(err: Exception, prompt_field: str = "prompt", body_fields=()) -> RequestError:
+    """A library refusal (`ValueError` / `NotImplementedError`, built by :func:`hf_dllm_spec.validation.invalid`)
+    as a 400 in the server's terms (:func:`server_terms`) whose `param` is the request field it names: a strategy
+    parameter, an option or one of `body_fields` (the request's own) as itself, `input_ids` as `prompt_field`,
+    `max_new_tokens` as `max_tokens`; None for a name a request cannot hold (the model's special ids)."""
+    from ..strategies.registry import strategy_parameter_names
+
+    name = getattr(err, "param", None)
+    name = {"input_ids": prompt_field, "max_new_tokens": "max_tokens"}.get(name, name)
+    fields = SUPPORTED_FIELDS | EXTRA_OPTIONS | {prompt_field, *body_fields, *strategy_parameter_names()}
+    return RequestError(server_terms(str(err), prompt_field), param=name if name in fields else None)
 
 
 def excerpt(value: Any, limit: int = 60) -> Any:
@@ -92,9 +105,15 @@ _NEUTRAL = (False, "", [], {})
 #: Numeric fields and their one neutral number (0 and 0.0 alike; never a bool).
 _NUMERIC_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "top_logprobs": 0}
 #: Further neutral values of some fields (what they do by default).
-_MORE_NEUTRAL = {"response_format": ({"type": "text"},), "tool_choice": ("none",)}
-#: Fields whose only neutral values are null and false (`logprobs=0` asks for the chosen token's logprob).
-_NULL_ONLY = frozenset({"logprobs"})
+_MORE_NEUTRAL = {"response_format": ({"type": "text"},), "tool_choice": ("none",), "parallel_tool_calls": (True,),
+                 "modalities": (["text"],)}
+#: Fields with fewer neutral values than null and :data:`_NEUTRAL`: `logprobs` only null and false (`logprobs=0`
+#: asks for the chosen token's logprob); fields whose mere presence asks for something (`web_search_options={}`
+#: turns search on) only null.
+_FEW_NEUTRAL = {"logprobs": (False,), "web_search_options": (), "audio": (), "prediction": ()}
+#: The fix for a field of the other endpoint.
+_OTHER_ENDPOINT_FIX = {"max_completion_tokens": "pass `max_tokens`", "prompt": "send the prompt as `messages`",
+                       "messages": "send `prompt`, or the messages to /v1/chat/completions"}
 #: Below this `temperature` a request decodes greedily (vLLM's rule): dividing float32 logits by a smaller one can
 #: overflow (inf / NaN probabilities).
 GREEDY_TEMPERATURE = 1e-5
@@ -161,7 +180,8 @@ class DecodingOptions:
 @dataclass
 class ParsedRequest:
     """A validated request: prompt token ids, budget, decoding options and response options (`stream_drafts`:
-    provisional drafts are streamed too; such a request is decoded in a batch of its own, batch 1)."""
+    provisional drafts are streamed too; such a request is decoded in a batch of its own, batch 1);
+    `prompt_field`: the field that held the prompt (`prompt`, or chat's `messages`), named by its errors."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -169,12 +189,26 @@ class ParsedRequest:
     stream: bool = False
     model: str = ""
     stream_drafts: bool = False
+    prompt_field: str = "prompt"
 
 
 def check_fields(body: dict, chat: bool) -> None:
-    """Refuse OpenAI fields the server does not implement (set to a non-neutral value)."""
+    """Refuse OpenAI fields the server does not implement (set to a non-neutral value), fields of the other
+    endpoint (`max_completion_tokens` on `/v1/completions`, `prompt` on `/v1/chat/completions`), and a
+    `stream_options` that is not an object with a bool `include_usage`, or comes without `stream=true` (as OpenAI).
+
+    Raises:
+        RequestError: 400 naming the field.
+    """
     text_fields, chat_fields = _known_fields()
-    for name in sorted((chat_fields if chat else text_fields) - SUPPORTED_FIELDS):
+    own, other = (chat_fields, text_fields) if chat else (text_fields, chat_fields)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    for name in sorted(name for name in (other - own) & body.keys() if body[name] is not None):
+        fix = _OTHER_ENDPOINT_FIX.get(name, f"drop `{name}`, or send the request to the endpoint that takes it")
+        raise RequestError(str(invalid(name, excerpt(body[name]), f"be left out: {path} has no such field", fix)),
+                           param=name)
+    _check_stream_options(body)
+    for name in sorted(own - SUPPORTED_FIELDS):
         value = body.get(name)
         if name in body and not _neutral(name, value):
             why = ("per-token log-probabilities are not defined when a diffusion decoder commits tokens out of "
@@ -183,16 +217,30 @@ def check_fields(body: dict, chat: bool) -> None:
                                param=name)
 
 
+def _check_stream_options(body: dict) -> None:
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool) \
+            or set(options) - {"include_usage", "include_obfuscation"}:
+        raise RequestError(str(invalid("stream_options", excerpt(options), "be an object with a bool `include_usage`",
+                                       "pass stream_options={'include_usage': true}")), param="stream_options")
+    if body.get("stream") is not True:
+        raise RequestError(str(invalid("stream_options", excerpt(options), "come with stream=true",
+                                       "pass stream=true, or drop `stream_options`")), param="stream_options")
+
+
 def _neutral(name: str, value: Any) -> bool:
     """Whether an unimplemented OpenAI field's `value` asks for nothing: null; the field's neutral number
-    (:data:`_NUMERIC_NEUTRAL`, int or float); false for `logprobs`; else false, "", [], {} or the field's default
-    (:data:`_MORE_NEUTRAL`), of the same type."""
+    (:data:`_NUMERIC_NEUTRAL`, int or float); false for `logprobs`, nothing more for a field whose presence asks
+    for something (:data:`_FEW_NEUTRAL`); else false, "", [], {} or the field's default (:data:`_MORE_NEUTRAL`), of
+    the same type."""
     if value is None:
         return True
     if name in _NUMERIC_NEUTRAL:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and value == _NUMERIC_NEUTRAL[name]
-    if name in _NULL_ONLY:
-        return value is False
+    if name in _FEW_NEUTRAL:
+        return any(value is v for v in _FEW_NEUTRAL[name])
     return any(type(value) is type(v) and value == v for v in (*_NEUTRAL, *_MORE_NEUTRAL.get(name, ())))
 
 
@@ -237,7 +285,7 @@ def decoding_options(body: dict, *, default_strategy: str, default_params: dict,
         strategy_class = get_strategy(strategy)
         resolve_config(strategy, generation_config=generation_config, overrides=params)
     except (ValueError, TypeError) as err:
-        raise RequestError(server_terms(str(err))) from err
+        raise server_error(err, "messages" if chat else "prompt", body) from err
     if strategy_class.uses_drafter and not has_drafter:
         raise RequestError(str(invalid("decoding_strategy", strategy, "run on a server started with a drafter: it "
                                        "drafts with a separate model (`draft_model`)", "restart the server with "
@@ -262,15 +310,17 @@ def decoding_options(body: dict, *, default_strategy: str, default_params: dict,
 
 
 def max_tokens_of(body: dict, default: int) -> int:
-    """`max_tokens` (or chat's `max_completion_tokens`), an integer >= 1; `default` when absent."""
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RequestError(str(invalid(name, excerpt(value), "be an integer >= 1", f"pass e.g. {name}=64")),
-                           param=name)
-    return value
+    """Chat's `max_completion_tokens`, else `max_tokens`, else `default`; each one given must be an integer >= 1."""
+    budget = default
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RequestError(str(invalid(name, excerpt(value), "be an integer >= 1", f"pass e.g. {name}=64")),
+                               param=name)
+        budget = value
+    return budget
 
 
 def check_min_tokens(body: dict, max_tokens: int, ignore_eos: bool) -> None:
@@ -351,27 +401,97 @@ def ensure_chat_template(tokenizer) -> bool:
     return True
 
 
+#: Content part types read as text: chat completions' "text", the Responses API's "input_text" / "output_text"
+#: (as transformers' `serve` reads them).
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
 def chat_prompt(body: dict, tokenizer) -> list[int]:
-    """The messages of `/v1/chat/completions` through the tokenizer's chat template, as token ids (text content
-    parts are joined with spaces, as transformers' `serve` does for text models)."""
+    """The messages of `/v1/chat/completions` through the tokenizer's chat template, as token ids.
+
+    As transformers' `serve` passes them to a text model's template: text content parts joined with spaces,
+    `tool_calls` with their `arguments` parsed from JSON, `tool_call_id` and `name`. Only an assistant message
+    may leave `content` out (null); a part of another type (an image, audio) is refused: the model reads text only.
+
+    Raises:
+        RequestError: 400 naming the message (`messages[i].content[j]`), or the template's own refusal (a role
+            it does not take, turns that do not alternate).
+    """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
                                                                  for m in messages):
         raise RequestError(str(invalid("messages", excerpt(messages), "be a non-empty list of {'role', 'content'} messages",
                                        "pass messages=[{'role': 'user', 'content': '...'}]")), param="messages")
-    flat = []
-    for m in messages:
-        content = m.get("content") or ""
-        if isinstance(content, list):
-            texts = [part.get("text") or "" for part in content if isinstance(part, dict)]
-            content = " ".join(texts) if all(isinstance(t, str) for t in texts) else None
-        if not isinstance(content, str) or not isinstance(m["role"], str):
-            raise RequestError(str(invalid("messages", excerpt(m), "hold a string `role` and a string (or list of "
-                                           "text parts) `content`", "pass {'role': 'user', 'content': '...'}")),
-                               param="messages")
-        flat.append({"role": m["role"], "content": content})
-    text = tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+    flat = [_template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+    except (TemplateError, TypeError, ValueError, KeyError) as err:
+        raise RequestError(str(invalid("messages", excerpt(messages), f"be accepted by the model's chat template, "
+                                       f"which refused them: {type(err).__name__}: {excerpt(str(err), 200)}",
+                                       "send roles and turns the model's template takes")), param="messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _template_message(message: dict, where: str) -> dict:
+    """One OpenAI message as the chat template takes it (see :func:`chat_prompt`)."""
+    role, content = message["role"], message.get("content")
+    if not isinstance(role, str):
+        raise RequestError(str(invalid(f"{where}.role", excerpt(role), "be a string",
+                                       "pass 'system', 'user', 'assistant' or 'tool'")), param="messages")
+    if content is None and role == "assistant":
+        content = ""
+    elif isinstance(content, list):
+        content = " ".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+    if not isinstance(content, str):
+        raise RequestError(str(invalid(f"{where}.content", excerpt(content), "be a string or a list of text parts "
+                                       "(null only in an assistant message)",
+                                       "pass {'role': 'user', 'content': '...'}")), param="messages")
+    out = {"role": role, "content": content}
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            if not isinstance(message[key], str):
+                raise RequestError(str(invalid(f"{where}.{key}", excerpt(message[key]), "be a string",
+                                               f"pass the {key} as a string")), param="messages")
+            out[key] = message[key]
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]")
+                             for j, call in enumerate(_as_list(message["tool_calls"], f"{where}.tool_calls"))]
+    return out
+
+
+def _part_text(part: Any, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise RequestError(str(invalid(where, excerpt(part), "be a text part {'type': 'text', 'text': '...'}: the served "
+                                   f"model reads text only (got {kind!r})", "send the content as text")),
+                       param="messages")
+
+
+def _as_list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise RequestError(str(invalid(where, excerpt(value), "be a list", "pass a list of tool calls")),
+                           param="messages")
+    return value
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    """A tool call with its `function.arguments` as an object (chat templates iterate it), parsed when it is a JSON
+    string as the OpenAI API sends it."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(arguments, dict):
+        raise RequestError(str(invalid(where, excerpt(call), "be {'type': 'function', 'function': {'name': '...', "
+                                       "'arguments': '<a JSON object>'}}", "send the tool call as the API returned it")),
+                           param="messages")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def parse_request(body: Any, *, chat: bool, tokenizer, served_name: str, default_strategy: str,
@@ -403,4 +523,5 @@ def parse_request(body: Any, *, chat: bool, tokenizer, served_name: str, default
         raise RequestError(str(invalid("prompt" if not chat else "messages", f"<prompt of {len(prompt_ids)} tokens>",
                                        f"be at most {max_prompt_tokens} tokens (the server's --max-prompt-tokens)",
                                        "send a shorter prompt")), param="messages" if chat else "prompt")
-    return ParsedRequest(prompt_ids, max_tokens, options, stream, served_name, drafts)
+    return ParsedRequest(prompt_ids, max_tokens, options, stream, served_name, drafts,
+                         "messages" if chat else "prompt")
