@@ -80,8 +80,9 @@ class BlockDiffusionConfig(DecodingConfig):
             check_int("sub_block_size", self.sub_block_size, 1, "pass a positive number of tokens dividing the "
                       "block size, e.g. 8 for blocks of 32")
             if self.block_size is not None and self.block_size % self.sub_block_size:
-                raise invalid("sub_block_size", self.sub_block_size, f"divide `block_size` (={self.block_size})",
-                              "pass a divisor of the block size, or None for whole blocks")
+                raise invalid("sub_block_size", self.sub_block_size, f"divide `block_size` (={self.block_size}; "
+                              "the checkpoint's trained block size unless given)",
+                              "pass a divisor of the block size (sub_block_size=...), or None for whole blocks")
         check_choice("remasking_strategy", self.remasking_strategy, REMASKING_STRATEGIES)
         check_range("confidence_threshold", self.confidence_threshold, low=0.0, high=1.0, low_open=True,
                     fix="pass a probability such as 0.85 (1.0 gives static decoding)")
