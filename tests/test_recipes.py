@@ -66,6 +66,33 @@ def test_ar_loss_is_next_token_cross_entropy_on_targets():
     assert torch.allclose(loss, model(input_ids=x, labels=labels).loss, atol=1e-6)
 
 
+def _block_diffusion_case(objective, model, seed: int):
+    """Two windows of 8 tokens (an EOS inside the second block of 4, two question tokens), the objective's loss on
+    them with `seed`, and its first draws recomputed: `(x, maskable, loss, gen, t, noise)`, `gen` at the next
+    draw."""
+    objective.block_sizes = {4: 1.0}
+    b, seq_len = 2, 8
+    x = torch.randint(3, 40, (b, seq_len))
+    x[:, 5] = EOS_ID                                                # a document ends inside the second block
+    maskable = torch.ones(b, seq_len, dtype=torch.bool)
+    maskable[:, :2] = False
+    loss = objective.loss(model, x, maskable, torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)                       # the same draws, explicitly
+    t = torch.rand(b, generator=gen) * (1 - 1e-3) + 1e-3
+    noise = (torch.rand(b, seq_len, generator=gen) < t[:, None]) & maskable
+    return x, maskable, loss, gen, t, noise
+
+
+def _noisy_logits(model, noisy: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+    """Logits `(L, V)` of the noisy half of one explicit `[noisy | clean]` forward under the packed block-diffusion
+    mask (blocks of 4)."""
+    seq_len = clean.shape[0]
+    allowed = _packed(bd_training_mask(seq_len, 4), clean)
+    additive = torch.zeros(2 * seq_len, 2 * seq_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return model(input_ids=torch.cat([noisy, clean])[None], position_ids=torch.arange(seq_len).repeat(2)[None],
+                 attention_mask=additive[None, None]).logits[0]
+
+
 def test_block_diffusion_loss_equals_explicit_masked_loss():
     """SDAR's loss: cross-entropy at masked positions weighted 1/t, over the maskable count, each row's noisy block
     seeing only its own document's noisy tokens (an EOS inside a block ends a document)."""
@@ -73,27 +100,12 @@ def test_block_diffusion_loss_equals_explicit_masked_loss():
 
     torch.manual_seed(0)
     model = SDARForCausalLM(SDARConfig(head_dim=8, block_size=4, **SMALL)).eval()
-    objective = BlockDiffusionObjective(SimpleNamespace())
-    objective.block_sizes = {4: 1.0}
-    b, seq_len = 2, 8
-    x = torch.randint(3, 40, (b, seq_len))
-    x[:, 5] = EOS_ID                                                # a document ends inside the second block
-    maskable = torch.ones(b, seq_len, dtype=torch.bool)
-    maskable[:, :2] = False
-    loss = objective.loss(model, x, maskable, torch.Generator().manual_seed(0))
-
-    gen = torch.Generator().manual_seed(0)                          # the same draws, explicitly
-    t = torch.rand(b, generator=gen) * (1 - 1e-3) + 1e-3
-    noise = (torch.rand(b, seq_len, generator=gen) < t[:, None]) & maskable
+    x, maskable, loss, _, t, noise = _block_diffusion_case(BlockDiffusionObjective(SimpleNamespace()), model, 0)
     assert noise[:, 4:6].any() and noise[:, 6:].any()               # both documents of the block are noisy
     total = torch.tensor(0.0)
-    for row in range(b):
-        allowed = _packed(bd_training_mask(seq_len, 4), x[row])
-        additive = torch.zeros(2 * seq_len, 2 * seq_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
-        noisy = torch.where(noise[row], torch.tensor(2), x[row])
-        logits = model(input_ids=torch.cat([noisy, x[row]])[None], position_ids=torch.arange(seq_len).repeat(2)[None],
-                       attention_mask=additive[None, None]).logits[0]
-        for i in range(seq_len):
+    for row in range(x.shape[0]):
+        logits = _noisy_logits(model, torch.where(noise[row], torch.tensor(2), x[row]), x[row])
+        for i in range(x.shape[1]):
             if noise[row, i]:
                 total = total + torch.nn.functional.cross_entropy(logits[i][None], x[row, i][None]) / t[row]
     assert torch.allclose(loss, total / maskable.sum(), atol=1e-5)
@@ -287,29 +299,17 @@ def test_llada2_loss_equals_explicit_m2t_plus_t2t():
         moe_intermediate_size=8, initializer_range=0.2, pad_token_id=None, eos_token_id=None,
         attn_implementation="sdpa")).eval()
     objective = LLaDA2Objective(SimpleNamespace())
-    objective.block_sizes = {4: 1.0}
     objective.edit_max_rate = 0.9                                   # corrupt often, so the case is exercised
-    b, seq_len = 2, 8
-    x = torch.randint(3, 40, (b, seq_len))
-    x[:, 5] = EOS_ID                                                # a document ends inside the second block
-    maskable = torch.ones(b, seq_len, dtype=torch.bool)
-    maskable[:, :2] = False
-    loss = objective.loss(model, x, maskable, torch.Generator().manual_seed(3))
-
-    gen = torch.Generator().manual_seed(3)                          # the same draws, explicitly
-    t = torch.rand(b, generator=gen) * (1 - 1e-3) + 1e-3
-    noise = (torch.rand(b, seq_len, generator=gen) < t[:, None]) & maskable
+    x, maskable, loss, gen, t, noise = _block_diffusion_case(objective, model, 3)
+    b, seq_len = x.shape
     rate = torch.rand(b, generator=gen) * 0.9
     corrupt = maskable & ~noise & (torch.rand(b, seq_len, generator=gen) < rate[:, None])
     random_tokens = torch.randint(3, 40, (b, seq_len), generator=gen)
     assert corrupt.any() and noise.any()
     total = torch.tensor(0.0)
     for row in range(b):
-        allowed = _packed(bd_training_mask(seq_len, 4), x[row])
-        additive = torch.zeros(2 * seq_len, 2 * seq_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
         noisy = torch.where(noise[row], torch.tensor(2), torch.where(corrupt[row], random_tokens[row], x[row]))
-        logits = model(input_ids=torch.cat([noisy, x[row]])[None], position_ids=torch.arange(seq_len).repeat(2)[None],
-                       attention_mask=additive[None, None]).logits[0]
+        logits = _noisy_logits(model, noisy, x[row])
         for i in range(seq_len):
             ce = torch.nn.functional.cross_entropy(logits[i][None], x[row, i][None])
             if noise[row, i]:
