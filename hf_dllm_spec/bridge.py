@@ -106,23 +106,34 @@ def generate_keywords() -> frozenset[str]:
     return frozenset(options | set(inspect.signature(GenerationMixin.generate).parameters) | GENERATE_INPUTS)
 
 
+def check_routable(names: Iterable[str], reserved: Iterable[str] = (), callable_name: str = "dllm_generate") -> None:
+    """Refuse strategy parameter `names` that transformers' `generate` would route away from its own use, for every
+    strategy: one of :func:`generate_keywords`, or of `reserved` (the arguments of the `custom_generate` callable
+    `callable_name`).
+
+    Raises:
+        ValueError: naming the first such parameter and how to rename it.
+    """
+    taken = generate_keywords() | set(reserved)
+    clash = next((name for name in names if name in taken), None)
+    if clash is not None:
+        raise invalid("strategy parameter", clash, "not be named like an argument of transformers' `generate`, a "
+                      f"`GenerationConfig` option or an argument of `{callable_name}` (transformers would hand "
+                      "that keyword to the strategies instead of using it, for every strategy)",
+                      f"rename the config field, e.g. `my_{clash}`")
+
+
 def route_keywords(function: Callable, base: inspect.Signature, names: Iterable[str], default: Any) -> None:
     """Give `function` the signature `base` plus keyword-only parameters `names` (default `default`), so that
     transformers' `generate` routes those keywords to it as a `custom_generate` callable and still rejects typos.
 
     Raises:
         ValueError: a name of `names` that is a parameter of `base` or one of :func:`generate_keywords`
-            (transformers would route that keyword away from its own use, for every strategy); nothing changes.
+            (:func:`check_routable`); nothing changes.
     """
     params = [p for p in base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    taken = {p.name for p in params} | generate_keywords()
     names = list(names)
-    clash = next((name for name in names if name in taken), None)
-    if clash is not None:
-        raise invalid("strategy parameter", clash, "not be named like an argument of transformers' `generate`, a "
-                      f"`GenerationConfig` option or an argument of `{function.__name__}` (transformers would hand "
-                      "that keyword to the strategies instead of using it, for every strategy)",
-                      f"rename the config field, e.g. `my_{clash}`")
+    check_routable(names, {p.name for p in params}, function.__name__)
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default) for name in names]
     params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
     function.__signature__ = base.replace(parameters=params)

@@ -228,6 +228,46 @@ def test_candidate_generator_path_equals_strategy_path(drafter, k):
     assert "_get_candidate_generator" not in vars(target)      # the hook is removed after the call
 
 
+def test_candidate_generator_calls_on_one_target_in_two_threads_keep_their_own_drafter(drafter, monkeypatch):
+    """Two threads assisting one target with different settings: each builds its candidate generators with its own
+    `num_draft_tokens` and gets the target's greedy tokens. The hook was one instance attribute: a thread built the
+    other's generator, and the first to finish deleted it under the other (`AttributeError`)."""
+    import threading
+
+    from hf_dllm_spec.integration.candidate_generator import DeerCandidateGenerator
+
+    target = _target("qwen3")
+    expected = _greedy(target, PROMPT)
+    built: dict[int, set[int]] = {}
+    init = DeerCandidateGenerator.__init__
+
+    def recording_init(self, *args, num_draft_tokens, **kwargs):
+        built.setdefault(threading.get_ident(), set()).add(num_draft_tokens)
+        init(self, *args, num_draft_tokens=num_draft_tokens, **kwargs)
+
+    monkeypatch.setattr(DeerCandidateGenerator, "__init__", recording_init)
+    barrier, results = threading.Barrier(2), {}
+
+    def run(k: int) -> None:
+        barrier.wait()
+        try:
+            results[k] = [hf_dllm_spec.deer_assisted_generate(target, PROMPT, drafter, num_draft_tokens=k,
+                                                              max_new_tokens=24, do_sample=False) for _ in range(4)]
+        except Exception as err:                    # noqa: BLE001 - reported below
+            results[k] = err
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in (2, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for k in (2, 5):
+        assert not isinstance(results[k], Exception), results[k]
+        assert all(torch.equal(out, expected) for out in results[k])
+    assert sorted(map(sorted, built.values())) == [[2], [5]]             # each thread its own generators only
+    assert "_get_candidate_generator" not in vars(target)
+
+
 def test_candidate_generator_sampling_runs_in_transformers(drafter):
     """Sampled assisted decoding through transformers (which draws from torch's global RNG): the prompt kept, the
     same seed gives the same tokens, another seed others."""

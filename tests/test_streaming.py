@@ -163,6 +163,34 @@ def test_end_is_called_when_a_check_fails(bundled, entry, bad, name):
     assert rec.ended == 1
 
 
+class PromptRefuser(Recorder):
+    def put(self, value):
+        raise RuntimeError("the consumer is gone")
+
+
+@pytest.mark.parametrize("entry", [*ENTRY_POINTS, "direct"])
+@pytest.mark.parametrize("bad,error", [
+    (dict(blok_size=4), "blok_size"),                                  # transformers: model_kwargs not used
+    (dict(do_sample=True, temperature=-1.0), "temperature"),           # transformers' processor preparation
+    (dict(streamer=PromptRefuser), "the consumer is gone"),            # the prompt's put, inside transformers
+])
+def test_end_is_called_once_when_transformers_preparation_fails(bundled, entry, bad, error):
+    """transformers' own preparation of the call (after the library's checks of the raw call, before the callable
+    runs) failed without ending the stream: a `TextIteratorStreamer` consumer waited forever. A failure of the
+    callable inside transformers ends it once, not again on the way out."""
+    _, model, ids = bundled
+    bad = dict(bad)
+    rec = bad.pop("streamer", Recorder)()
+    call = ENTRY_POINTS.get(entry, lambda model, ids, **kw: hf_dllm_spec.dllm_generate(model, ids, **kw))
+    with pytest.raises((ValueError, RuntimeError), match=error):
+        call(model, ids, streamer=rec, decoding_strategy="s2d2", max_new_tokens=8, **bad)
+    assert rec.ended == 1
+    rec = Recorder()
+    with pytest.raises(ValueError, match="confidence_threshold"):           # refused inside the callable
+        call(model, ids, streamer=rec, decoding_strategy="s2d2", max_new_tokens=8, confidence_threshold=2.0)
+    assert rec.ended == 1
+
+
 @pytest.mark.parametrize("entry", ["model_class", "hub_folder"])
 def test_stop_strings_with_tokenizer(bundled, entry):
     tokenizer, model, ids = bundled

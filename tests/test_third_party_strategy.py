@@ -173,6 +173,45 @@ def test_a_parameter_named_like_a_generate_keyword_is_refused_and_nothing_change
     assert sampled.shape[1] == prompt.shape[1] + 4
 
 
+def test_a_registration_in_progress_does_not_change_the_keywords_of_a_running_call(sdar_model, prompt,
+                                                                                  monkeypatch):
+    """A call takes its strategy parameters from the keywords transformers routed (the callable's signature), not
+    from the registry: a registration that is refused later held a clashing entry there meanwhile, and a call
+    running then popped its `use_cache` / `attention_mask` as that strategy's parameters ("must be a parameter of
+    decoding_strategy='s2d2'")."""
+    config = dataclass(type("ClashConfig", (BlockDiffusionConfig,), {"__annotations__": {"use_cache": bool},
+                                                                     "use_cache": True}))
+    expected = sdar_model.generate(prompt, decoding_strategy="s2d2", max_new_tokens=8)
+    monkeypatch.setitem(STRATEGIES, "clash", type("ClashStrategy", (BlockDiffusionStrategy,),
+                                                  {"name": "clash", "config_class": config}))
+    assert torch.equal(sdar_model.generate(prompt, decoding_strategy="s2d2", max_new_tokens=8, use_cache=True),
+                       expected)
+
+
+def test_a_clash_is_refused_before_generate_was_ever_imported():
+    """In a fresh process, `register_strategy` before any `generate` call: the clash was checked only by the keyword
+    refresh, which is not there yet, so it was accepted and every later call failed (for every strategy)."""
+    script = f"""
+import sys, torch, hf_dllm_spec
+from dataclasses import dataclass
+from transformers import AutoModelForCausalLM
+from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy
+config = dataclass(type("C", (BlockDiffusionConfig,), {{"__annotations__": {{"use_cache": bool}}, "use_cache": True}}))
+try:
+    hf_dllm_spec.register_strategy(type("S", (BlockDiffusionStrategy,), {{"name": "clash", "config_class": config}}))
+except ValueError as err:
+    print("refused:", err)
+assert "hf_dllm_spec.integration.generate" not in sys.modules
+hf_dllm_spec.register_auto_classes()
+model = AutoModelForCausalLM.from_pretrained({str(MODELS / "sdar-tiny-arith")!r})
+print("tokens:", model.generate(torch.tensor([[5, 17, 42]]), decoding_strategy="s2d2", max_new_tokens=4).shape)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: `strategy parameter` (='use_cache')" in done.stdout and "tokens: torch.Size([1, 7])" in done.stdout
+
+
 @pytest.mark.parametrize("name", ["", " ", "s2d2 ", "my strategy"])
 def test_a_name_with_spaces_is_refused(name):
     strategy = type("Spaced", (BlockDiffusionStrategy,), {"name": name, "config_class": BlockDiffusionConfig})

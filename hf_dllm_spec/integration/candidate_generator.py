@@ -16,6 +16,8 @@ such hook, runs batches and takes a `torch.Generator`; both give the same greedy
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 from typing import Any
 
 import torch
@@ -181,14 +183,43 @@ def draft_as_assistant(draft_model, input_ids: torch.LongTensor, *, generation_c
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(logprobs.unbind(1)))
 
 
+#: The candidate generator factory of the `deer_assisted_generate` call running in this context (thread).
+_FACTORY: contextvars.ContextVar[Any] = contextvars.ContextVar("hf_dllm_spec_deer_factory", default=None)
+_INSTALL_LOCK = threading.Lock()
+
+
+class _CandidateDispatch:
+    """`model._get_candidate_generator` while DEER calls run on `model`: each call's own factory in its context,
+    transformers' own method for any other (another thread's plain `generate(assistant_model=...)`)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.users = model, 0
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        factory = _FACTORY.get()
+        if factory is None:
+            return type(self.model)._get_candidate_generator(self.model, *args, **kwargs)
+        return factory(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _candidate_generator(model, factory):
-    """Make `model` build its assisted-decoding candidate generator with `factory` (instance attribute)."""
-    model._get_candidate_generator = factory
+    """Make `model` build its assisted-decoding candidate generator with `factory` in this context only (the
+    instance attribute is shared by the calls running on `model` and removed after the last)."""
+    token = _FACTORY.set(factory)
+    with _INSTALL_LOCK:
+        dispatch = vars(model).get("_get_candidate_generator")
+        if not isinstance(dispatch, _CandidateDispatch):
+            dispatch = model._get_candidate_generator = _CandidateDispatch(model)
+        dispatch.users += 1
     try:
         yield
     finally:
-        del model._get_candidate_generator
+        _FACTORY.reset(token)
+        with _INSTALL_LOCK:
+            dispatch.users -= 1
+            if not dispatch.users:
+                del model._get_candidate_generator
 
 
 def deer_assisted_generate(model, input_ids: torch.LongTensor, draft_model, *, num_draft_tokens: int = 32,

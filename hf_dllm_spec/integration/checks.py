@@ -10,6 +10,7 @@ library's format (`hf_dllm_spec.validation.invalid`): the argument, its value, t
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any
 
 import torch
@@ -91,17 +92,37 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
                                kwargs.get("max_cache_len", getattr(config, "max_cache_len", None)))
 
 
+#: Per outermost entry: the streamers already ended (the callable ends its streamer inside transformers' `generate`,
+#: and the same error then leaves the entry that called transformers).
+_ENDED: contextvars.ContextVar[set[int] | None] = contextvars.ContextVar("hf_dllm_spec_ended_streamers", default=None)
+
+
 @contextlib.contextmanager
-def ending_streamer_on_error(streamer):
-    """Call `streamer.end()` when the block raises (then re-raise): the checks of a raw call run before
-    :func:`~hf_dllm_spec.integration.generate.dllm_generate`, whose own `finally` ends the streamer, so without
-    this a consumer iterating a `TextIteratorStreamer` would wait forever for a call that was refused."""
+def ending_streamer(streamer, always: bool = False):
+    """End `streamer` when the block raises (then re-raise), or, with `always`, whenever the block ends: a consumer
+    iterating a `TextIteratorStreamer` never waits forever for a call that failed (a refused argument, transformers'
+    own preparation of the call, the decoding). The blocks of one entry, nested through transformers' `generate`,
+    end a streamer once between them (`TextStreamer.end()` prints a line each time)."""
+    token = _ENDED.set(set()) if _ENDED.get() is None else None
     try:
         yield
     except BaseException:
-        if streamer is not None and callable(getattr(streamer, "end", None)):
-            streamer.end()
+        _end_once(streamer)
         raise
+    else:
+        if always:
+            _end_once(streamer)
+    finally:
+        if token is not None:
+            _ENDED.reset(token)
 
 
-__all__ = ["check_call", "ending_streamer_on_error"]
+def _end_once(streamer) -> None:
+    ended = _ENDED.get()
+    if streamer is None or not callable(getattr(streamer, "end", None)) or id(streamer) in ended:
+        return
+    ended.add(id(streamer))
+    streamer.end()
+
+
+__all__ = ["check_call", "ending_streamer"]

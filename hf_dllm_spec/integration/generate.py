@@ -48,7 +48,7 @@ from ..strategies import DecodingSession
 from ..strategies.registry import STRATEGIES, get_strategy, on_register, strategy_parameter_names
 from ..strategies.streaming import TokenStream
 from ..validation import invalid
-from .checks import check_call, ending_streamer_on_error
+from .checks import check_call, ending_streamer
 from .continuous import FeedAdmission, RowFeed
 from .plan import DecodePlan, build_plan, check_row
 from .stopping import RowEnds, criteria_to_scan, stop_strings_as_criteria
@@ -133,7 +133,7 @@ def dllm_generate(
     """
     call = generate_call_arguments(model)
     streamer = streamer if streamer is not None else call.get("streamer")
-    with ending_streamer_on_error(streamer):                # the `finally` below is not reached yet
+    with ending_streamer(streamer):                    # a refused call, or transformers' preparation failing
         if decoding_strategy is None:
             decoding_strategy = _stored_strategy(model, generation_config)
         if stop_strings is not None:
@@ -144,18 +144,17 @@ def dllm_generate(
                 "stopping_criteria"]
         if not call:
             check_call(model, (input_ids,), {**kwargs, "generation_config": generation_config, "streamer": streamer})
-    if not call:
-        # A direct call: hand it to transformers' `generate` with this callable, so the logits processors,
-        # stopping criteria and generation options are prepared exactly as on the other entry points.
-        return generate_with_callable(
-            model, input_ids, generation_config=generation_config, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, streamer=streamer, assistant_model=assistant_model,
-            custom_generate=dllm_generate, decoding_strategy=decoding_strategy, generator=generator,
-            mask_token_id=mask_token_id, strategy_config=strategy_config, preset=preset, draft_model=draft_model,
-            draft_mask_token_id=draft_mask_token_id, row_feed=row_feed, **kwargs)
-    try:
+            # A direct call: hand it to transformers' `generate` with this callable, so the logits processors,
+            # stopping criteria and generation options are prepared exactly as on the other entry points.
+            return generate_with_callable(
+                model, input_ids, generation_config=generation_config, logits_processor=logits_processor,
+                stopping_criteria=stopping_criteria, streamer=streamer, assistant_model=assistant_model,
+                custom_generate=dllm_generate, decoding_strategy=decoding_strategy, generator=generator,
+                mask_token_id=mask_token_id, strategy_config=strategy_config, preset=preset, draft_model=draft_model,
+                draft_mask_token_id=draft_mask_token_id, row_feed=row_feed, **kwargs)
+    with ending_streamer(streamer, always=True):       # always: also when a check or the decoding fails
         generation_config = generation_config if generation_config is not None else model.generation_config
-        names = set(strategy_parameter_names())
+        names = _routed_parameter_names()
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names and kwargs[k] is not _UNSET}
         for k in [k for k in kwargs if kwargs[k] is _UNSET]:
             kwargs.pop(k)
@@ -166,9 +165,6 @@ def dllm_generate(
                           stopping_criteria=stopping_criteria, raw_attention_mask=call.get("attention_mask"),
                           row_feed=row_feed)
         return _decode(plan, input_ids, logits_processor, kwargs, streamer)
-    finally:
-        if streamer is not None:        # always, also when a check or the decoding fails (no hung consumer)
-            streamer.end()
 
 
 def _stored_strategy(model, generation_config) -> str:
@@ -278,6 +274,13 @@ def check_strategy_name(decoding_strategy, *generation_configs) -> None:
 
 
 _BASE_SIGNATURE = inspect.signature(dllm_generate)
+
+
+def _routed_parameter_names() -> set[str]:
+    """The strategy parameters transformers routed this call's keywords against: the keyword-only parameters
+    :func:`refresh_signature` added to the callable's signature (not the registry itself, which a registration
+    running meanwhile may hold a refused entry in)."""
+    return {name for name, p in inspect.signature(dllm_generate).parameters.items() if p.default is _UNSET}
 
 
 def refresh_signature() -> None:

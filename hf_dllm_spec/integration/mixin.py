@@ -15,7 +15,7 @@ from transformers import GenerationMixin
 from model_patches.generation import DllmGenerationMixin
 
 from .candidate_generator import draft_as_assistant, is_assistant_call
-from .checks import check_call, ending_streamer_on_error
+from .checks import check_call, ending_streamer
 from .generate import check_strategy_name, dllm_generate, stop_strings_as_criteria
 
 
@@ -62,20 +62,18 @@ def generate_with_strategy(model, args: tuple, kwargs: dict[str, Any], decoding_
         ValueError: for an unknown strategy, `input_ids` that are not a 2D integer tensor, a budget that is not
             an integer, a model on the meta device (all before transformers prepares the inputs).
     """
-    with ending_streamer_on_error(kwargs.get("streamer")):      # the callable's own `finally` is not reached yet
+    with ending_streamer(kwargs.get("streamer")):      # a failure before the callable runs ends the stream too
         # unknown names fail here, before input preparation
         check_strategy_name(decoding_strategy, kwargs.get("generation_config"), model.generation_config)
         # a stock target's assisted decoding asks this diffusion model for drafts
-        assistant = is_assistant_call(kwargs)
-        if not assistant:
-            check_call(model, args, kwargs)
-            if kwargs.get("custom_generate") is None:
-                kwargs["custom_generate"] = dllm_generate
-            args, kwargs = heal_tokens_first(model, args, kwargs)
-            kwargs = stop_strings_as_criteria(kwargs, model.generation_config)
-    if assistant:
-        return draft_as_assistant(model, *args, **kwargs)
-    return GenerationMixin.generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)
+        if is_assistant_call(kwargs):
+            return draft_as_assistant(model, *args, **kwargs)
+        check_call(model, args, kwargs)
+        if kwargs.get("custom_generate") is None:
+            kwargs["custom_generate"] = dllm_generate
+        args, kwargs = heal_tokens_first(model, args, kwargs)
+        kwargs = stop_strings_as_criteria(kwargs, model.generation_config)
+        return GenerationMixin.generate(model, *args, decoding_strategy=decoding_strategy, **kwargs)
 
 
 __all__ = ["DllmGenerationMixin", "generate_with_strategy", "heal_tokens_first", "stop_strings_as_criteria"]

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from transformers import GenerationConfig
 
+from ..bridge import check_routable
 from ..configuration import DecodingConfig, merge_parameters
 from .base import DecodingStrategy
 from .block_diffusion import ARStrategy, BlockDiffusionStrategy
@@ -48,9 +49,10 @@ _LOCK = threading.RLock()
 
 def on_register(listener: Callable[[], None]) -> None:
     """Call `listener()` now and after every :func:`register_strategy` (how the layers above learn of a new strategy
-    without this module importing them)."""
-    _LISTENERS.append(listener)
-    listener()
+    without this module importing them); a listener that fails now is not kept."""
+    with _LOCK:
+        listener()
+        _LISTENERS.append(listener)
 
 
 def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy]:
@@ -86,6 +88,7 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
         raise invalid(f"{config_class.__name__}.{required[0]}", "<no default>", "have a default: a strategy's "
                       "parameters are optional keywords of generate (and the CLI lists every config's defaults)",
                       f"give `{required[0]}` a default value")
+    check_routable(config_class.parameter_names())          # also before the keyword refresh is first imported
     with _LOCK:
         previous = STRATEGIES.get(name)
         STRATEGIES[name] = strategy
