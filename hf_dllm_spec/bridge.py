@@ -106,10 +106,20 @@ def generate_keywords() -> frozenset[str]:
     return frozenset(options | set(inspect.signature(GenerationMixin.generate).parameters) | GENERATE_INPUTS)
 
 
-def check_routable(names: Iterable[str], reserved: Iterable[str] = (), callable_name: str = "dllm_generate") -> None:
+#: The arguments of the library's `custom_generate` callable (`hf_dllm_spec.dllm_generate`) besides the strategy
+#: parameters (a test holds them against its signature): a strategy parameter of one of these names would be taken
+#: by the callable itself.
+CALLABLE_ARGUMENTS = frozenset({
+    "model", "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer",
+    "decoding_strategy", "generator", "mask_token_id", "strategy_config", "preset", "draft_model", "assistant_model",
+    "draft_mask_token_id", "stop_strings", "row_feed"})
+
+
+def check_routable(names: Iterable[str], reserved: Iterable[str] = CALLABLE_ARGUMENTS,
+                   callable_name: str = "dllm_generate") -> None:
     """Refuse strategy parameter `names` that transformers' `generate` would route away from its own use, for every
     strategy: one of :func:`generate_keywords`, or of `reserved` (the arguments of the `custom_generate` callable
-    `callable_name`).
+    `callable_name`, by default the library's, :data:`CALLABLE_ARGUMENTS`).
 
     Raises:
         ValueError: naming the first such parameter and how to rename it.

@@ -233,7 +233,8 @@ TOOL_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
     "{% if m.get('name') %} (name {{ m['name'] }}){% endif %}"
     "{% for call in m.get('tool_calls') or [] %} call {{ call['function']['name'] }}"
-    "{% for k, v in call['function']['arguments'].items() %} {{ k }}={{ v }}{% endfor %}{% endfor %}"
+    "{% set arguments = call['function']['arguments'] %}{% if arguments is mapping %}"
+    "{% for k, v in arguments.items() %} {{ k }}={{ v }}{% endfor %}{% else %} {{ arguments }}{% endif %}{% endfor %}"
     "{% if m.get('tool_call_id') %} for {{ m['tool_call_id'] }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if messages[0]['role'] == 'wizard' %}{{ raise_exception('no wizards') }}{% endif %}"
 )
@@ -251,7 +252,8 @@ def tool_tokenizer(served):
 def test_chat_messages_reach_the_template_as_transformers_serve_passes_them(tool_tokenizer):
     """Text parts joined with spaces (chat's "text" and the Responses API's "input_text"), an assistant turn without
     content, its tool calls with their JSON arguments parsed (templates iterate them), `tool_call_id` and `name`
-    (all dropped before: the template saw neither the calls nor the names)."""
+    (all dropped before: the template saw neither the calls nor the names); an assistant's refusal part is its
+    text, and arguments that are not JSON stay text."""
     from hf_dllm_spec.serving.protocol import chat_prompt
 
     messages = [
@@ -260,8 +262,11 @@ def test_chat_messages_reach_the_template_as_transformers_serve_passes_them(tool
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
         {"role": "tool", "content": "5", "tool_call_id": "c1"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no."}], "tool_calls": [
+            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "not json"}}]},
     ]
-    expected = "user: 2 + 3? (name ann)\nassistant:  call add a=2 b=3\ntool: 5 for c1\n"
+    expected = ("user: 2 + 3? (name ann)\nassistant:  call add a=2 b=3\ntool: 5 for c1\n"
+                "assistant: no. call f not json\n")
     assert chat_prompt({"messages": messages}, tool_tokenizer) == tool_tokenizer(
         expected, add_special_tokens=False)["input_ids"]
 
@@ -275,7 +280,7 @@ def test_chat_messages_reach_the_template_as_transformers_serve_passes_them(tool
     ({"role": "user", "content": None}, "`messages[0].content`"),
     ({"role": "user", "content": 0}, "`messages[0].content`"),
     ({"role": "user", "content": False}, "`messages[0].content`"),
-    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]},    # no name
      "`messages[0].tool_calls[0]`"),
     ({"role": "tool", "content": "5", "tool_call_id": 7}, "`messages[0].tool_call_id`"),
 ])
@@ -324,19 +329,29 @@ def test_chat_fields_at_the_openai_default_are_served(base, body):
 
 
 def test_every_error_answer_is_openai_json(served):
-    """A `Host` outside the allowed ones (was Starlette's plain-text 400) and a failure of the server itself (was
-    a plain-text 500) answer in the OpenAI error shape; an IPv6 loopback `Host` with its port is served."""
+    """A `Host` outside the allowed ones (Starlette's check; its answer was a plain-text 400) and a failure of the
+    server itself (was a plain-text 500 with the exception's text) answer in the OpenAI error shape."""
     class Broken:
         chat_template = "x"
 
         def apply_chat_template(self, *args, **kwargs):
             raise RuntimeError("the tokenizer broke")
 
-    with serving(served, ServerLimits(allowed_hosts=("localhost", "::1"))) as url:
-        status, _, text = request(url, "GET", "/health", headers={"Host": "evil.example"})
-        assert status == 400 and json.loads(text)["error"]["param"] == "Host"
-        assert request(url, "GET", "/health", headers={"Host": "[::1]:8000"})[0] == 200
+    with serving(served, ServerLimits(allowed_hosts=("localhost", "[::1]"))) as url:
+        for host in ("evil.example", "[::1]evil.example", "localhost:80:80"):
+            status, _, text = request(url, "GET", "/health", headers={"Host": host})
+            assert status == 400 and json.loads(text)["error"]["param"] == "Host", host
+        for host in ("[::1]:8000", "localhost", "LOCALHOST:1"):
+            assert request(url, "GET", "/health", headers={"Host": host})[0] == 200, host
     with serving(dataclasses.replace(served, tokenizer=Broken())) as url:
         status, _, text = post(url, "/v1/chat/completions", {"messages": CHAT})
     error = json.loads(text)["error"]
-    assert status == 500 and error["type"] == "server_error" and "the tokenizer broke" in error["message"]
+    assert status == 500 and error["type"] == "server_error" and "RuntimeError" in error["message"]
+    assert "the tokenizer broke" not in error["message"]                   # the exception's text stays in the log
+
+
+@pytest.mark.parametrize("pattern", ["foo*", "*example.com", "", "a.*.com"])
+def test_an_allowed_host_pattern_starlette_cannot_match_is_refused_at_start(pattern):
+    """Starlette asserted on such a pattern (a bare AssertionError when the app was built)."""
+    with pytest.raises(ValueError, match=r"`allowed_hosts`"):
+        ServerLimits(allowed_hosts=("localhost", pattern))

@@ -196,11 +196,12 @@ import sys, torch, hf_dllm_spec
 from dataclasses import dataclass
 from transformers import AutoModelForCausalLM
 from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy
-config = dataclass(type("C", (BlockDiffusionConfig,), {{"__annotations__": {{"use_cache": bool}}, "use_cache": True}}))
-try:
-    hf_dllm_spec.register_strategy(type("S", (BlockDiffusionStrategy,), {{"name": "clash", "config_class": config}}))
-except ValueError as err:
-    print("refused:", err)
+for field in ("use_cache", "row_feed"):          # a generate keyword, an argument of the callable
+    config = dataclass(type("C", (BlockDiffusionConfig,), {{"__annotations__": {{field: bool}}, field: True}}))
+    try:
+        hf_dllm_spec.register_strategy(type("S", (BlockDiffusionStrategy,), {{"name": "clash", "config_class": config}}))
+    except ValueError as err:
+        print("refused:", err)
 assert "hf_dllm_spec.integration.generate" not in sys.modules
 hf_dllm_spec.register_auto_classes()
 model = AutoModelForCausalLM.from_pretrained({str(MODELS / "sdar-tiny-arith")!r})
@@ -210,6 +211,14 @@ print("tokens:", model.generate(torch.tensor([[5, 17, 42]]), decoding_strategy="
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: `strategy parameter` (='use_cache')" in done.stdout and "tokens: torch.Size([1, 7])" in done.stdout
+    assert "refused: `strategy parameter` (='row_feed')" in done.stdout
+
+
+def test_the_callable_arguments_the_registry_reserves_are_the_callables():
+    from hf_dllm_spec.bridge import CALLABLE_ARGUMENTS
+    from hf_dllm_spec.integration.generate import _BASE_SIGNATURE
+
+    assert CALLABLE_ARGUMENTS == {name for name, p in _BASE_SIGNATURE.parameters.items() if p.kind is not p.VAR_KEYWORD}
 
 
 @pytest.mark.parametrize("name", ["", " ", "s2d2 ", "my strategy"])

@@ -239,7 +239,8 @@ def deer_assisted_generate(model, input_ids: torch.LongTensor, draft_model, *, n
 
     Returns:
         What `generate` returns. The generator used is available as `model.last_deer_candidate_generator`
-        (its `stats` count the drafter forwards).
+        (its `stats` count the drafter forwards): the last one built on `model`, any thread's when calls run in
+        several.
 
     Raises:
         ValueError: as `generate` and :class:`DeerCandidateGenerator` raise; first of all (before transformers

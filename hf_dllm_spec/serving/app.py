@@ -240,8 +240,10 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, err: Exception) -> JSONResponse:
-        """Anything else is the server's fault: 500 in the same JSON shape (Starlette logs the traceback)."""
-        return error_response(500, f"{type(err).__name__}: {err}")
+        """Anything else is the server's fault: 500 in the same JSON shape, naming only the exception's type (its
+        text may hold paths or data; Starlette re-raises it and uvicorn logs the traceback)."""
+        return error_response(500, f"internal server error ({type(err).__name__}); the server's log has the "
+                                   "traceback")
 
     async def require_key(request: Request) -> None:
         """401 unless the request carries `Authorization: Bearer <key>` (when the server has a key)."""

@@ -74,6 +74,11 @@ class ServerLimits:
         if not (isinstance(self.body_timeout_s, (int, float)) and self.body_timeout_s > 0):
             raise invalid("body_timeout_s", self.body_timeout_s, "be a number of seconds > 0",
                           "pass e.g. body_timeout_s=30")
+        for pattern in self.allowed_hosts:
+            if not isinstance(pattern, str) or not pattern or "*" in pattern[1:] or (
+                    pattern.startswith("*") and pattern != "*" and not pattern.startswith("*.")):
+                raise invalid("allowed_hosts", pattern, "be a host name, '*' (any) or a domain wildcard like "
+                              "'*.example.com'", "pass e.g. allowed_hosts=('localhost', '*.example.com')")
         if self.api_key is not None and not self.api_key:
             raise invalid("api_key", self.api_key, "be a non-empty string or None", "pass a key, or None for none")
 
@@ -95,38 +100,33 @@ def error_response(status: int, message: str, param: str | None = None, headers:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
-def host_allowed(host_header: str | None, allowed_hosts) -> bool:
-    """Whether a `Host` header value (port aside; `[::1]:8000` is `::1`) matches one of `allowed_hosts`: `"*"`, the
-    name itself (case-insensitive; an IPv6 address with or without brackets), or `"*.example.com"` for any name
-    under example.com (Starlette's `TrustedHostMiddleware` patterns)."""
-    value = (host_header or "").strip().lower()
-    if value.startswith("["):
-        host = value[1:value.find("]")] if "]" in value else value
-    else:
-        host = value.rpartition(":")[0] if value.count(":") == 1 else value
-    for pattern in (p.lower().strip("[]") for p in allowed_hosts):
-        if pattern == "*" or host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:])):
-            return True
-    return False
-
-
 class HostCheckMiddleware:
-    """ASGI middleware: a request whose `Host` header is not in `allowed_hosts` (:func:`host_allowed`) gets 400
-    naming `Host` before any route runs (DNS rebinding of a loopback server)."""
+    """ASGI middleware: Starlette's `TrustedHostMiddleware` check of the `Host` header against `allowed_hosts` (its
+    parsing and patterns; no `www.` redirect), a refusal answered as 400 naming `Host` in the OpenAI error shape
+    before any route runs (DNS rebinding of a loopback server)."""
 
     def __init__(self, app, allowed_hosts) -> None:
-        self.app, self.allowed_hosts = app, tuple(allowed_hosts)
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        self.app = app
+        self.check = TrustedHostMiddleware(self._passed, allowed_hosts=list(allowed_hosts), www_redirect=False)
+
+    @staticmethod
+    async def _passed(scope, receive, send) -> None:
+        scope["hf_dllm_spec.host_allowed"] = True
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] in ("http", "websocket"):
-            host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
-            if not host_allowed(host, self.allowed_hosts):
-                message = str(invalid("Host", excerpt(host), "be one of the server's allowed hosts "
-                                      f"({', '.join(self.allowed_hosts)})", "call the server by one of those names "
-                                      "(or start it with --allowed-hosts)"))
-                await error_response(400, message, "Host")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        async def swallow(message) -> None:          # Starlette's own plain-text refusal
+            return None
+
+        await self.check(scope, receive, swallow)
+        if scope.pop("hf_dllm_spec.host_allowed", False) or scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+        message = str(invalid("Host", excerpt(host), "be one of the server's allowed hosts",
+                              "call the server by a name it allows (its --allowed-hosts)"))
+        await error_response(400, message, "Host")(scope, receive, send)
 
 
 def key_matches(authorization: str | None, api_key: str) -> bool:

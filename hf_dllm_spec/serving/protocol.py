@@ -221,9 +221,10 @@ def _check_stream_options(body: dict) -> None:
     options = body.get("stream_options")
     if options is None:
         return
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool) \
-            or set(options) - {"include_usage", "include_obfuscation"}:
-        raise RequestError(str(invalid("stream_options", excerpt(options), "be an object with a bool `include_usage`",
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"} \
+            or not all(isinstance(value, bool) for value in options.values()):
+        raise RequestError(str(invalid("stream_options", excerpt(options), "be an object with a bool `include_usage` "
+                                       "(and `include_obfuscation`)",
                                        "pass stream_options={'include_usage': true}")), param="stream_options")
     if body.get("stream") is not True:
         raise RequestError(str(invalid("stream_options", excerpt(options), "come with stream=true",
@@ -402,16 +403,18 @@ def ensure_chat_template(tokenizer) -> bool:
 
 
 #: Content part types read as text: chat completions' "text", the Responses API's "input_text" / "output_text"
-#: (as transformers' `serve` reads them).
+#: (as transformers' `serve` reads them); an assistant's "refusal" part is read as its `refusal` text.
 TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 def chat_prompt(body: dict, tokenizer) -> list[int]:
     """The messages of `/v1/chat/completions` through the tokenizer's chat template, as token ids.
 
-    As transformers' `serve` passes them to a text model's template: text content parts joined with spaces,
-    `tool_calls` with their `arguments` parsed from JSON, `tool_call_id` and `name`. Only an assistant message
-    may leave `content` out (null); a part of another type (an image, audio) is refused: the model reads text only.
+    As transformers' `serve` passes them to a text model's template (text content parts joined with spaces,
+    `tool_calls` with their `arguments` parsed from JSON, `tool_call_id`), and two things it drops: the content of
+    an assistant message that also calls tools (the API allows both, and templates such as Qwen2.5's render both)
+    and `name` (for the templates that read it). Only an assistant message may leave `content` out (null); a part
+    of another type (an image, audio) is refused: the model reads text only.
 
     Raises:
         RequestError: 400 naming the message (`messages[i].content[j]`), or the template's own refusal (a role
@@ -464,6 +467,8 @@ def _template_message(message: dict, where: str) -> dict:
 def _part_text(part: Any, where: str) -> str:
     if isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
         return part["text"]
+    if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
+        return part["refusal"]                                   # an assistant's earlier refusal, in its words
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
     raise RequestError(str(invalid(where, excerpt(part), "be a text part {'type': 'text', 'text': '...'}: the served "
                                    f"model reads text only (got {kind!r})", "send the content as text")),
@@ -478,19 +483,18 @@ def _as_list(value: Any, where: str) -> list:
 
 
 def _tool_call(call: Any, where: str) -> dict:
-    """A tool call with its `function.arguments` as an object (chat templates iterate it), parsed when it is a JSON
-    string as the OpenAI API sends it."""
+    """A tool call with its `function.arguments` parsed when they are JSON (as the OpenAI API sends them: chat
+    templates iterate an object, or `tojson` it); other text is passed on as it is (the API allows any string)."""
     function = call.get("function") if isinstance(call, dict) else None
-    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError(str(invalid(where, excerpt(call), "be {'function': {'name': '...', 'arguments': '...'}}",
+                                       "send the tool call as the API returned it")), param="messages")
+    arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except ValueError:
-            arguments = None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(arguments, dict):
-        raise RequestError(str(invalid(where, excerpt(call), "be {'type': 'function', 'function': {'name': '...', "
-                                       "'arguments': '<a JSON object>'}}", "send the tool call as the API returned it")),
-                           param="messages")
+            pass
     return {**call, "function": {**function, "arguments": arguments}}
 
 

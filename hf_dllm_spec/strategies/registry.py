@@ -67,7 +67,7 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     Raises:
         ValueError: if `strategy` has no `name` or no `config_class`, its config class names another strategy, has
             a parameter without a default, or one named like an argument of transformers' `generate`, a
-            `GenerationConfig` option or an argument of `dllm_generate` (refused by the keyword refresh:
+            `GenerationConfig` option or an argument of `dllm_generate` (`hf_dllm_spec.bridge.check_routable`:
             transformers would hand it to the strategies instead).
     """
     name = getattr(strategy, "name", None)
@@ -88,7 +88,7 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
         raise invalid(f"{config_class.__name__}.{required[0]}", "<no default>", "have a default: a strategy's "
                       "parameters are optional keywords of generate (and the CLI lists every config's defaults)",
                       f"give `{required[0]}` a default value")
-    check_routable(config_class.parameter_names())          # also before the keyword refresh is first imported
+    check_routable(config_class.parameter_names())           # before the registry changes (calls read it meanwhile)
     with _LOCK:
         previous = STRATEGIES.get(name)
         STRATEGIES[name] = strategy
