@@ -9,8 +9,6 @@ library's format (`hf_dllm_spec.validation.invalid`): the argument, its value, t
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any
 
 import torch
@@ -92,39 +90,4 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
                                kwargs.get("max_cache_len", getattr(config, "max_cache_len", None)))
 
 
-#: Per outermost entry: the streamers already ended (the callable ends its streamer inside transformers' `generate`,
-#: and the same error then leaves the entry that called transformers). The objects themselves, compared by identity:
-#: an id could be a new streamer's, made in the same entry after an ended one was freed.
-_ENDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("hf_dllm_spec_ended_streamers", default=None)
-
-
-@contextlib.contextmanager
-def ending_streamer(streamer, always: bool = False):
-    """End `streamer` when the block raises (then re-raise), or, with `always`, whenever the block ends: a consumer
-    iterating a `TextIteratorStreamer` never waits forever for a call that failed (a refused argument, transformers'
-    own preparation of the call, the decoding). The blocks of one entry, nested through transformers' `generate`,
-    end a streamer once between them (`TextStreamer.end()` prints a line each time); so does a call nested in
-    another (from a stopping criterion, say) given the same streamer object: the first of them to finish ends it."""
-    token = _ENDED.set([]) if _ENDED.get() is None else None
-    try:
-        yield
-    except BaseException:
-        _end_once(streamer)
-        raise
-    else:
-        if always:
-            _end_once(streamer)
-    finally:
-        if token is not None:
-            _ENDED.reset(token)
-
-
-def _end_once(streamer) -> None:
-    ended = _ENDED.get()
-    if streamer is None or not callable(getattr(streamer, "end", None)) or any(s is streamer for s in ended):
-        return
-    ended.append(streamer)
-    streamer.end()
-
-
-__all__ = ["check_call", "ending_streamer"]
+__all__ = ["check_call"]

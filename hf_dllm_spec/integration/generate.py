@@ -46,9 +46,9 @@ from ..runtime.runner import DRAFT_MODEL_SPAN
 from ..runtime.static import hold_static_runtime, make_runner
 from ..strategies import DecodingSession
 from ..strategies.registry import STRATEGIES, get_strategy, on_register, strategy_parameter_names
-from ..strategies.streaming import TokenStream
+from ..strategies.streaming import TokenStream, ending_streamer
 from ..validation import invalid
-from .checks import check_call, ending_streamer
+from .checks import check_call
 from .continuous import FeedAdmission, RowFeed
 from .plan import DecodePlan, build_plan, check_row
 from .stopping import RowEnds, criteria_to_scan, stop_strings_as_criteria
