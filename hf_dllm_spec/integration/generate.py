@@ -29,6 +29,8 @@ runtimes and the session are made from the plan, the strategy decodes, :class:`~
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 from typing import Any
 
@@ -46,7 +48,7 @@ from ..runtime.runner import DRAFT_MODEL_SPAN
 from ..runtime.static import hold_static_runtime, make_runner
 from ..strategies import DecodingSession
 from ..strategies.registry import STRATEGIES, get_strategy, on_register, strategy_parameter_names
-from ..strategies.streaming import TokenStream, ending_streamer
+from ..strategies.streaming import TokenStream
 from ..validation import invalid
 from .checks import check_call
 from .continuous import FeedAdmission, RowFeed
@@ -178,6 +180,41 @@ def _stored_strategy(model, generation_config) -> str:
     return stored
 
 
+#: Per outermost entry: the streamers already ended (the callable ends its streamer inside transformers' `generate`,
+#: and the same error then leaves the entry that called transformers). The objects themselves, compared by identity:
+#: an id could be a new streamer's, made in the same entry after an ended one was freed.
+_ENDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("hf_dllm_spec_ended_streamers", default=None)
+
+
+@contextlib.contextmanager
+def ending_streamer(streamer, always: bool = False):
+    """End `streamer` when the block raises (then re-raise), or, with `always`, whenever the block ends: a consumer
+    iterating a `TextIteratorStreamer` never waits forever for a call that failed (a refused argument, transformers'
+    own preparation of the call, the decoding). The blocks of one entry, nested through transformers' `generate`,
+    end a streamer once between them (`TextStreamer.end()` prints a line each time); so does a call nested in
+    another (from a stopping criterion, say) given the same streamer object: the first of them to finish ends it."""
+    token = _ENDED.set([]) if _ENDED.get() is None else None
+    try:
+        yield
+    except BaseException:
+        _end_once(streamer)
+        raise
+    else:
+        if always:
+            _end_once(streamer)
+    finally:
+        if token is not None:
+            _ENDED.reset(token)
+
+
+def _end_once(streamer) -> None:
+    ended = _ENDED.get()
+    if streamer is None or not callable(getattr(streamer, "end", None)) or any(s is streamer for s in ended):
+        return
+    ended.append(streamer)
+    streamer.end()
+
+
 def _draft_model(draft_model, assistant_model, call: dict[str, Any]):
     """`draft_model`, or transformers' `assistant_model` as its alias (also when transformers dropped it)."""
     assistant_model = assistant_model if assistant_model is not None else call.get("assistant_model")
@@ -291,4 +328,4 @@ def refresh_signature() -> None:
 
 on_register(refresh_signature)
 
-__all__ = ["criteria_to_scan", "dllm_generate", "refresh_signature", "stop_strings_as_criteria"]
+__all__ = ["criteria_to_scan", "dllm_generate", "ending_streamer", "refresh_signature", "stop_strings_as_criteria"]

@@ -14,10 +14,9 @@ from transformers import GenerationMixin
 
 from model_patches.generation import DllmGenerationMixin
 
-from ..strategies.streaming import ending_streamer
 from .candidate_generator import draft_as_assistant, is_assistant_call
 from .checks import check_call
-from .generate import check_strategy_name, dllm_generate, stop_strings_as_criteria
+from .generate import check_strategy_name, dllm_generate, ending_streamer, stop_strings_as_criteria
 
 
 def heal_tokens_first(model, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

@@ -4,7 +4,7 @@ A diffusion decoder commits tokens out of order; a streamer must only see tokens
 that the returned sequence will contain. :class:`TokenStream` receives, after each decoding step, the row's
 final left-contiguous tokens so far, cuts them with the same function that cuts the returned sequence (budget,
 first stop id, stopping criteria) and passes on what is new. `generate` calls the streamer's `end()` once,
-whatever happens (:func:`ending_streamer`).
+whatever happens (:func:`hf_dllm_spec.integration.generate.ending_streamer`).
 
 Drafts: a streamer with `put_draft` (transformers' `TextDiffusionStreamer` protocol) also receives, as `(1, k)`,
 the provisional tokens that follow the final ones (the rest of the current block before a step commits, its
@@ -14,8 +14,6 @@ each draft replaces the previous one and `put` commits. Strategies send them wit
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Callable
 
 import torch
@@ -58,38 +56,3 @@ class TokenStream:
         with `put_draft`, as `(1, k)`; nothing for other streamers or an empty draft."""
         if self.takes_drafts and provisional.numel():
             self.streamer.put_draft(provisional[None].cpu())
-
-
-#: Per outermost entry: the streamers already ended (the callable ends its streamer inside transformers' `generate`,
-#: and the same error then leaves the entry that called transformers). The objects themselves, compared by identity:
-#: an id could be a new streamer's, made in the same entry after an ended one was freed.
-_ENDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("hf_dllm_spec_ended_streamers", default=None)
-
-
-@contextlib.contextmanager
-def ending_streamer(streamer, always: bool = False):
-    """End `streamer` when the block raises (then re-raise), or, with `always`, whenever the block ends: a consumer
-    iterating a `TextIteratorStreamer` never waits forever for a call that failed (a refused argument, transformers'
-    own preparation of the call, the decoding). The blocks of one entry, nested through transformers' `generate`,
-    end a streamer once between them (`TextStreamer.end()` prints a line each time); so does a call nested in
-    another (from a stopping criterion, say) given the same streamer object: the first of them to finish ends it."""
-    token = _ENDED.set([]) if _ENDED.get() is None else None
-    try:
-        yield
-    except BaseException:
-        _end_once(streamer)
-        raise
-    else:
-        if always:
-            _end_once(streamer)
-    finally:
-        if token is not None:
-            _ENDED.reset(token)
-
-
-def _end_once(streamer) -> None:
-    ended = _ENDED.get()
-    if streamer is None or not callable(getattr(streamer, "end", None)) or any(s is streamer for s in ended):
-        return
-    ended.append(streamer)
-    streamer.end()
