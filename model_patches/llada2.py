@@ -146,7 +146,7 @@ class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
         "layers.*.mlp.down_proj": "rowwise",
     }
     # Expert parallelism (`ep_size` / `enable_expert_parallel`): the installed GLM-4-MoE's plan, whose style names
-    # changed in transformers 5.21 (5.17: `ep_router` + `moe_tp_experts`; 5.24: `ep_dispatch_experts`).
+    # changed in transformers 5.19 (5.17: `ep_router` + `moe_tp_experts`; 5.24: `ep_dispatch_experts`).
     base_model_ep_plan = dict(Glm4MoeConfig.base_model_ep_plan or {})
 
     def __init__(self, vocab_size: int = 157184, hidden_size: int = 2048, intermediate_size: int = 5120,
@@ -428,7 +428,7 @@ def resolved_parallel_layout(model: PreTrainedModel, distributed_config) -> tupl
     `transformers.distributed.DistributedConfig`): the model's plan, or a `tp_plan` dict given there (transformers
     whose models resolve their plans, `_resolve_parallel_plans`, 5.24: merged into the model's plan, an empty dict
     meaning none; 5.17: in place of it); with expert parallelism the experts' rules are the EP plan's. transformers
-    5.17 - 5.20 have no `ep_size`: there `enable_expert_parallel=True` applies the EP plan alone over the `tp_size`
+    5.17 - 5.18 have no `ep_size`: there `enable_expert_parallel=True` applies the EP plan alone over the `tp_size`
     ranks."""
     tp_size = getattr(distributed_config, "tp_size", None) or 1
     ep_size = getattr(distributed_config, "ep_size", None) or 1

@@ -40,7 +40,7 @@ from hf_dllm_spec.tools.jobs.main import specs
 
 TIMES = {"wall_time_s", "prefill_time_s", "forward_time_s", "draft_model_time_s", "warmup_time_s", "runtime"}
 #: (model, rows, layout): tensor parallelism for both families, then LLaDA2's routed experts split by expert
-#: (transformers >= 5.21: `ep_size`, with the rest tensor-parallel; 5.17 - 5.20: `enable_expert_parallel`, the
+#: (transformers >= 5.19: `ep_size`, with the rest tensor-parallel; 5.17 - 5.18: `enable_expert_parallel`, the
 #: expert-parallel plan alone).
 EXPERT_PARALLEL = (dict(tp_plan="auto", ep_size=2) if "ep_size" in DistributedConfig.__dataclass_fields__
                    else dict(tp_plan="auto", enable_expert_parallel=True))
@@ -183,7 +183,7 @@ def test_a_layout_that_cannot_split_is_refused_naming_value_rule_and_fix(overrid
 
 def test_what_the_plan_does_not_shard_is_not_refused():
     """6 heads on 4 ranks is fine when the attention rules are dropped (`tp_plan` dict), and with the legacy
-    expert-parallel flag (transformers 5.17 - 5.20: the EP plan alone) only `num_experts` counts."""
+    expert-parallel flag (transformers 5.17 - 5.18: the EP plan alone) only `num_experts` counts."""
     model = LLaDA2MoeModelLM(_tiny(num_attention_heads=6, num_key_value_heads=2, moe_intermediate_size=18))
     plan, tp_size, ep_size = resolved_parallel_layout(model, _Distributed(tp_size=4, ep_size=4, tp_plan={
         "model.layers.*.attention.dense": "rowwise_split_input"}))
