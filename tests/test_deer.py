@@ -268,6 +268,27 @@ def test_candidate_generator_calls_on_one_target_in_two_threads_keep_their_own_d
     assert "_get_candidate_generator" not in vars(target)
 
 
+def test_the_candidate_hook_nests_and_leaves_other_threads_to_transformers(monkeypatch):
+    """Nested DEER calls on one target each get their own factory and the hook goes with the last; a thread
+    without a DEER call (another thread's plain assisted `generate`) gets transformers' own method."""
+    import threading
+
+    from hf_dllm_spec.integration.candidate_generator import _candidate_generator
+
+    target = _target("qwen3")
+    monkeypatch.setattr(type(target), "_get_candidate_generator", lambda self, *args, **kwargs: "stock",
+                        raising=False)
+    seen = []
+    with _candidate_generator(target, lambda *args, **kwargs: "f1"):
+        with _candidate_generator(target, lambda *args, **kwargs: "f2"):
+            assert target._get_candidate_generator() == "f2"
+        assert target._get_candidate_generator() == "f1"
+        thread = threading.Thread(target=lambda: seen.append(target._get_candidate_generator()))
+        thread.start()
+        thread.join()
+    assert seen == ["stock"] and "_get_candidate_generator" not in vars(target)
+
+
 def test_candidate_generator_sampling_runs_in_transformers(drafter):
     """Sampled assisted decoding through transformers (which draws from torch's global RNG): the prompt kept, the
     same seed gives the same tokens, another seed others."""

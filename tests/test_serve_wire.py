@@ -283,6 +283,7 @@ def test_chat_messages_reach_the_template_as_transformers_serve_passes_them(tool
     ({"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]},    # no name
      "`messages[0].tool_calls[0]`"),
     ({"role": "tool", "content": "5", "tool_call_id": 7}, "`messages[0].tool_call_id`"),
+    ({"role": "assistant", "content": "", "tool_calls": 5}, "`messages[0].tool_calls`"),   # was a TypeError: 500
 ])
 def test_chat_messages_a_text_model_cannot_read_are_refused(tool_tokenizer, message, where):
     from hf_dllm_spec.serving.protocol import RequestError, chat_prompt
@@ -303,10 +304,54 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(served, tool_tokeniz
 
 
 def test_a_model_is_retrieved_by_its_id(served, base):
+    """By its whole id (a Hub-style one holds a slash), behind the API key as `/v1/models` is."""
     status, _, text = request(base, "GET", f"/v1/models/{served.name}")
     assert status == 200 and json.loads(text)["id"] == served.name and json.loads(text)["object"] == "model"
-    status, _, text = request(base, "GET", "/v1/models/other")
-    assert status == 404 and json.loads(text)["error"]["param"] == "model"
+    for other in ("other", served.name[:3]):
+        status, _, text = request(base, "GET", f"/v1/models/{other}")
+        assert status == 404 and json.loads(text)["error"]["param"] == "model"
+    with serving(dataclasses.replace(served, name="org/model"), ServerLimits(api_key="k")) as url:
+        assert request(url, "GET", "/v1/models/org/model")[0] == 401
+        status, _, text = request(url, "GET", "/v1/models/org/model", headers={"Authorization": "Bearer k"})
+        assert status == 200 and json.loads(text)["id"] == "org/model"
+
+
+def test_a_chat_request_the_library_refuses_in_its_batch_names_messages(base):
+    """A refusal made inside the batch (the prompt and budget beyond the model's positions) names the chat field,
+    in the message and in `param` (the library calls it `input_ids`)."""
+    status, _, text = post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 5000})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "messages", text
+    assert "`messages`" in error["message"] and "`prompt`" not in error["message"] and "input_ids" not in text
+
+
+def test_budgets_and_library_refusals_in_the_servers_terms():
+    from hf_dllm_spec.serving.protocol import RequestError, max_tokens_of, server_error
+    from hf_dllm_spec.validation import invalid
+
+    assert max_tokens_of({}, 16) == 16 and max_tokens_of({"max_completion_tokens": 2}, 16) == 2
+    assert max_tokens_of({"max_tokens": 3, "max_completion_tokens": 2}, 16) == 2
+    for body in ({"max_tokens": 0}, {"max_completion_tokens": 0}):
+        with pytest.raises(RequestError) as refused:
+            max_tokens_of(body, 16)
+        assert refused.value.param == next(iter(body))
+    assert server_error(invalid("sub_block_size", 3, "r", "f")).param == "sub_block_size"   # a strategy parameter
+    assert server_error(invalid("mask_token_id", 1, "r", "f")).param is None                # not a request field
+    assert server_error(invalid("input_ids", 1, "r", "f"), "messages").param == "messages"
+    assert server_error(invalid("max_new_tokens", 1, "r", "f")).param == "max_tokens"
+
+
+@pytest.mark.parametrize("error", [TypeError("unsupported operand"), ValueError("bad turn")])
+def test_a_template_that_fails_with_another_error_is_a_400_too(error):
+    from hf_dllm_spec.serving.protocol import RequestError, chat_prompt
+
+    class Failing:
+        def apply_chat_template(self, *args, **kwargs):
+            raise error
+
+    with pytest.raises(RequestError, match=str(error)) as refused:
+        chat_prompt({"messages": CHAT}, Failing())
+    assert refused.value.status == 400 and refused.value.param == "messages"
 
 
 @pytest.mark.parametrize("body, param", [
@@ -316,6 +361,8 @@ def test_a_model_is_retrieved_by_its_id(served, base):
     ({"max_tokens": "abc", "max_completion_tokens": 2}, "max_tokens"),       # was ignored beside the other
     ({"web_search_options": {}}, "web_search_options"),                       # its presence turns search on
     ({"prompt": "2 + 3?"}, "prompt"),                                          # a /v1/completions field
+    ({"stream": True, "stream_options": {"include_usage": True, "foo": True}}, "stream_options"),
+    ({"max_tokens": 0, "max_completion_tokens": 2}, "max_tokens"),
 ])
 def test_chat_fields_the_openai_api_refuses_are_refused(base, body, param):
     status, _, text = post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **body})
@@ -350,7 +397,7 @@ def test_every_error_answer_is_openai_json(served):
     assert "the tokenizer broke" not in error["message"]                   # the exception's text stays in the log
 
 
-@pytest.mark.parametrize("pattern", ["foo*", "*example.com", "", "a.*.com"])
+@pytest.mark.parametrize("pattern", ["foo*", "*example.com", "", "a.*.com", "a*.com"])
 def test_an_allowed_host_pattern_starlette_cannot_match_is_refused_at_start(pattern):
     """Starlette asserted on such a pattern (a bare AssertionError when the app was built)."""
     with pytest.raises(ValueError, match=r"`allowed_hosts`"):

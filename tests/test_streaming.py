@@ -191,6 +191,36 @@ def test_end_is_called_once_when_transformers_preparation_fails(bundled, entry, 
     assert rec.ended == 1
 
 
+def test_a_streamer_reused_for_a_second_call_is_ended_again(bundled):
+    """The record of ended streamers belongs to one call: the same streamer passed to the next call is ended by it
+    too (a kept record would leave that consumer waiting)."""
+    _, model, ids = bundled
+    rec = Recorder()
+    for calls in (1, 2):
+        model.generate(ids, decoding_strategy="block_diffusion", streamer=rec, max_new_tokens=4)
+        assert rec.ended == calls
+
+
+def test_end_is_called_once_when_a_criterion_interrupts_the_call(bundled):
+    """A `BaseException` that is not an `Exception` (KeyboardInterrupt, a criterion's own) still ends the stream,
+    once."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Interrupt(BaseException):
+        pass
+
+    class Interrupting(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            raise Interrupt()
+
+    _, model, ids = bundled
+    rec = Recorder()
+    with pytest.raises(Interrupt):
+        model.generate(ids, decoding_strategy="block_diffusion", streamer=rec, max_new_tokens=8,
+                       stopping_criteria=StoppingCriteriaList([Interrupting()]))
+    assert rec.ended == 1
+
+
 @pytest.mark.parametrize("entry", ["model_class", "hub_folder"])
 def test_stop_strings_with_tokenizer(bundled, entry):
     tokenizer, model, ids = bundled

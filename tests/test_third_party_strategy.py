@@ -214,6 +214,17 @@ print("tokens:", model.generate(torch.tensor([[5, 17, 42]]), decoding_strategy="
     assert "refused: `strategy parameter` (='row_feed')" in done.stdout
 
 
+def test_a_listener_that_fails_when_added_is_not_kept():
+    """Kept, it failed every later registration (each rolled back)."""
+    from hf_dllm_spec.strategies import registry
+
+    listeners = list(registry._LISTENERS)
+    with pytest.raises(ZeroDivisionError):
+        registry.on_register(lambda: 1 / 0)
+    assert registry._LISTENERS == listeners
+    register_strategy(STRATEGIES["ar"])
+
+
 def test_the_callable_arguments_the_registry_reserves_are_the_callables():
     from hf_dllm_spec.bridge import CALLABLE_ARGUMENTS
     from hf_dllm_spec.integration.generate import _BASE_SIGNATURE
