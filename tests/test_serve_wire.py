@@ -369,7 +369,7 @@ def test_chat_fields_the_openai_api_refuses_are_refused(base, body, param):
     assert status == 400 and json.loads(text)["error"]["param"] == param, text
 
 
-@pytest.mark.parametrize("body", [{"parallel_tool_calls": True}, {"modalities": ["text"]},
+@pytest.mark.parametrize("body", [{"parallel_tool_calls": True}, {"modalities": ["text"]}, {"prompt": None},
                                   {"stream": True, "stream_options": {"include_usage": True}}])
 def test_chat_fields_at_the_openai_default_are_served(base, body):
     assert post(base, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **body})[0] == 200

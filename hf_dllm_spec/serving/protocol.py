@@ -274,7 +274,7 @@ def decoding_options(body: dict, *, default_strategy: str, default_params: dict,
         RequestError: unknown strategy or parameter, bad value (the library's message), bad sampling option.
     """
     text_fields, chat_fields = _known_fields()
-    known = chat_fields if chat else text_fields
+    known = text_fields | chat_fields               # the other endpoint's: null here (`check_fields` refused others)
     strategy = body.get("decoding_strategy") or default_strategy
     params = {k: v for k, v in body.items() if k not in known and k not in EXTRA_OPTIONS}
     if strategy == default_strategy:
