@@ -199,7 +199,8 @@ from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionConfig, BlockD
 for field in ("use_cache", "row_feed"):          # a generate keyword, an argument of the callable
     config = dataclass(type("C", (BlockDiffusionConfig,), {{"__annotations__": {{field: bool}}, field: True}}))
     try:
-        hf_dllm_spec.register_strategy(type("S", (BlockDiffusionStrategy,), {{"name": "clash", "config_class": config}}))
+        hf_dllm_spec.register_strategy(type("S", (BlockDiffusionStrategy,),
+                                            {{"name": "clash", "config_class": config}}))
     except ValueError as err:
         print("refused:", err)
 assert "hf_dllm_spec.integration.generate" not in sys.modules

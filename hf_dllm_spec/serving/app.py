@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over a :class:`~hf_dllm_spec.serving.batcher.Batcher`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with `stream=true`),
-`GET /v1/models` (and `/v1/models/{id}`), `GET /health` (the queue and the batch in progress), `GET /metrics` (Prometheus text,
-:mod:`~hf_dllm_spec.serving.metrics`). Responses are the `openai` package's own
-types (as in transformers' `serve`), with two additions: `usage` in every response (also in the last streamed
+`GET /v1/models` (and `/v1/models/{id}`), `GET /health` (the queue and the batch in progress), `GET /metrics`
+(Prometheus text, :mod:`~hf_dllm_spec.serving.metrics`). Responses are the `openai` package's own types (as in
+transformers' `serve`), with two additions: `usage` in every response (also in the last streamed
 chunk) and `dllm_stats`, the library's statistics of the request's row (NFE, tokens per forward, acceptance
 rate). A streamed response only carries final tokens in its choices; with `stream_drafts=true` in the body
 (batch 1) it also carries, between them, chunks marked `dllm_draft` (`{"text", "token_ids"}`: the provisional

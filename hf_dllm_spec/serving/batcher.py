@@ -56,7 +56,8 @@ class Result:
 @dataclass
 class Job:
     """One request in flight. The worker thread posts `(kind, payload)` events to `events` on the request's event
-    loop: `("tokens", [ids])` as tokens become final, then `("done", Result)` or `("error", (status, message[, param]))`.
+    loop: `("tokens", [ids])` as tokens become final, then `("done", Result)` or
+    `("error", (status, message[, param]))`.
     Setting `cancelled` (the client went away) ends the row at the batch's next join point (a `stream_drafts` request,
     which runs alone, at its next final token). `observer` (the server's
     :class:`~hf_dllm_spec.serving.metrics.ServerMetrics`, set by :meth:`Batcher.submit`) sees every event."""
