@@ -292,11 +292,10 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         loop = asyncio.get_running_loop()
         parsed = await loop.run_in_executor(parser, parse, raw, chat)
         if served.max_step_tokens is not None and len(parsed.prompt_ids) > served.max_step_tokens:
-            raise RequestError(str(invalid("messages" if chat else "prompt",
-                                           f"<prompt of {len(parsed.prompt_ids)} tokens>",
+            raise RequestError(str(invalid(parsed.prompt_field, f"<prompt of {len(parsed.prompt_ids)} tokens>",
                                            f"fit one forward of at most {served.max_step_tokens} tokens (the "
                                            "server's --max-step-tokens)", "send a shorter prompt")),
-                               param="messages" if chat else "prompt")
+                               param=parsed.prompt_field)
         status = batcher.status()
         if limits.max_waiting is not None and status["queued"] >= limits.max_waiting and (
                 status["running"] or status["queued"]):          # an idle batcher takes the request at once

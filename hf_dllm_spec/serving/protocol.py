@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..strategies.registry import get_strategy, resolve_config
+from ..strategies.registry import get_strategy, resolve_config, strategy_parameter_names
 from ..validation import check_range, invalid
 
 
@@ -66,8 +66,6 @@ def server_error(err: Exception, prompt_field: str = "prompt", body_fields=()) -
     as a 400 in the server's terms (:func:`server_terms`) whose `param` is the request field it names: a strategy
     parameter, an option or one of `body_fields` (the request's own) as itself, `input_ids` as `prompt_field`,
     `max_new_tokens` as `max_tokens`; None for a name a request cannot hold (the model's special ids)."""
-    from ..strategies.registry import strategy_parameter_names
-
     name = getattr(err, "param", None)
     name = {"input_ids": prompt_field, "max_new_tokens": "max_tokens"}.get(name, name)
     fields = SUPPORTED_FIELDS | EXTRA_OPTIONS | {prompt_field, *body_fields, *strategy_parameter_names()}
@@ -423,44 +421,49 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
                                                                  for m in messages):
-        raise RequestError(str(invalid("messages", excerpt(messages), "be a non-empty list of {'role', 'content'} messages",
-                                       "pass messages=[{'role': 'user', 'content': '...'}]")), param="messages")
+        raise _bad_messages("messages", messages, "be a non-empty list of {'role', 'content'} messages",
+                            "pass messages=[{'role': 'user', 'content': '...'}]")
     flat = [_template_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     from jinja2 import TemplateError
 
     try:
         text = tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
     except (TemplateError, TypeError, ValueError, KeyError) as err:
-        raise RequestError(str(invalid("messages", excerpt(messages), f"be accepted by the model's chat template, "
-                                       f"which refused them: {type(err).__name__}: {excerpt(str(err), 200)}",
-                                       "send roles and turns the model's template takes")), param="messages") from None
+        raise _bad_messages("messages", messages, f"be accepted by the model's chat template, which refused them: "
+                            f"{type(err).__name__}: {excerpt(str(err), 200)}",
+                            "send roles and turns the model's template takes") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _bad_messages(where: str, value: Any, rule: str, fix: str) -> RequestError:
+    """A 400 about the chat messages: the message names the place (`messages[0].content[1]`), `param` is
+    `messages`."""
+    return RequestError(str(invalid(where, excerpt(value), rule, fix)), param="messages")
 
 
 def _template_message(message: dict, where: str) -> dict:
     """One OpenAI message as the chat template takes it (see :func:`chat_prompt`)."""
     role, content = message["role"], message.get("content")
     if not isinstance(role, str):
-        raise RequestError(str(invalid(f"{where}.role", excerpt(role), "be a string",
-                                       "pass 'system', 'user', 'assistant' or 'tool'")), param="messages")
+        raise _bad_messages(f"{where}.role", role, "be a string", "pass 'system', 'user', 'assistant' or 'tool'")
     if content is None and role == "assistant":
         content = ""
     elif isinstance(content, list):
         content = " ".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(content))
     if not isinstance(content, str):
-        raise RequestError(str(invalid(f"{where}.content", excerpt(content), "be a string or a list of text parts "
-                                       "(null only in an assistant message)",
-                                       "pass {'role': 'user', 'content': '...'}")), param="messages")
+        raise _bad_messages(f"{where}.content", content, "be a string or a list of text parts (null only in an "
+                            "assistant message)", "pass {'role': 'user', 'content': '...'}")
     out = {"role": role, "content": content}
     for key in ("tool_call_id", "name"):
         if message.get(key) is not None:
             if not isinstance(message[key], str):
-                raise RequestError(str(invalid(f"{where}.{key}", excerpt(message[key]), "be a string",
-                                               f"pass the {key} as a string")), param="messages")
+                raise _bad_messages(f"{where}.{key}", message[key], "be a string", f"pass the {key} as a string")
             out[key] = message[key]
-    if message.get("tool_calls"):
-        out["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]")
-                             for j, call in enumerate(_as_list(message["tool_calls"], f"{where}.tool_calls"))]
+    calls = message.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise _bad_messages(f"{where}.tool_calls", calls, "be a list", "pass a list of tool calls")
+        out["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
     return out
 
 
@@ -470,16 +473,8 @@ def _part_text(part: Any, where: str) -> str:
     if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
         return part["refusal"]                                   # an assistant's earlier refusal, in its words
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise RequestError(str(invalid(where, excerpt(part), "be a text part {'type': 'text', 'text': '...'}: the served "
-                                   f"model reads text only (got {kind!r})", "send the content as text")),
-                       param="messages")
-
-
-def _as_list(value: Any, where: str) -> list:
-    if not isinstance(value, list):
-        raise RequestError(str(invalid(where, excerpt(value), "be a list", "pass a list of tool calls")),
-                           param="messages")
-    return value
+    raise _bad_messages(where, part, "be a text part {'type': 'text', 'text': '...'}: the served model reads text "
+                        f"only (got {kind!r})", "send the content as text")
 
 
 def _tool_call(call: Any, where: str) -> dict:
@@ -487,8 +482,8 @@ def _tool_call(call: Any, where: str) -> dict:
     templates iterate an object, or `tojson` it); other text is passed on as it is (the API allows any string)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise RequestError(str(invalid(where, excerpt(call), "be {'function': {'name': '...', 'arguments': '...'}}",
-                                       "send the tool call as the API returned it")), param="messages")
+        raise _bad_messages(where, call, "be {'function': {'name': '...', 'arguments': '...'}}",
+                            "send the tool call as the API returned it")
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
@@ -523,9 +518,9 @@ def parse_request(body: Any, *, chat: bool, tokenizer, served_name: str, default
     max_tokens = max_tokens_of(body, default_max_tokens)
     check_min_tokens(body, max_tokens, options.ignore_eos)
     prompt_ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, vocab_size)
+    prompt_field = "messages" if chat else "prompt"
     if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
-        raise RequestError(str(invalid("prompt" if not chat else "messages", f"<prompt of {len(prompt_ids)} tokens>",
+        raise RequestError(str(invalid(prompt_field, f"<prompt of {len(prompt_ids)} tokens>",
                                        f"be at most {max_prompt_tokens} tokens (the server's --max-prompt-tokens)",
-                                       "send a shorter prompt")), param="messages" if chat else "prompt")
-    return ParsedRequest(prompt_ids, max_tokens, options, stream, served_name, drafts,
-                         "messages" if chat else "prompt")
+                                       "send a shorter prompt")), param=prompt_field)
+    return ParsedRequest(prompt_ids, max_tokens, options, stream, served_name, drafts, prompt_field)
