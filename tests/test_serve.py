@@ -221,6 +221,69 @@ def test_seeded_sampled_requests_share_a_batch_each_with_its_own_tokens(sdar):
     assert max(r["batch_size"] for r in list(app.state.batcher.history)[before:]) > 1
 
 
+def _choices_of_stream(stream) -> tuple[dict[int, str], list]:
+    """The text of each choice (by `index`) of a streamed response, and its chunks."""
+    texts, chunks = {}, list(stream)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            piece = (choice.delta.content or "") if hasattr(choice, "delta") else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + piece
+    return texts, chunks
+
+
+def test_a_list_of_prompts_gets_a_choice_per_prompt_each_with_its_batch_one_tokens(sdar):
+    """`/v1/completions` with several prompts (strings and token ids, as LangChain's `OpenAI.batch` sends them):
+    choice i is prompt i's completion, with the tokens of its own batch-1 `generate`; the usage counts every prompt
+    and completion, each choice carries its `dllm_stats`; streamed, the choices' texts are the same and only the last
+    chunk carries the usage."""
+    served, client, base, app = sdar
+    tok = served.tokenizer
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS[:3]]
+    sent = [prompts[0], tok(prompts[1])["input_ids"], prompts[2]]
+    ids = [reference(served, tok(p)["input_ids"], 6, served.default_strategy) for p in prompts]
+    want = [tok.decode(i, skip_special_tokens=True) for i in ids]
+    r = client.completions.create(model=served.name, prompt=sent, max_tokens=6)
+    assert [c.index for c in r.choices] == [0, 1, 2] and [c.text for c in r.choices] == want
+    assert r.usage.prompt_tokens == sum(len(tok(p)["input_ids"]) for p in prompts)
+    assert r.usage.completion_tokens == sum(len(i) for i in ids)
+    stats = [c.model_extra["dllm_stats"] for c in r.choices]
+    assert all(s["decoding_strategy"] == served.default_strategy and s["nfe"] >= 1 for s in stats)
+    assert "dllm_stats" not in r.model_extra
+    texts, chunks = _choices_of_stream(client.completions.create(model=served.name, prompt=sent, max_tokens=6,
+                                                                 stream=True))
+    assert texts == dict(enumerate(want))
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert with_usage == [chunks[-1]] and chunks[-1].usage == r.usage
+    finished = [choice.index for c in chunks for choice in c.choices if choice.finish_reason]
+    assert sorted(finished) == [0, 1, 2]
+
+
+def test_n_completions_sample_with_consecutive_seeds(sdar):
+    """`n=3` with `seed=s`: completion j has the tokens of the same request with `n=1` and seed `s + j` (so they
+    differ and each is reproducible); greedy, the n completions are equal; a chat stream gives each choice its role
+    chunk and its text."""
+    served, client, base, app = sdar
+    tok = served.tokenizer
+    prompt = f"Question: {QUESTIONS[0]}\nAnswer:"
+    r = client.completions.create(model=served.name, prompt=prompt, max_tokens=8, temperature=1.5, seed=70, n=3)
+    alone = [client.completions.create(model=served.name, prompt=prompt, max_tokens=8, temperature=1.5,
+                                       seed=70 + j).choices[0].text for j in range(3)]
+    assert [c.text for c in r.choices] == alone and len(set(alone)) > 1
+    want = reference(served, tok(prompt)["input_ids"], 8, served.default_strategy, do_sample=True, temperature=1.5,
+                     generator=[torch.Generator().manual_seed(71)], **NEUTRAL)
+    assert alone[1] == tok.decode(want, skip_special_tokens=True)
+    greedy = client.completions.create(model=served.name, prompt=prompt, max_tokens=8, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    whole = client.chat.completions.create(model=served.name, messages=messages, max_tokens=8, temperature=1.5,
+                                           seed=5, n=2)
+    texts, chunks = _choices_of_stream(client.chat.completions.create(
+        model=served.name, messages=messages, max_tokens=8, temperature=1.5, seed=5, n=2, stream=True))
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    roles = [choice.index for c in chunks for choice in c.choices if choice.delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+
+
 def test_requests_with_their_own_sampling_settings_share_a_batch(sdar):
     """Sampled requests with different temperatures, top-p and top-k join one batch; each gets the tokens of its own
     batch-1 `generate(do_sample=True, temperature=..., top_p=..., top_k=..., generator=[seeded])` call."""
@@ -428,7 +491,7 @@ BAD = [
                  id="unknown-parameter"),
     pytest.param({"max_tokens": 0}, 400, "`max_tokens` (=0)", "max_tokens", id="max-tokens-0"),
     pytest.param({"max_tokens": -3}, 400, "`max_tokens` (=-3)", "max_tokens", id="max-tokens-negative"),
-    pytest.param({"n": 2}, 400, "`n` (=2)", "n", id="n-2"),
+    pytest.param({"n": 129}, 400, "`n` (=129)", "n", id="n-129"),
     pytest.param({"prompt": [5] * 2100}, 400, "`prompt` (='<prompt of 2100 tokens>') must fit with max_tokens=4",
                  "prompt", id="too-long"),
     pytest.param({"decoding_strategy": "simsd"}, 400, "--draft-model PATH`", "decoding_strategy", id="no-drafter"),

@@ -251,8 +251,17 @@ BAD_VALUES = [
     pytest.param({"logprobs": 0}, "`logprobs` (=0) must be left unset", id="logprobs-0"),
     pytest.param({"logprobs": 1}, "`logprobs` (=1) must be left unset", id="logprobs-1"),
     pytest.param({"logprobs": 5}, "`logprobs` (=5) must be left unset", id="logprobs-5"),
-    pytest.param({"n": 2}, "`n` (=2) must be 1", id="n-2"),
-    pytest.param({"n": True}, "`n` (=True) must be 1", id="n-true"),
+    pytest.param({"n": 129}, "`n` (=129) must be an integer in [1, 128]", id="n-129"),
+    pytest.param({"n": True}, "`n` (=True) must be an integer in [1, 128]", id="n-true"),
+    pytest.param({"n": 2.0}, "`n` (=2.0) must be an integer in [1, 128]", id="n-float"),
+    pytest.param({"prompt": [PROMPT] * 65, "n": 2}, "`prompt` (='<65 prompts>') must ask for at most 128 completions "
+                 "with n=2 (130 asked)", id="too-many-completions"),
+    pytest.param({"prompt": [PROMPT, ""]}, "`prompt[1]` (='') must be a non-empty string", id="empty-second-prompt"),
+    pytest.param({"prompt": [[5], [9999]]}, "`prompt[1][0]` (=9999) must be a token id in [0, 8192)",
+                 id="token-out-of-vocab-second-prompt"),
+    pytest.param({"prompt": [PROMPT, [5] * 300]}, "`prompt[1]` (='<prompt of 300 tokens>') must be at most 200 "
+                 "tokens", id="second-prompt-too-long"),
+    pytest.param({"prompt": [PROMPT, 5]}, "`prompt` (=", id="prompt-list-of-mixed-types"),
     pytest.param({"prompt": [9999]}, "`prompt[0]` (=9999) must be a token id in [0, 8192)", id="token-out-of-vocab"),
     pytest.param({"prompt": [-1]}, "`prompt[0]` (=-1) must be a token id", id="token-negative"),
     pytest.param({"prompt": [5] * 300}, "must be at most 200 tokens (the server's --max-prompt-tokens)",
@@ -510,10 +519,11 @@ def test_requests_waiting_at_close_and_submitted_after_it_get_503(served):
     from hf_dllm_spec.serving.protocol import parse_request
 
     def parsed(body: dict):
-        return parse_request(body, chat=False, tokenizer=served.tokenizer, served_name=served.name,
-                             default_strategy=served.default_strategy, default_params=served.default_params,
-                             generation_config=served.model.generation_config,
-                             default_max_tokens=served.default_max_tokens)
+        (row,) = parse_request(body, chat=False, tokenizer=served.tokenizer, served_name=served.name,
+                               default_strategy=served.default_strategy, default_params=served.default_params,
+                               generation_config=served.model.generation_config,
+                               default_max_tokens=served.default_max_tokens)
+        return row
 
     async def scenario():
         loop = asyncio.get_running_loop()
@@ -545,10 +555,11 @@ def test_requests_waiting_at_close_and_submitted_after_it_get_503(served):
 def _parsed(served, body: dict):
     from hf_dllm_spec.serving.protocol import parse_request
 
-    return parse_request(body, chat=False, tokenizer=served.tokenizer, served_name=served.name,
-                         default_strategy=served.default_strategy, default_params=served.default_params,
-                         generation_config=served.model.generation_config,
-                         default_max_tokens=served.default_max_tokens)
+    (row,) = parse_request(body, chat=False, tokenizer=served.tokenizer, served_name=served.name,
+                           default_strategy=served.default_strategy, default_params=served.default_params,
+                           generation_config=served.model.generation_config,
+                           default_max_tokens=served.default_max_tokens)
+    return row
 
 
 async def _outcome(job, timeout: float = 120):

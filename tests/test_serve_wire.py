@@ -90,7 +90,7 @@ def test_max_completion_tokens_wins_over_max_tokens(base):
 
 @pytest.mark.parametrize("field,value", [("n", 0), ("min_tokens", 1)])
 def test_fields_just_past_their_rule_are_refused(base, field, value):
-    """`n` must be 1 (0 was served), `min_tokens` needs `ignore_eos` from 1 token on (1 was served)."""
+    """`n` must be at least 1 (0 was served), `min_tokens` needs `ignore_eos` from 1 token on (1 was served)."""
     status, _, text = post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, field: value})
     assert status == 400 and json.loads(text)["error"]["param"] == field, text
 
@@ -323,6 +323,50 @@ def test_a_chat_request_the_library_refuses_in_its_batch_names_messages(base):
     error = json.loads(text)["error"]
     assert status == 400 and error["param"] == "messages", text
     assert "`messages`" in error["message"] and "`prompt`" not in error["message"] and "input_ids" not in text
+
+
+# -- several completions per request ---------------------------------------------------------------------------
+
+def test_a_request_with_one_refused_prompt_is_refused_whole_and_frees_its_rows(base):
+    """A list of prompts whose second one the library refuses in its batch (beyond the model's positions): a 400
+    naming `prompt`, no partial answer, and nothing of it left running."""
+    status, _, text = post(base, "/v1/completions", {"prompt": [PROMPT, [5] * 2100], "max_tokens": 4})
+    assert status == 400 and json.loads(text)["error"]["param"] == "prompt", text
+    deadline = time.monotonic() + 30
+    while (health(base)["running"] or health(base)["queued"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health(base)["running"] == health(base)["queued"] == 0
+
+
+def test_a_client_that_leaves_frees_every_row_of_its_request(served):
+    """A streamed request of n=4 long completions whose client goes away after the first chunk: all four rows end
+    (cancelled), not only the first."""
+    app = create_app(served, ServerLimits())
+    with serve_in_background(app) as url:
+        before = len(app.state.batcher.history)
+        with long_stream(url, n=4):
+            pass
+        deadline = time.monotonic() + 60
+        while len(app.state.batcher.history) < before + 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rows = list(app.state.batcher.history)[before:]
+        assert len(rows) == 4 and all(r["finish_reason"] == "cancelled" and r["tokens"] < 1500 for r in rows), rows
+        assert health(url)["running"] == 0
+
+
+def test_max_waiting_counts_every_completion_and_seeds_wrap(served):
+    """`--max-waiting 2` while a batch runs: a request of 3 completions gets 429, one of 2 is served; completion 1
+    of `seed = 2**64 - 1` samples with seed 0 (the seed wraps, as `manual_seed` takes no larger one)."""
+    with serving(served, ServerLimits(max_waiting=2)) as url:
+        with long_stream(url):
+            body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.5, "ignore_eos": True}
+            status, headers, _ = post(url, "/v1/completions", {**body, "n": 3})
+            assert status == 429 and int(headers["retry-after"]) >= 1
+            status, _, text = post(url, "/v1/completions", {**body, "n": 2, "seed": 2 ** 64 - 1})
+            assert status == 200, text
+        wrapped = json.loads(text)["choices"][1]["text"]
+        alone = json.loads(post(url, "/v1/completions", {**body, "seed": 0})[2])["choices"][0]["text"]
+        assert wrapped == alone
 
 
 def test_budgets_and_library_refusals_in_the_servers_terms():

@@ -172,18 +172,68 @@ class TextDeltas:
 DISCONNECT_POLL_S = 0.25
 
 
-async def _next_event(job, request: Request):
-    """The job's next event, or None once the client has disconnected (its `cancelled` is set then, so its row
-    leaves the batch at the next join point). A streamed response notices by itself (its sends fail); a
-    non-streamed one only by looking (uvicorn does not cancel the handler)."""
-    while True:
-        if await request.is_disconnected():          # before every event too: they may come faster than the poll
+class Choices:
+    """The completions of one request (a :class:`~.batcher.Job` each, rows of the batcher) and their events, merged
+    in the order they arrive as `(choice, (kind, payload))` on one queue.
+
+    Args:
+        rows (`list[ParsedRequest]`): the request's completions, in the order of its `choices`.
+        loop: the request's event loop.
+    """
+
+    def __init__(self, rows: list, loop: asyncio.AbstractEventLoop) -> None:
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.jobs = [Job(row, loop, _ChoiceEvents(self.events, i)) for i, row in enumerate(rows)]
+        self.prompt_tokens = sum(len(row.prompt_ids) for row in rows if row.sample == 0)
+
+    def cancel(self) -> None:
+        """End every completion still decoding (a no-op for those done): their rows leave at the next join point."""
+        for job in self.jobs:
             job.cancelled.set()
-            return None
-        try:
-            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            pass
+
+    def ready(self) -> list[tuple[int, tuple]]:
+        """The events already arrived, without waiting."""
+        out = []
+        while not self.events.empty():
+            out.append(self.events.get_nowait())
+        return out
+
+    async def start(self, request: Request) -> list[tuple[int, tuple]] | None:
+        """The events until every completion has sent one (or one is refused): a request is refused whole, before
+        its response starts. None once the client has disconnected."""
+        backlog: list[tuple[int, tuple]] = []
+        while len({i for i, _ in backlog}) < len(self.jobs):
+            got = await self.next(request)
+            if got is None:
+                return None
+            backlog.append(got)
+            if got[1][0] == "error":
+                break
+        return backlog
+
+    async def next(self, request: Request) -> tuple[int, tuple] | None:
+        """The next event, or None once the client has disconnected (every completion is cancelled then, so their
+        rows leave the batch at the next join point). A streamed response notices by itself (its sends fail); a
+        non-streamed one only by looking (uvicorn does not cancel the handler)."""
+        while True:
+            if await request.is_disconnected():          # before every event too: they may come faster than the poll
+                self.cancel()
+                return None
+            try:
+                return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+
+
+class _ChoiceEvents:
+    """The `events` of one completion's :class:`~.batcher.Job`: an event goes to the request's queue with the
+    completion's index."""
+
+    def __init__(self, queue: asyncio.Queue, index: int) -> None:
+        self.queue, self.index = queue, index
+
+    def put_nowait(self, event: tuple) -> None:
+        self.queue.put_nowait((self.index, event))
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -290,46 +340,52 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         check_content_type(request.headers.get("content-type"))
         raw = await request.body()                      # BodyLimitMiddleware: 413 / 408 while it arrives
         loop = asyncio.get_running_loop()
-        parsed = await loop.run_in_executor(parser, parse, raw, chat)
-        if served.max_step_tokens is not None and len(parsed.prompt_ids) > served.max_step_tokens:
-            raise RequestError(str(invalid(parsed.prompt_field, f"<prompt of {len(parsed.prompt_ids)} tokens>",
+        rows = await loop.run_in_executor(parser, parse, raw, chat)
+        longest, field = max(len(row.prompt_ids) for row in rows), rows[0].prompt_field
+        if served.max_step_tokens is not None and longest > served.max_step_tokens:
+            raise RequestError(str(invalid(field, f"<prompt of {longest} tokens>",
                                            f"fit one forward of at most {served.max_step_tokens} tokens (the "
-                                           "server's --max-step-tokens)", "send a shorter prompt")),
-                               param=parsed.prompt_field)
+                                           "server's --max-step-tokens)", "send a shorter prompt")), param=field)
         status = batcher.status()
-        if limits.max_waiting is not None and status["queued"] >= limits.max_waiting and (
+        if limits.max_waiting is not None and status["queued"] + len(rows) > limits.max_waiting and (
                 status["running"] or status["queued"]):          # an idle batcher takes the request at once
             raise RequestError(f"the server has {limits.max_waiting} requests waiting (its --max-waiting); retry "
                                "after the time in `Retry-After`", status=429,
                                headers={"Retry-After": str(batcher.retry_after())})
-        job = Job(parsed, loop)
-        batcher.submit(job)
+        choices = Choices(rows, loop)
+        for job in choices.jobs:
+            batcher.submit(job)
         try:
-            first = await _next_event(job, request)   # the library refuses a request before any forward
+            backlog = await choices.start(request)   # the library refuses a request before any forward
         except BaseException:
-            job.cancelled.set()
+            choices.cancel()
             raise
-        if first is None:
+        if backlog is None:
             return Response(status_code=499)          # the client went away (nobody reads this answer)
-        if first[0] == "error":
-            return error_response(*first[1])
-        shape = _ChatShape(job, served.name) if chat else _TextShape(job, served.name)
-        if parsed.stream:
-            return StreamingResponse(_stream(job, first, shape, served.tokenizer), media_type="text/event-stream")
+        refused = next((event[1] for _, event in backlog if event[0] == "error"), None)
+        if refused is not None:
+            choices.cancel()
+            return error_response(*refused)
+        shape = (_ChatShape if chat else _TextShape)(choices.jobs[0], served.name)
+        if rows[0].stream:
+            return StreamingResponse(_stream(choices, backlog, shape, served.tokenizer),
+                                     media_type="text/event-stream")
+        results: dict[int, Result] = {i: payload for i, (kind, payload) in backlog if kind == "done"}
         try:
-            event, tokens = first, []
-            while event is not None and event[0] == "tokens":
-                tokens += event[1]
-                event = await _next_event(job, request)
+            while len(results) < len(choices.jobs):
+                got = await choices.next(request)
+                if got is None:
+                    return Response(status_code=499)
+                i, (kind, payload) = got
+                if kind == "error":
+                    return error_response(*payload)
+                if kind == "done":
+                    results[i] = payload
         finally:
-            job.cancelled.set()                   # no-op once done; frees the row if the client went away
-        if event is None:
-            return Response(status_code=499)
-        if event[0] == "error":
-            return error_response(*event[1])
-        result: Result = event[1]
-        text = served.tokenizer.decode(result.tokens, skip_special_tokens=True)
-        return JSONResponse(shape.whole(text, result, len(parsed.prompt_ids)))
+            choices.cancel()                   # no-op once done; frees the rows if the client went away
+        outputs = [(served.tokenizer.decode(results[i].tokens, skip_special_tokens=True), results[i])
+                   for i in range(len(choices.jobs))]
+        return JSONResponse(shape.whole(outputs, choices.prompt_tokens))
 
     @keyed.post("/v1/completions")
     async def completions(request: Request):
@@ -344,94 +400,97 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
 
 
 class _TextShape:
-    """`/v1/completions` payloads (`Completion`, `text_completion` chunks)."""
+    """`/v1/completions` payloads (`Completion`, `text_completion` chunks); choice `i` of a request's completions."""
 
-    object = "text_completion"
+    object = whole_object = "text_completion"
 
     def __init__(self, job: Job, model: str) -> None:
         self.base = {"id": job.id, "created": int(time.time()), "model": model}
 
-    def whole(self, text: str, result: Result, prompt_tokens: int) -> dict:
-        return {**self.base, "object": self.object,
-                "choices": [{"index": 0, "text": text, "finish_reason": result.finish_reason, "logprobs": None}],
-                "usage": _usage(prompt_tokens, len(result.tokens)), "dllm_stats": result.stats}
+    def choice(self, i: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": i, "text": text, "finish_reason": finish_reason, "logprobs": None}
 
-    def first(self) -> list[dict]:
+    def whole(self, outputs: list[tuple[str, Result]], prompt_tokens: int) -> dict:
+        """The response: a choice per completion `(text, result)`; the library's statistics in `dllm_stats`, at the
+        top level for one completion, in each choice for several; `usage` of them all."""
+        choices = [self.choice(i, text, result.finish_reason) for i, (text, result) in enumerate(outputs)]
+        if len(outputs) > 1:
+            choices = [{**choice, "dllm_stats": result.stats} for choice, (_, result) in zip(choices, outputs)]
+        body = {**self.base, "object": self.whole_object, "choices": choices,
+                "usage": _usage(prompt_tokens, sum(len(result.tokens) for _, result in outputs))}
+        return body if len(outputs) > 1 else {**body, "dllm_stats": outputs[0][1].stats}
+
+    def first(self, i: int) -> list[dict]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict:
-        return {**self.base, "object": self.object,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+    def chunk(self, i: int, text: str, finish_reason: str | None = None) -> dict:
+        return {**self.base, "object": self.object, "choices": [self.choice(i, text, finish_reason)]}
 
-    def draft(self, text: str, token_ids: list[int]) -> dict:
+    def draft(self, i: int, text: str, token_ids: list[int]) -> dict:
         """A chunk that adds no text and carries a provisional draft in `dllm_draft` (it replaces the previous
         draft; final text only ever arrives in the choices)."""
-        return {**self.chunk(""), "dllm_draft": {"text": text, "token_ids": token_ids}}
+        return {**self.chunk(i, ""), "dllm_draft": {"text": text, "token_ids": token_ids}}
 
 
 class _ChatShape(_TextShape):
     """`/v1/chat/completions` payloads (`ChatCompletion`, `chat.completion.chunk`)."""
 
+    object, whole_object = "chat.completion.chunk", "chat.completion"
+
     def __init__(self, job: Job, model: str) -> None:
         super().__init__(job, model)
         self.base["id"] = "chat" + job.id
 
-    def whole(self, text: str, result: Result, prompt_tokens: int) -> dict:
-        return {**self.base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": result.finish_reason, "logprobs": None}],
-                "usage": _usage(prompt_tokens, len(result.tokens)), "dllm_stats": result.stats}
+    def choice(self, i: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                "logprobs": None}
 
-    def first(self) -> list[dict]:
-        return [{**self.base, "object": "chat.completion.chunk",
-                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+    def first(self, i: int) -> list[dict]:
+        return [{**self.base, "object": self.object,
+                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict:
-        return {**self.base, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}]}
+    def chunk(self, i: int, text: str, finish_reason: str | None = None) -> dict:
+        return {**self.base, "object": self.object,
+                "choices": [{"index": i, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}]}
 
 
-async def _stream(job: Job, first: tuple, shape: _TextShape, tokenizer):
-    """Server-sent events: a chunk per batch of newly final tokens, the last with `finish_reason`, `usage` and
-    `dllm_stats`, then `[DONE]`. A client that goes away cancels the job, which frees its row."""
-    deltas, done = TextDeltas(tokenizer), False
+async def _stream(choices: Choices, backlog: list, shape: _TextShape, tokenizer):
+    """Server-sent events: for each completion (`index`), a chunk per batch of its newly final tokens, the last
+    with `finish_reason` and its `dllm_stats`; the last chunk of all carries the request's `usage`; then `[DONE]`.
+    A client that goes away cancels the completions, which frees their rows."""
+    deltas = [TextDeltas(tokenizer) for _ in choices.jobs]
+    left, completion_tokens = len(choices.jobs), 0
     try:
-        for payload in shape.first():
-            yield _sse(payload)
-        event = first
-        while True:
-            ids = []
-            while event[0] == "tokens":              # everything final so far, in one chunk
-                ids += event[1]
-                try:
-                    event = job.events.get_nowait()
-                except asyncio.QueueEmpty:
-                    event = None
-                    break
-            if ids and (text := deltas.add(ids)):
-                yield _sse(shape.chunk(text))
-            if event is not None and event[0] == "draft":
-                yield _sse(shape.draft(deltas.draft(event[1]), event[1]))
-                event = None
-            if event is None:
-                event = await job.events.get()
-                continue
-            if event[0] == "error":
-                yield _sse(error_body(*event[1]))
-                done = True
-                return
-            result: Result = event[1]
-            text = deltas.add([], final=True)
-            final = shape.chunk(text, result.finish_reason)
-            final["usage"] = _usage(len(job.request.prompt_ids), len(result.tokens))
-            final["dllm_stats"] = result.stats
-            done = True
-            yield _sse(final)
-            yield "data: [DONE]\n\n"
-            return
+        for i in range(len(choices.jobs)):
+            for payload in shape.first(i):
+                yield _sse(payload)
+        while left:
+            events = (backlog or [await choices.events.get()]) + choices.ready()
+            backlog, ids = [], {}
+            for i, (kind, payload) in events:
+                if kind == "tokens":               # everything final so far, in one chunk per completion
+                    ids.setdefault(i, []).extend(payload)
+                    continue
+                if i in ids and (text := deltas[i].add(ids.pop(i))):
+                    yield _sse(shape.chunk(i, text))
+                if kind == "draft":
+                    yield _sse(shape.draft(i, deltas[i].draft(payload), payload))
+                elif kind == "error":
+                    yield _sse(error_body(*payload))
+                    return
+                else:
+                    left, completion_tokens = left - 1, completion_tokens + len(payload.tokens)
+                    final = shape.chunk(i, deltas[i].add([], final=True), payload.finish_reason)
+                    final["dllm_stats"] = payload.stats
+                    if not left:
+                        final["usage"] = _usage(choices.prompt_tokens, completion_tokens)
+                    yield _sse(final)
+            for i, new in ids.items():
+                if text := deltas[i].add(new):
+                    yield _sse(shape.chunk(i, text))
+        yield "data: [DONE]\n\n"
     finally:
-        if not done:
-            job.cancelled.set()
+        choices.cancel()                     # no-op for the completions done
 
 
 @contextlib.contextmanager

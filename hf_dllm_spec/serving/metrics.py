@@ -1,7 +1,8 @@
 """The server's `/metrics`: Prometheus text exposition through `prometheus_client` (the `serve` extra).
 
 Each app has its own `CollectorRegistry` (several servers in one process, e.g. tests, do not share counters).
-Metrics, all prefixed `hf_dllm_spec_` (`strategy` is the request's `decoding_strategy`):
+Metrics, all prefixed `hf_dllm_spec_` (`strategy` is the request's `decoding_strategy`; a request of several
+completions, `n` or a list of prompts, counts as that many requests, a row each):
 
 | metric | type | what |
 |---|---|---|

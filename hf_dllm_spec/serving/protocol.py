@@ -12,6 +12,10 @@ Sampling: `temperature` omitted, 0 or below 1e-5 (vLLM's rule: float32 logits di
 greedily (the tokens of `generate` with `do_sample=False`); a larger one samples, with `top_p` / `top_k`; `seed`
 makes a sampled request reproducible. A `temperature` beyond float32's range (3.4e38) gets a 400.
 
+Choices: `n` completions per prompt and, on `/v1/completions`, a list of prompts (strings or token id lists), at
+most :data:`MAX_CHOICES` completions in all; each completion is a row of its own in the batcher (they are batched
+together), completion j of a seeded request samples with `seed + j` (:func:`parse_request`).
+
 vLLM's extensions: `ignore_eos=true` decodes to the budget (`generate(eos_token_id=None)`); `min_tokens` (vLLM:
 no stop token before that many tokens) is accepted when it is 0 or the request ignores eos: no strategy of the
 library can hold a stop token back until a position (they commit tokens out of order; transformers'
@@ -26,7 +30,7 @@ the rule and the fix in the server's terms (`max_tokens`, the `--draft-model` fl
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..strategies.registry import get_strategy, resolve_config, strategy_parameter_names
@@ -120,6 +124,8 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 3.4e38
 #: Largest seed a request's `torch.Generator` takes (`manual_seed` accepts unsigned 64-bit values).
 MAX_SEED = 2 ** 64 - 1
+#: Most completions one request asks for (`n` times its prompts), as OpenAI's largest `n`.
+MAX_CHOICES = 128
 
 
 @dataclass(frozen=True)
@@ -177,9 +183,11 @@ class DecodingOptions:
 
 @dataclass
 class ParsedRequest:
-    """A validated request: prompt token ids, budget, decoding options and response options (`stream_drafts`:
-    provisional drafts are streamed too; such a request is decoded in a batch of its own, batch 1);
-    `prompt_field`: the field that held the prompt (`prompt`, or chat's `messages`), named by its errors."""
+    """One completion of a validated request (a row of a batch; a request asks for `n` per prompt): prompt token
+    ids, budget, decoding options and response options (`stream_drafts`: provisional drafts are streamed too; such a
+    request is decoded in a batch of its own, batch 1); `prompt_field`: the field that held the prompt (`prompt`, or
+    chat's `messages`), named by its errors; `sample`: which of its prompt's `n` completions it is (0 for the
+    first)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -188,6 +196,7 @@ class ParsedRequest:
     model: str = ""
     stream_drafts: bool = False
     prompt_field: str = "prompt"
+    sample: int = 0
 
 
 def check_fields(body: dict, chat: bool) -> None:
@@ -342,7 +351,8 @@ def check_min_tokens(body: dict, max_tokens: int, ignore_eos: bool) -> None:
 
 
 def check_common(body: dict, served_name: str) -> None:
-    """`model` must name the served model; `n` must be 1; `stop` is not implemented.
+    """`model` must name the served model; `n` must be an integer in [1, :data:`MAX_CHOICES`]; `stop` is not
+    implemented.
 
     Raises:
         RequestError: 404 for another model, 400 otherwise.
@@ -352,32 +362,44 @@ def check_common(body: dict, served_name: str) -> None:
         raise RequestError(str(invalid("model", excerpt(model), f"be the served model {served_name!r}",
                                        f"pass model={served_name!r} (see /v1/models)")), status=404, param="model")
     n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise RequestError(str(invalid("n", excerpt(n), "be 1: one completion per request",
-                                       "send n separate requests (they are batched together)")), param="n")
+    if n is not None:
+        _check_int("n", n, 1, MAX_CHOICES, f"pass at most {MAX_CHOICES} completions per request, e.g. n=2")
     if body.get("stop"):
         raise RequestError(str(invalid("stop", excerpt(body["stop"]), "be left unset: stop sequences are not implemented "
                                        "by the server yet", "drop `stop`; the model's eos ids end a completion")),
                            param="stop")
 
 
-def completion_prompt(body: dict, tokenizer, vocab_size: int | None = None) -> list[int]:
-    """The prompt of `/v1/completions` as token ids: a string, or a list of token ids (one prompt only), each in
-    [0, vocab_size)."""
+def completion_prompts(body: dict, tokenizer, vocab_size: int | None = None) -> list[list[int]]:
+    """The prompts of `/v1/completions` as token ids, as OpenAI takes them: a string, a list of token ids, or a list
+    of several prompts (strings or lists of token ids; LangChain's `OpenAI.batch` sends them so), each token id in
+    [0, vocab_size).
+
+    Returns:
+        `list[list[int]]`: the prompts in order (one for a string or a list of ids).
+
+    Raises:
+        RequestError: 400 naming `prompt` (or the element at fault, `prompt[i]`, `prompt[i][j]`).
+    """
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    return ([_one_prompt(p, f"prompt[{i}]", tokenizer, vocab_size) for i, p in enumerate(prompt)] if many
+            else [_one_prompt(prompt, "prompt", tokenizer, vocab_size)])
+
+
+def _one_prompt(prompt: Any, where: str, tokenizer, vocab_size: int | None) -> list[int]:
+    """One prompt of `/v1/completions` (a non-empty string or list of token ids) as token ids."""
     if isinstance(prompt, str) and prompt:
         return tokenizer(prompt)["input_ids"]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = next((k for k, t in enumerate(prompt) if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
         if bad is not None:
-            raise RequestError(str(invalid(f"prompt[{bad}]", excerpt(prompt[bad]), f"be a token id in [0, "
+            raise RequestError(str(invalid(f"{where}[{bad}]", excerpt(prompt[bad]), f"be a token id in [0, "
                                            f"{vocab_size}) (the model's vocabulary)", "send ids of the served "
                                            "model's tokenizer, or the prompt as text")), param="prompt")
         return list(prompt)
-    raise RequestError(str(invalid("prompt", excerpt(prompt), "be a non-empty string or list of token ids (one prompt)",
-                                   "send one prompt per request (they are batched together)")), param="prompt")
+    raise RequestError(str(invalid(where, excerpt(prompt), "be a non-empty string or list of token ids (or, for "
+                                   "`prompt`, a list of such prompts)", "send the prompt as text")), param="prompt")
 
 
 #: The chat template set at serve time on a tokenizer that has none (the bundled models): the prompt format they
@@ -495,9 +517,15 @@ def _tool_call(call: Any, where: str) -> dict:
 
 def parse_request(body: Any, *, chat: bool, tokenizer, served_name: str, default_strategy: str,
                   default_params: dict, generation_config, default_max_tokens: int, vocab_size: int | None = None,
-                  max_prompt_tokens: int | None = None, has_drafter: bool = True) -> ParsedRequest:
+                  max_prompt_tokens: int | None = None, has_drafter: bool = True) -> list[ParsedRequest]:
     """The whole validation of one request body (before it joins a batch): the fields, the decoding options,
-    the budget, then the prompt (token ids in [0, `vocab_size`), at most `max_prompt_tokens` of them).
+    the budget, then the prompts (token ids in [0, `vocab_size`), at most `max_prompt_tokens` of them each).
+
+    Returns:
+        `list[ParsedRequest]`: the request's completions in OpenAI's order of `choices` (prompt by prompt, `n` each:
+        choice `i * n + j` is completion j of prompt i). Completion j of a sampled request with a `seed` samples
+        with seed `seed + j` (modulo 2**64), so completion 0 has the tokens of the same request with `n=1`, and each
+        prompt of a list the tokens it gets alone.
 
     Raises:
         RequestError: with the status and message of the first problem.
@@ -517,10 +545,34 @@ def parse_request(body: Any, *, chat: bool, tokenizer, served_name: str, default
                                generation_config=generation_config, chat=chat, has_drafter=has_drafter)
     max_tokens = max_tokens_of(body, default_max_tokens)
     check_min_tokens(body, max_tokens, options.ignore_eos)
-    prompt_ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, vocab_size)
+    prompts = [chat_prompt(body, tokenizer)] if chat else completion_prompts(body, tokenizer, vocab_size)
     prompt_field = "messages" if chat else "prompt"
-    if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
-        raise RequestError(str(invalid(prompt_field, f"<prompt of {len(prompt_ids)} tokens>",
-                                       f"be at most {max_prompt_tokens} tokens (the server's --max-prompt-tokens)",
-                                       "send a shorter prompt")), param=prompt_field)
-    return ParsedRequest(prompt_ids, max_tokens, options, stream, served_name, drafts, prompt_field)
+    n = body.get("n") or 1
+    _check_choices(len(prompts), n, drafts)
+    for i, prompt_ids in enumerate(prompts):
+        if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
+            where = prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]"
+            raise RequestError(str(invalid(where, f"<prompt of {len(prompt_ids)} tokens>",
+                                           f"be at most {max_prompt_tokens} tokens (the server's --max-prompt-tokens)",
+                                           "send a shorter prompt")), param=prompt_field)
+    return [ParsedRequest(prompt_ids, max_tokens, _sample_options(options, j), stream, served_name, drafts,
+                          prompt_field, j) for prompt_ids in prompts for j in range(n)]
+
+
+def _check_choices(prompts: int, n: int, drafts: bool) -> None:
+    """At most :data:`MAX_CHOICES` completions in all; `stream_drafts` with one only (its stream is batch 1)."""
+    if prompts * n > MAX_CHOICES:
+        raise RequestError(str(invalid("prompt", f"<{prompts} prompts>", f"ask for at most {MAX_CHOICES} completions "
+                                       f"with n={n} ({prompts * n} asked)", "split the prompts over several "
+                                       "requests (they are batched together)")), param="prompt")
+    if drafts and prompts * n > 1:
+        raise RequestError(str(invalid("stream_drafts", drafts, f"ask for one completion ({prompts * n} asked: "
+                                       "drafts are streamed for a batch of one)", "pass n=1 and one prompt, or drop "
+                                       "stream_drafts")), param="stream_drafts")
+
+
+def _sample_options(options: DecodingOptions, j: int) -> DecodingOptions:
+    """The options of completion `j` of a prompt: its seed moved by `j` (a sampled request with a seed)."""
+    if j == 0 or options.seed is None:
+        return options
+    return replace(options, seed=(options.seed + j) % (MAX_SEED + 1))
