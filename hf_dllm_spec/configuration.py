@@ -9,8 +9,8 @@ overrides are merged (:func:`merge_parameters`).
 Round trip: :meth:`DecodingConfig.save_to_generation_config` writes a ``dllm_decoding`` dict (strategy name
 plus every parameter) into a `GenerationConfig`; `generate(decoding_strategy=X)` reads it back as the
 defaults for strategy X. On the library's diffusion model classes, `generate()` without `decoding_strategy`
-runs the stored strategy with these parameters (`DllmGenerationMixin`); the `custom_generate` callable on other
-models always needs `decoding_strategy`.
+runs the stored strategy with these parameters (`DllmGenerationMixin`); so does the `custom_generate` callable on
+other models (a stock Qwen target, say), which without either a `decoding_strategy` or a stored one refuses the call.
 """
 
 from __future__ import annotations

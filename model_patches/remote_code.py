@@ -43,6 +43,14 @@ except ImportError as error:
 
 class {name}(_{name}):
     """`{source}.{name}`, as this checkpoint's remote code."""
+{body}'''
+
+#: The config shim's own `__init__`: transformers (5.17 to 5.24, `PreTrainedConfig.__init_subclass__`) makes a
+#: config subclass without one a dataclass whose generated `__init__` never runs the family's (its defaults for keys
+#: a Hub `config.json` lacks, its attention fallback).
+_CONFIG_INIT = '''
+    def __init__(self, **kwargs):  # without it, transformers' generated __init__ would skip the family's
+        super().__init__(**kwargs)
 '''
 
 
@@ -100,7 +108,8 @@ def write_shims(directory: str | os.PathLike, config_class: type) -> dict[str, s
     directory = pathlib.Path(directory)
     mapping = {}
     for (auto_class, shim), name in zip(SHIM_MODULES.items(), (config_name, model_name)):
-        text = _SHIM.format(version=version, source=module, name=name, auto=auto_class, hint=INSTALL_HINT)
+        text = _SHIM.format(version=version, source=module, name=name, auto=auto_class, hint=INSTALL_HINT,
+                            body=_CONFIG_INIT if auto_class == "AutoConfig" else "")
         (directory / f"{shim}.py").write_text(text, encoding="utf-8")
         mapping[auto_class] = f"{shim}.{name}"
     return mapping

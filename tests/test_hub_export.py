@@ -148,6 +148,57 @@ def test_exported_random_model_has_the_same_logits(fresh, sdar_model):
     assert (torch.tensor(fresh["tiny_logits"]) - expected).abs().max().item() < 1e-5
 
 
+HUB_LAYOUT = """
+import json, sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+assert not {"hf_dllm_spec", "model_patches"} & set(sys.modules), "imported before loading"
+out = {}
+for path in sys.argv[2:]:
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+    tokens = model.generate(torch.tensor([json.loads(sys.argv[1])]), max_new_tokens=8, eos_token_id=None)
+    out[path] = {"attn": model.config._attn_implementation, "config": config.to_diff_dict(), "tokens": tokens.tolist()}
+print(json.dumps(out, default=str))
+"""
+
+#: Keys of a Hub checkpoint's config.json as its upstream repository ships it (../shared/reference/families.md):
+#: SDAR asks for flex attention (the library runs SDPA), LLaDA2's dFactory configs have no `use_qk_norm` (q/k norm
+#: applies all the same) and its 2.0-era configs no `rope_parameters`.
+HUB_CONFIGS = {"sdar-tiny-arith": ({"attn_implementation": "flex_attention"}, ()),
+               "llada2-tiny": ({}, ("use_qk_norm", "rope_parameters"))}
+
+
+def test_an_exported_hub_layout_checkpoint_loads_by_remote_code_as_the_library_loads_it(tmp_path):
+    """A Hub-layout checkpoint (its upstream config keys and `auto_map`) exported and loaded with
+    `trust_remote_code=True` alone gets the family's config (the shim config class ran the family's `__init__`: a
+    config subclass without one is made a dataclass by transformers, which skipped it: SDAR then ran flex attention
+    and crashed, LLaDA2 failed to load) and the library's tokens."""
+    hf_dllm_spec.register_auto_classes()
+    exported, expected = [], {}
+    for name, (extra, missing) in HUB_CONFIGS.items():
+        hub = tmp_path / f"{name}-hub"
+        shutil.copytree(ROOT / "models" / name, hub)
+        config = json.loads((hub / "config.json").read_text())
+        config = {k: v for k, v in config.items() if k not in missing and k != "auto_map"}
+        config["auto_map"] = {"AutoConfig": "configuration_upstream.UpstreamConfig"}
+        (hub / "config.json").write_text(json.dumps({**config, **extra}))
+        out = hf_dllm_spec.export_checkpoint(hub, tmp_path / f"{name}-exported")
+        model = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32).eval()
+        tokens = model.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=8, eos_token_id=None)
+        expected[str(out)] = (model.config._attn_implementation, model.config.to_diff_dict(), tokens.tolist())
+        exported.append(str(out))
+    proc = run_python(HUB_LAYOUT, json.dumps(PROMPT_IDS), *exported, tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fresh = json.loads(proc.stdout.strip().splitlines()[-1])
+    for path, (attn, config, tokens) in expected.items():
+        assert fresh[path]["attn"] == attn == "sdpa"
+        for key in ("use_qk_norm", "rope_parameters", "head_dim"):
+            assert str(fresh[path]["config"].get(key)) == str(config.get(key)), (path, key)
+        assert fresh[path]["tokens"] == tokens, path
+
+
 def test_missing_package_raises_import_error_with_the_install_command(tiny_export, tmp_path):
     proc = run_python(BLOCKED, str(tiny_export), tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -16,3 +16,6 @@ except ImportError as error:
 
 class SDARConfig(_SDARConfig):
     """`model_patches.sdar.SDARConfig`, as this checkpoint's remote code."""
+
+    def __init__(self, **kwargs):  # without it, transformers' generated __init__ would skip the family's
+        super().__init__(**kwargs)

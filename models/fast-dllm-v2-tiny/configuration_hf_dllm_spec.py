@@ -16,3 +16,6 @@ except ImportError as error:
 
 class Fast_dLLM_QwenConfig(_Fast_dLLM_QwenConfig):
     """`model_patches.fast_dllm_v2.Fast_dLLM_QwenConfig`, as this checkpoint's remote code."""
+
+    def __init__(self, **kwargs):  # without it, transformers' generated __init__ would skip the family's
+        super().__init__(**kwargs)

@@ -16,3 +16,6 @@ except ImportError as error:
 
 class LLaDA2MoeConfig(_LLaDA2MoeConfig):
     """`model_patches.llada2.LLaDA2MoeConfig`, as this checkpoint's remote code."""
+
+    def __init__(self, **kwargs):  # without it, transformers' generated __init__ would skip the family's
+        super().__init__(**kwargs)
