@@ -67,6 +67,15 @@ def find_cache(mapping: dict[str, Any]) -> Cache | None:
     return found[0][1] if found else None
 
 
+def cache_used(cache: Cache) -> bool:
+    """Whether `cache` has stored anything: tokens, or a layer that an earlier decoding initialised (a dynamic
+    layer whose rows a decoding dropped holds no tokens, `get_seq_length() == 0`, yet its tensors have no rows left
+    and the next `update` fails inside transformers). Read from every supported version's `is_initialized` flag of
+    cache layers."""
+    return cache.get_seq_length() != 0 or any(getattr(layer, "is_initialized", False)
+                                               for layer in getattr(cache, "layers", ()))
+
+
 def pop_cache(mapping: dict[str, Any]) -> Cache | None:
     """:func:`find_cache`, then remove every cache name from `mapping`.
 

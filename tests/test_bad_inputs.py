@@ -202,8 +202,11 @@ CASES: list[tuple[str, dict, str, type]] = [
      "max_cache_len", ValueError),
     ("repetition-penalty", dict(decoding_strategy="s2d2", repetition_penalty=1.3), "repetition_penalty",
      NotImplementedError),
-    ("min-new-tokens", dict(decoding_strategy="s2d2", min_new_tokens=4, eos_token_id=7), "min_length",
+    # transformers adds a `min_length` processor for `min_new_tokens` too: the option the user set is named
+    ("min-new-tokens", dict(decoding_strategy="s2d2", min_new_tokens=4, eos_token_id=7), "min_new_tokens",
      NotImplementedError),
+    ("min-length-beyond-the-prompt", dict(decoding_strategy="s2d2", min_length=len(PROMPT[0]) + 1, eos_token_id=7),
+     "min_length", NotImplementedError),
     ("no-repeat-ngram", dict(decoding_strategy="s2d2", no_repeat_ngram_size=2), "no_repeat_ngram_size",
      NotImplementedError),
     ("sequence-bias-multi-token", dict(decoding_strategy="s2d2", sequence_bias={(5, 6): 2.0}), "sequence_bias",
@@ -372,6 +375,40 @@ def test_custom_generate_path_checks_the_same(counted):
     assert not calls
 
 
+@pytest.mark.parametrize("option", [dict(min_new_tokens=0), dict(min_length=1), dict(min_length=len(PROMPT[0]))])
+def test_length_options_that_act_on_no_position_are_accepted(sdar_model, option):
+    """`min_new_tokens=0`, or a `min_length` no longer than the prompt, make transformers add a length processor that
+    masks no position (stock `generate` leaves the tokens as they are): accepted, same tokens (they were refused)."""
+    kwargs = dict(decoding_strategy="s2d2", max_new_tokens=8, eos_token_id=7)
+    plain = sdar_model.generate(torch.tensor(PROMPT), **kwargs)
+    assert torch.equal(sdar_model.generate(torch.tensor(PROMPT), **kwargs, **option), plain)
+
+
+@pytest.mark.parametrize("strategy", ["block_diffusion", "s2d2", "deer"])
+def test_a_cache_used_by_an_earlier_call_is_refused_before_any_forward(counted, pair_models, strategy):
+    """The multi-turn habit of passing one `DynamicCache` to every call: the first call decodes as without it; the
+    second is refused naming the cache (it failed inside transformers after a forward: the first call had left
+    the cache with no rows, `get_seq_length() == 0`)."""
+    from transformers import DynamicCache
+
+    from model_patches.compat import CACHE_KWARG
+
+    if strategy == "deer":
+        models, calls = pair_models
+        model, extra = models["ar"], dict(custom_generate=hf_dllm_spec.custom_generate, draft_model=models["drafter"])
+    else:
+        (model, calls), extra = counted, {}
+    kwargs = dict(decoding_strategy=strategy, max_new_tokens=6, eos_token_id=None, **extra)
+    cache = DynamicCache(config=model.config)
+    plain = model.generate(torch.tensor(PROMPT), **kwargs)
+    assert torch.equal(model.generate(torch.tensor(PROMPT), **kwargs, **{CACHE_KWARG: cache}), plain)
+    calls.clear()
+    with pytest.raises(ValueError, match=rf"^`{CACHE_KWARG}` \(='<DynamicCache of 0 tokens, used before>'\) must be "
+                                         "a new, empty cache"):
+        model.generate(torch.tensor(PROMPT), **kwargs, **{CACHE_KWARG: cache})
+    assert not calls
+
+
 def test_exact_allowed_processor_still_runs(sdar_model):
     """The allow-list is by exact class: the stock warper is accepted, and it warps as `temperature=` does."""
     common = dict(decoding_strategy="s2d2", max_new_tokens=8, do_sample=True, eos_token_id=None)
@@ -487,6 +524,26 @@ def test_per_call_stop_list_applies_to_both_models(pair_models, strategy):
     if strategy == "deer":                                          # lossless: the target's own greedy output
         stock = models["ar"].generate(torch.tensor(PROMPT), max_new_tokens=12, do_sample=False, eos_token_id=stops)
         assert out == stock[0, len(PROMPT[0]):].tolist()
+
+
+@pytest.mark.parametrize("strategy", ["deer", "simsd"])
+def test_per_call_pad_id_applies_to_both_models_and_a_drafters_own_other_pad_id_is_refused(pair_models, strategy):
+    """`pad_token_id=tokenizer.eos_token_id` per call (a common habit; stock assisted generation takes it) was refused
+    as a drafter of another tokenizer; a drafter whose own pad id differs from the target's still is."""
+    models, calls = pair_models
+    target, drafter = models["ar" if strategy == "deer" else "sdar"], models["drafter"]
+    before = target.generation_config.pad_token_id, drafter.generation_config.pad_token_id
+    target.generation_config.pad_token_id = drafter.generation_config.pad_token_id = 0
+    try:
+        plain = _pair_generate(models, strategy, eos_token_id=None)
+        assert torch.equal(_pair_generate(models, strategy, eos_token_id=None, pad_token_id=9), plain)
+        drafter.generation_config.pad_token_id = 9
+        calls.clear()
+        with pytest.raises(ValueError, match=r"^`draft_model` \(='<pad_token_id=9>'\) must use the target's"):
+            _pair_generate(models, strategy, eos_token_id=None)
+        assert not calls
+    finally:
+        target.generation_config.pad_token_id, drafter.generation_config.pad_token_id = before
 
 
 def test_large_deer_block_is_not_refused(pair_models):

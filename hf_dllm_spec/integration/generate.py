@@ -42,7 +42,7 @@ from model_patches.generation import stored_decoding_strategy
 
 from ..bridge import generate_call_arguments, generate_with_callable, route_keywords
 from ..configuration import DecodingConfig
-from ..maths.sampling import Sampler
+from ..maths.sampling import Sampler, active_processors
 from ..outputs import BatchStats, GenerateDllmOutput
 from ..runtime.runner import DRAFT_MODEL_SPAN
 from ..runtime.static import hold_static_runtime, make_runner
@@ -252,9 +252,8 @@ def _session(plan: DecodePlan, input_ids, logits_processor, model_kwargs, stream
     session = DecodingSession(
         prompts=[input_ids[n, width - plan.lengths[n]:].to(plan.device) for n in range(plan.batch_size)],
         target=target,
-        sampler=Sampler(logits_processor if logits_processor is not None else LogitsProcessorList(),
-                        do_sample=plan.do_sample, suppress_token_ids=list(plan.suppress_ids),
-                        generator=plan.generator, device=plan.device),
+        sampler=Sampler(active_processors(logits_processor, width), do_sample=plan.do_sample,
+                        suppress_token_ids=list(plan.suppress_ids), generator=plan.generator, device=plan.device),
         stats=stats, mask_token_id=plan.mask_token_id if plan.mask_token_id is not None else 0,
         stop_token_ids=list(plan.stop_ids), max_new_tokens=plan.max_new_tokens, stop_check=ends.stop_check,
         drafter=make_runner(plan.draft_model, plan.drafter_patch, timer=target.timer, timer_span=DRAFT_MODEL_SPAN,

@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 import model_patches
-from model_patches.compat import CACHE_KWARG, CACHE_NAMES, find_cache
+from model_patches.compat import CACHE_KWARG, CACHE_NAMES, cache_used, find_cache
 
 from ..bridge import caller_stacklevel
 from ..configuration import DecodingConfig
@@ -689,7 +689,8 @@ def check_model_kwargs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], le
     Raises:
         ValueError: unknown model kwargs, `position_ids` that do not follow the attention mask, a cache (under the
             name of any supported transformers version, :data:`model_patches.compat.CACHE_NAMES`) that is not a
-            `DynamicCache`, or two caches under both names.
+            `DynamicCache`, one that was used before (:func:`model_patches.compat.cache_used`), or two caches under
+            both names.
     """
     unknown = sorted(set(model_kwargs) - KNOWN_MODEL_KWARGS)
     if unknown:
@@ -699,6 +700,12 @@ def check_model_kwargs(input_ids: torch.Tensor, model_kwargs: dict[str, Any], le
     if cache is not None and type(cache) is not DynamicCache:
         raise invalid(CACHE_KWARG, type(cache).__name__, "be an empty DynamicCache (or unset): the decoding "
                       "loop stores, reads and crops blocks", f"drop `cache_implementation` / `{CACHE_KWARG}`")
+    if cache is not None and cache_used(cache):
+        raise invalid(CACHE_KWARG, f"<DynamicCache of {cache.get_seq_length()} tokens, used before>", "be a new, "
+                      "empty cache: the strategies decode from an empty one and leave the cache they are given in "
+                      "their own working state (rows of finished prompts dropped), so it cannot carry a conversation "
+                      "into the next call", f"pass a new DynamicCache per call, or no `{CACHE_KWARG}`, with the whole "
+                      "conversation as the prompt")
     position_ids = model_kwargs.get("position_ids")
     if position_ids is not None:
         real = left_padded_valid(lengths, input_ids.shape[1], input_ids.device)
@@ -749,21 +756,20 @@ def _special_ids(patch, model, gc=None) -> dict[str, Any]:
 def check_model_pair(target, target_patch, drafter, drafter_patch, generation_config=None) -> None:
     """Before any forward: the drafter must share the target's vocabulary (size and special ids).
 
-    The target's special ids are those of this call (`generation_config`), the drafter's its own. A stop list the
-    call sets (an `eos_token_id` other than the target's own) is never compared: it is what both models stop on
-    (the session's stop ids), as stock `generate` and the other strategies accept it; without one, the target's
-    own stop ids must match the drafter's (a drafter of another tokenizer).
+    The target's special ids are its own, compared with the drafter's own (a drafter of another tokenizer differs).
+    An id the call sets (`generation_config`: an `eos_token_id`, `pad_token_id` or `bos_token_id` other than the
+    target's own, such as the common `pad_token_id=tokenizer.eos_token_id`) is never compared: both models use it
+    (the session's stop and pad ids), as stock `generate` and the other strategies accept it.
 
     Raises:
         ValueError: naming the first difference (vocabulary size, eos/pad/bos ids).
     """
     check_vocabulary(target, target_patch, drafter, drafter_patch)
-    ids_target = _special_ids(target_patch, target, generation_config)
+    ids_call, ids_target = _special_ids(target_patch, target, generation_config), _special_ids(target_patch, target)
     ids_drafter = _special_ids(drafter_patch, drafter)
-    per_call_stops = ids_target["eos_token_id"] != _special_ids(target_patch, target)["eos_token_id"]
     for key, value in ids_target.items():
         other = ids_drafter[key]
-        if key == "eos_token_id" and per_call_stops:
+        if ids_call[key] != value:          # set by the call: what both models use
             continue
         if value is not None and other is not None and value != other:
             raise invalid("draft_model", f"<{key}={other}>", f"use the target's {key} ({value})",

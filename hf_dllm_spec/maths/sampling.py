@@ -40,6 +40,8 @@ from transformers.generation.logits_process import (
     EtaLogitsWarper,
     InfNanRemoveLogitsProcessor,
     LogitNormalization,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     NoBadWordsLogitsProcessor,
     SequenceBiasLogitsProcessor,
@@ -109,6 +111,28 @@ def _position_independent(proc) -> bool:
     return False
 
 
+def active_processors(processors: LogitsProcessorList | None, prompt_width: int) -> LogitsProcessorList:
+    """`processors` without transformers' length processors that act on no position of a call whose (padded)
+    prompts are `prompt_width` tokens wide: a `MinLengthLogitsProcessor` with `min_length <= prompt_width` (it masks
+    the stop ids only while the sequence is shorter; `generate` adds one for `min_length=1`, or for `min_new_tokens=0`
+    as `min_length = 0 + prompt_width`), or a `MinNewTokensLengthLogitsProcessor` of 0 tokens. Stock `generate`
+    leaves such a call's tokens as they are; so does this.
+
+    Args:
+        processors (`LogitsProcessorList`, *optional*): what `generate` prepared.
+        prompt_width (`int`): P, the width of the call's `input_ids` `(N, P)`.
+
+    Returns:
+        `LogitsProcessorList`: the others, in order (a new list; empty for None).
+    """
+    def inert(proc) -> bool:
+        if type(proc) is MinLengthLogitsProcessor:
+            return proc.min_length <= prompt_width
+        return type(proc) is MinNewTokensLengthLogitsProcessor and proc.min_new_tokens <= 0
+
+    return LogitsProcessorList([proc for proc in processors or [] if not inert(proc)])
+
+
 def check_logits_processors(processors: LogitsProcessorList | None) -> None:
     """Raise `NotImplementedError` unless every processor depends on each position's logits alone.
 
@@ -120,9 +144,10 @@ def check_logits_processors(processors: LogitsProcessorList | None) -> None:
         NotImplementedError: naming the `generate` option that added the processor (e.g. `repetition_penalty`),
             or `logits_processor` for a processor passed by the user, and listing the supported ones.
     """
-    for proc in processors or []:
-        if _position_independent(proc):
-            continue
+    refused = [proc for proc in processors or [] if not _position_independent(proc)]
+    if refused:
+        # transformers derives `min_length` from `min_new_tokens` (both processors): name the option the user set
+        proc = next((p for p in refused if type(p) is MinNewTokensLengthLogitsProcessor), refused[0])
         name = type(proc).__name__
         option = _PROCESSOR_OPTIONS.get(name, "logits_processor") if type(proc).__module__.startswith(
             "transformers.") else "logits_processor"
