@@ -529,9 +529,17 @@ def test_serve_command_refuses_a_bad_option_before_serving(capsys):
     assert exit_info.value.code == 2 and "`block_size` (=0) must be an integer >= 1" in capsys.readouterr().err
     # a default strategy that can never run (no drafter), a port out of range, a device torch cannot use: usage
     # errors before anything loads (the first served 400s to every default request, the others were tracebacks)
+    # a default strategy the model cannot decode (S2D2 on an AR model without a mask token: it served a 400 blaming
+    # the client for every default request), an empty --allowed-hosts or --api-key (each silently served anyone)
+    sdar = str(MODELS / "sdar-tiny-arith")
     for argv, expected in (([str(MODELS / "qwen2-tiny-ar"), "--strategy", "deer"], "pass --draft-model PATH"),
-                           ([str(MODELS / "sdar-tiny-arith"), "--port", "70000"], "--port must be in [0, 65535]"),
-                           ([str(MODELS / "sdar-tiny-arith"), "--device", "foo"], "argument --device: must be a")):
+                           ([sdar, "--port", "70000"], "--port must be in [0, 65535]"),
+                           ([sdar, "--device", "foo"], "argument --device: must be a"),
+                           ([str(MODELS / "qwen2-tiny-ar"), "--strategy", "s2d2"], "`mask_token_id` (=None) must be "
+                            "known for decoding_strategy='s2d2'"),
+                           ([sdar, "--allowed-hosts", ""], "argument --allowed-hosts: must name at least one host"),
+                           ([sdar, "--allowed-hosts", " , "], "argument --allowed-hosts: must name at least one host"),
+                           ([sdar, "--api-key", ""], "argument --api-key: must not be empty")):
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", *argv])
         assert exit_info.value.code == 2 and expected in capsys.readouterr().err, argv

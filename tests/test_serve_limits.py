@@ -118,6 +118,9 @@ def test_serve_reads_the_key_from_the_environment(monkeypatch):
     assert server_limits(parse(["serve", "m", "--host", "0.0.0.0"])).allowed_hosts == ("*",)
     limits = server_limits(parse(["serve", "m", "--max-body-bytes", "100", "--max-waiting", "3"]))
     assert (limits.max_body_bytes, limits.max_waiting) == (100, 3)
+    monkeypatch.setenv("HF_DLLM_SPEC_API_KEY", "")              # `export HF_DLLM_SPEC_API_KEY=$UNSET`: no key at all
+    with pytest.raises(ValueError, match="argument HF_DLLM_SPEC_API_KEY: must not be empty"):
+        server_limits(parse(["serve", "m"]))
 
 
 def test_host_header_outside_the_allowed_hosts_is_refused(served, server):

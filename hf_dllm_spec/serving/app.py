@@ -86,8 +86,9 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
     runtime requires.
 
     Raises:
-        ValueError: no strategy can be chosen (a plain causal LM: pass `strategy`), a bad strategy parameter, or
-            a default strategy that drafts with a separate model and no `draft_model`.
+        ValueError: no strategy can be chosen (a plain causal LM: pass `strategy`), a bad strategy parameter, a
+            default strategy that drafts with a separate model and no `draft_model`, or one the model cannot decode
+            (:func:`check_servable`).
     """
     from ..strategies.registry import get_strategy, resolve_config
     from .loading import load_models
@@ -112,9 +113,36 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
                       "decoding strategy", "pass --strategy ar (or a strategy with --draft-model)")
     resolve_config(default, generation_config=model.generation_config, overrides=params or {})
     check_drafter(default, drafter is not None)
+    check_servable(model, drafter, default, params or {}, options.get("default_max_tokens", 256))
     ensure_chat_template(tokenizer)
     return ServedModel(name or pathlib.Path(path).name, model, tokenizer, default, drafter, dict(params or {}),
                        **options)
+
+
+def check_servable(model, drafter, strategy: str, params: dict, max_tokens: int) -> None:
+    """Refuse a default strategy the served model cannot decode (a strategy that needs a mask token on an AR model,
+    a drafter of another vocabulary, a block beyond the model's positions, ...), so that no request is refused for
+    a setting of the server: the library's own checks of a greedy call of `max_tokens` tokens on a one-token prompt
+    (its plan; no forward runs).
+
+    Raises:
+        ValueError: the library's refusal, naming the setting (`decoding_strategy`, a strategy parameter,
+            `mask_token_id`, `draft_model`, ...).
+    """
+    import copy
+
+    import torch
+
+    from ..integration.plan import build_plan
+    from ..runtime.placement import execution_device
+
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens, config.do_sample = max_tokens, False
+    masks = {getattr(model.config, "mask_token_id", None), getattr(config, "mask_token_id", None)}
+    ids = torch.tensor([[next(t for t in range(3) if t not in masks)]], device=execution_device(model))
+    build_plan(model, ids, config, {}, decoding_strategy=strategy, overrides=dict(params), strategy_config=None,
+               preset=None, draft_model=drafter, mask_token_id=None, draft_mask_token_id=None, generator=None,
+               streamer=None, stopping_criteria=None)
 
 
 class TextDeltas:

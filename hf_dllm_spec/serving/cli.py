@@ -36,7 +36,7 @@ import json
 import os
 from typing import Any
 
-from ..cli_args import CACHE_IMPLEMENTATIONS, positive_int, suggest
+from ..cli_args import CACHE_IMPLEMENTATIONS, UsageError, positive_int, suggest
 from .limits import API_KEY_ENV
 from .loading import LoadOptions, add_loading_arguments
 
@@ -115,14 +115,27 @@ def _is_loopback(host: str) -> bool:
 
 def server_limits(args: argparse.Namespace):
     """The :class:`~hf_dllm_spec.serving.limits.ServerLimits` of the `serve` options (the key from --api-key, else
-    the environment variable)."""
+    the environment variable).
+
+    Raises:
+        UsageError: an empty `--allowed-hosts` (it turned the Host check off), an empty `--api-key` or an empty
+            HF_DLLM_SPEC_API_KEY (each served every caller: `--api-key "$UNSET_VARIABLE"` expands to nothing).
+    """
     from .limits import ServerLimits
 
     if args.allowed_hosts is not None:
-        hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()) or ("*",)
+        hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+        if not hosts:
+            raise UsageError("--allowed-hosts", f"must name at least one host (got {args.allowed_hosts!r}); pass e.g. "
+                             "--allowed-hosts localhost,127.0.0.1, or '*' to serve any Host header")
     else:
         hosts = ("localhost", "127.0.0.1", "::1", "[::1]") if _is_loopback(args.host) else ("*",)
-    return ServerLimits(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    key, source = (args.api_key, "--api-key") if args.api_key is not None else (os.environ.get(API_KEY_ENV),
+                                                                                API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise UsageError(source, "must not be empty (an empty key would serve every caller); pass the key, or "
+                         f"leave out --api-key and unset {API_KEY_ENV} to serve without one")
+    return ServerLimits(api_key=key,
                         max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                         max_prompt_tokens=args.max_prompt_tokens, body_timeout_s=args.body_timeout,
                         allowed_hosts=hosts, max_waiting=args.max_waiting)
@@ -155,8 +168,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
                      "keeps its buffers on the model)")
     if not args.body_timeout > 0 and parser is not None:
         parser.error(f"--body-timeout must be a number of seconds > 0 (got {args.body_timeout})")
-    limits = server_limits(args)
     try:
+        limits = server_limits(args)
         served = load_served_model(args.model, draft_model=args.draft_model, strategy=args.strategy,
                                    params=dict(args.param), loading=LoadOptions.from_args(args),
                                    name=args.served_model_name, cache_implementation=args.cache_implementation,
