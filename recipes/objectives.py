@@ -71,6 +71,12 @@ class Objective:
 
     name: ClassVar[str]
     block_sizes: ClassVar[dict[int, float]] = {}
+    #: The `model_type`s a `--init-from` checkpoint may have (what `build_model` loads it as).
+    init_types: ClassVar[tuple[str, ...]] = ()
+    #: Whether the objective starts from a checkpoint (a conversion, an alignment).
+    init_required: ClassVar[bool] = False
+    #: The `model_type`s of `--teacher` (an objective with a teacher).
+    teacher_types: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, args) -> None:
         self.args = args
@@ -114,6 +120,13 @@ class AutoregressiveObjective(Objective):
     """Next-token cross-entropy on maskable targets (answers and code; questions are context only)."""
 
     name = "ar"
+    init_types = ("qwen2",)
+
+    def __init__(self, args) -> None:
+        super().__init__(args)
+        if getattr(args, "seq_len", 2) < 2:
+            raise ValueError(f"--seq-len (={args.seq_len}) must be >= 2 for --objective ar (a window of one token has "
+                             "no next token to learn): pass e.g. --seq-len 256")
 
     def build_model(self, args, tokenizer, init_from):
         from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -124,16 +137,20 @@ class AutoregressiveObjective(Objective):
         return Qwen2ForCausalLM(config)
 
     def loss(self, model, x, maskable, gen):
+        """Mean cross-entropy over the batch's targets; 0 for a batch without any (a short window of question
+        tokens only: the mean over no targets was NaN, and the logged loss stayed NaN from then on)."""
         logits = model(input_ids=x).logits[:, :-1].float()
         labels = x[:, 1:].masked_fill(~maskable[:, 1:], -100)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                 ignore_index=-100)
+        total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                  ignore_index=-100, reduction="sum")
+        return total / (labels != -100).sum().clamp_min(1)
 
 
 class BlockDiffusionObjective(Objective):
     """SDAR's block-diffusion objective; the block size is drawn per step from `block_sizes`."""
 
     name = "block_diffusion"
+    init_types = ("sdar",)
     #: 4 (the trained block size, written to the config) most of the time; 1 keeps the AR mode S2D2 verifies
     #: with on-distribution, 16 keeps larger blocks usable (a deviation from SDAR, see the model card).
     block_sizes = {4: 0.6, 1: 0.2, 16: 0.2}
@@ -193,6 +210,7 @@ class FastDLLMV2Objective(Objective):
     """
 
     name = "fast_dllm_v2"
+    init_types, init_required = ("qwen2", "Fast_dLLM_Qwen"), True
 
     def prepare_tokenizer(self, tokenizer):
         if FAST_DLLM_MASK not in tokenizer.get_vocab():
@@ -324,6 +342,7 @@ class D2AObjective(BlockDiffusionObjective):
     """
 
     name = "d2a"
+    init_required, teacher_types = True, ("qwen2",)
     block_sizes = {4: 0.25, 8: 0.25, 16: 0.25, 32: 0.25}
 
     def __init__(self, args) -> None:
@@ -462,6 +481,7 @@ class LLaDA2Objective(BlockDiffusionObjective):
     """
 
     name = "llada2"
+    init_types = ("sdar", "llada2_moe")
     block_sizes = {32: 0.5, 16: 0.1, 4: 0.2, 1: 0.2}
     edit_max_rate = 0.25
     upcycled_from: str | None = None          # the SDAR checkpoint `build_model` upcycled, recorded in the log

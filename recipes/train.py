@@ -17,8 +17,10 @@ decay 0.1), transformers' cosine schedule with 2% warm-up, gradient clipping 1.0
 the stage is appended to `training_log.json` (stages chain with `--init-from`).
 
 Resumable: with `--checkpoint-minutes M` the loop writes `<out>/resume.pt` (model, optimiser, schedule, step,
-generator state, loss history) every M minutes; `--resume` continues from it with the same arguments and gives
-the same result as an uninterrupted run.
+generator state, loss history) every M minutes, atomically; a stage stopped by `--max-minutes` saves its model so
+far and keeps a current `resume.pt`. `--resume` continues from it with the same arguments and gives the same
+result as an uninterrupted run. Every argument, the family of `--init-from` / `--teacher` (their `config.json`)
+included, is checked before any data loads (exit status 2 with the rule and the fix).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import random
 import time
@@ -120,16 +123,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     problem = check_args(args)
     if problem:
         ap.error(problem)
+    args.error = ap.error
     return args
 
 
 def check_args(args: argparse.Namespace) -> str | None:
     """The first rule `args` break, as "FLAG (=value) must ...: fix", before any data loads; None if they hold."""
-    for flag in ("tokens", "seq_len", "batch_size", "train_problems", "layers", "hidden", "vocab_size", "bd_size",
-                 "max_operand"):
+    for flag in ("tokens", "seq_len", "batch_size", "train_problems", "layers", "hidden", "vocab_size", "bd_size"):
         value = getattr(args, flag)
         if value < 1:
             return f"--{flag.replace('_', '-')} (={value}) must be >= 1"
+    if args.max_operand < 3:
+        return (f"--max-operand (={args.max_operand}) must be >= 3 (the problems draw operands from 2 up to it, and "
+                "from 2 up to 0.6 times it): pass e.g. --max-operand 20")
     if not (math.isfinite(args.lr) and args.lr > 0):
         return f"--lr (={args.lr}) must be a number > 0: pass e.g. 1e-3"
     if not 0 <= args.arith_fraction <= 1:
@@ -142,15 +148,61 @@ def check_args(args: argparse.Namespace) -> str | None:
         return (f"--seq-len (={args.seq_len}) must be a multiple of --bd-size (={args.bd_size}) for --objective "
                 f"fast_dllm_v2 (one masking rate per block of the window): pass e.g. --seq-len "
                 f"{max(1, args.seq_len // args.bd_size) * args.bd_size}")
+    objective = OBJECTIVES[args.objective]
+    if objective.init_required and not args.init_from:
+        types = " or ".join(objective.init_types)
+        return (f"--init-from is required for --objective {args.objective} (it starts from a trained checkpoint): "
+                f"pass a {types} checkpoint directory, e.g. --init-from models/"
+                f"{'qwen2-tiny-ar' if 'qwen2' in types else 'sdar-tiny-arith'}")
+    for flag, path, types in (("--init-from", args.init_from, objective.init_types),
+                              ("--tokenizer-from", args.tokenizer_from, ()),
+                              ("--teacher", getattr(args, "teacher", None), objective.teacher_types)):
+        problem = check_checkpoint(flag, path, types, args.objective)
+        if problem:
+            return problem
+    if args.init_from and args.tokenizer_from:
+        return ("--tokenizer-from must be left out with --init-from (the model's own tokenizer is reused): pass one "
+                "of them")
     if args.grow_layers is not None:
         if not args.init_from:
             return "--grow-layers needs --init-from (the trained model to grow): pass both"
         if args.objective == "llada2":
             return ("--grow-layers grows dense decoders (recipes.growth), not LLaDA2's MoE: grow the SDAR checkpoint "
                     "first (--objective block_diffusion --grow-layers N), then upcycle it with --objective llada2")
+        layers = _config(args.init_from).get("num_hidden_layers", 1)
+        if args.grow_layers <= layers or args.grow_layers % layers:
+            return (f"--grow-layers (={args.grow_layers}) must be a multiple of the --init-from model's {layers} "
+                    f"layers, larger than it: pass e.g. --grow-layers {2 * layers}")
+    try:
+        objective(args)                          # an objective refuses its own settings when it is built
+    except (ValueError, NotImplementedError) as err:
+        return str(err)
     if args.resume and not (pathlib.Path(args.out) / "resume.pt").exists():
         return (f"--resume needs {pathlib.Path(args.out) / 'resume.pt'} (written with --checkpoint-minutes): run "
                 "without --resume, or pass the --out of the interrupted run")
+    return None
+
+
+def _config(path: str) -> dict:
+    return json.loads((pathlib.Path(path) / "config.json").read_text(encoding="utf-8"))
+
+
+def check_checkpoint(flag: str, path: str | None, types: tuple[str, ...], objective: str) -> str | None:
+    """The rule a checkpoint flag breaks ("FLAG (=path) must ..."), before anything loads: a local directory with a
+    `config.json` whose `model_type` is one of `types` (any when empty); None when it holds or `path` is None.
+    (A starting model of another family was loaded anyway: transformers built a mostly random model and the run
+    trained it.)"""
+    if path is None:
+        return None
+    if not (pathlib.Path(path) / "config.json").is_file():
+        return f"{flag} (={path}) must be a checkpoint directory with a config.json (the recipe runs offline)"
+    try:
+        model_type = _config(path).get("model_type")
+    except (ValueError, UnicodeDecodeError) as err:
+        return f"{flag} (={path}) must hold a readable config.json ({type(err).__name__}: {err})"
+    if types and model_type not in types:
+        return (f"{flag} (={path}) must be a checkpoint of model_type {' or '.join(map(repr, types))} for "
+                f"--objective {objective} (it is {model_type!r}): pass such a checkpoint")
     return None
 
 
@@ -168,6 +220,14 @@ def check_streams(streams: dict, seq_len: int, arith_fraction: float) -> None:
                              "shorter --seq-len, or more data (--train-problems)")
 
 
+def save_resume(path: pathlib.Path, checkpoint: dict) -> None:
+    """Write the resume point atomically: to a temporary file beside it, then renamed over it (a run killed while
+    writing keeps the previous one; written in place, it left a truncated archive that `--resume` could not read)."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(checkpoint, partial)
+    os.replace(partial, path)
+
+
 def load_tokenizer(args, code: list[str], problems: list[dict]):
     source = args.init_from or args.tokenizer_from
     if source:
@@ -180,7 +240,10 @@ def load_tokenizer(args, code: list[str], problems: list[dict]):
         tok_texts = code + [format_prompt(p["question"]) + " " + p["solution"] for p in problems[:20_000]]
         tokenizer = train_tokenizer(tok_texts, args.vocab_size)
     if tokenizer.convert_tokens_to_ids(SPECIALS) != [EOS_ID, PAD_ID, MASK_ID]:
-        raise ValueError(f"tokenizer special ids {tokenizer.convert_tokens_to_ids(SPECIALS)} != [0, 1, 2]")
+        flag = "--init-from" if args.init_from else "--tokenizer-from"
+        raise ValueError(f"{flag} (={source}) must have a tokenizer whose special tokens {SPECIALS} are the ids "
+                         f"[{EOS_ID}, {PAD_ID}, {MASK_ID}] (they are {tokenizer.convert_tokens_to_ids(SPECIALS)}): "
+                         "pass a checkpoint of this recipe, or neither flag to train a tokenizer")
     return tokenizer
 
 
@@ -198,10 +261,13 @@ def main(argv: list[str] | None = None) -> None:
                                  max_operand=args.max_operand)
     code = stdlib_texts()
     print(f"data: {len(code)} stdlib files, {len(problems)} arithmetic problems, {len(heldout)} held out")
-    tokenizer = objective.prepare_tokenizer(load_tokenizer(args, code, problems))
-    streams = objective.build_streams(tokenizer, code, problems, build_streams)
-    print({k: int(v[0].shape[0]) for k, v in streams.items()}, "tokens per stream")
-    check_streams(streams, args.seq_len, args.arith_fraction)
+    try:            # the rules only the data can tell (a tokenizer's ids, a stream's length, a teacher cache)
+        tokenizer = objective.prepare_tokenizer(load_tokenizer(args, code, problems))
+        streams = objective.build_streams(tokenizer, code, problems, build_streams)
+        print({k: int(v[0].shape[0]) for k, v in streams.items()}, "tokens per stream")
+        check_streams(streams, args.seq_len, args.arith_fraction)
+    except ValueError as err:
+        args.error(str(err))
 
     previous_stages = read_stages(args.init_from)
     model = objective.build_model(args, tokenizer, args.init_from)
@@ -244,14 +310,17 @@ def main(argv: list[str] | None = None) -> None:
             state["history"].append({"step": step, "tokens": (step + 1) * tokens_per_step,
                                      "loss_ema": round(state["ema"], 4)})
             bar.set_postfix(loss=f"{state['ema']:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
-        if args.checkpoint_minutes is not None and time.time() - last_checkpoint > 60 * args.checkpoint_minutes:
-            state["seconds"] = time.time() - t0
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": scheduler.state_dict(), "generator": gen.get_state(), "state": state},
-                       resume_path)
+        now = time.time()
+        stop = args.max_minutes is not None and now - t0 > 60 * args.max_minutes and state["step"] < total_steps
+        if stop or (args.checkpoint_minutes is not None and now - last_checkpoint > 60 * args.checkpoint_minutes):
+            state["seconds"] = now - t0
+            save_resume(resume_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                      "scheduler": scheduler.state_dict(), "generator": gen.get_state(),
+                                      "state": state})
             last_checkpoint = time.time()
-        if args.max_minutes is not None and time.time() - t0 > 60 * args.max_minutes:
-            print(f"stopping at step {step}: --max-minutes {args.max_minutes} reached")
+        if stop:
+            print(f"stopping at step {state['step']} of {total_steps}: --max-minutes {args.max_minutes} reached; the "
+                  f"model so far is saved, and the same command with --resume continues from {resume_path}")
             break
     elapsed = time.time() - t0
     objective.save(model, tokenizer, out)
@@ -271,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = {"stages": stages, "tokens_seen_total": sum(s["tokens_seen"] for s in stages),
                "train_seconds_total": round(sum(s["train_seconds"] for s in stages), 1)}
     (out / "training_log.json").write_text(json.dumps(summary, indent=1))
-    resume_path.unlink(missing_ok=True)
+    if state["step"] >= total_steps:                # a stage stopped by --max-minutes keeps its resume point
+        resume_path.unlink(missing_ok=True)
     print(json.dumps({k: v for k, v in stage.items() if k != "loss_history"}))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 from types import SimpleNamespace
 
@@ -64,6 +65,10 @@ def test_ar_loss_is_next_token_cross_entropy_on_targets():
     loss = AutoregressiveObjective(SimpleNamespace()).loss(model, x, maskable, torch.Generator())
     labels = x.masked_fill(~maskable, -100)                        # HF shifts labels itself
     assert torch.allclose(loss, model(input_ids=x, labels=labels).loss, atol=1e-6)
+    # a batch of context tokens only (short windows inside a question): no target, no loss (it was NaN, and the
+    # logged moving average stayed NaN for the rest of the run)
+    none = AutoregressiveObjective(SimpleNamespace()).loss(model, x, torch.zeros_like(maskable), torch.Generator())
+    assert none.item() == 0.0
 
 
 def _block_diffusion_case(objective, model, seed: int):
@@ -373,6 +378,25 @@ def test_continuing_a_fast_dllm_checkpoint_records_the_trained_block_size(tmp_pa
     (["--objective", "ar", "--arith-fraction", "1.5"], "--arith-fraction (=1.5) must lie in [0, 1]"),
     (["--objective", "ar", "--lr", "0"], "--lr (=0.0) must be a number > 0"),
     (["--objective", "ar", "--checkpoint-minutes", "0"], "--checkpoint-minutes (=0.0) must be > 0 minutes"),
+    # a starting model or teacher of another family was loaded anyway (a mostly random model trained), and the
+    # required ones were asked for after minutes of data preparation, with a traceback
+    (["--objective", "llada2", "--init-from", "models/qwen2-tiny-ar"],
+     "--init-from (=models/qwen2-tiny-ar) must be a checkpoint of model_type 'sdar' or 'llada2_moe'"),
+    (["--objective", "fast_dllm_v2", "--init-from", "models/sdar-tiny-arith"],
+     "must be a checkpoint of model_type 'qwen2' or 'Fast_dLLM_Qwen' for --objective fast_dllm_v2 (it is 'sdar')"),
+    (["--objective", "d2a", "--init-from", "models/sdar-tiny-arith", "--teacher", "models/sdar-tiny-arith"],
+     "--teacher (=models/sdar-tiny-arith) must be a checkpoint of model_type 'qwen2'"),
+    (["--objective", "d2a", "--teacher", "models/qwen2-tiny-ar"], "--init-from is required for --objective d2a"),
+    (["--objective", "fast_dllm_v2"], "--init-from is required for --objective fast_dllm_v2"),
+    (["--objective", "d2a", "--init-from", "models/sdar-tiny-arith"], "--teacher (=None) is required"),
+    (["--objective", "block_diffusion", "--init-from", "/nonexistent"],
+     "--init-from (=/nonexistent) must be a checkpoint directory with a config.json"),
+    (["--objective", "block_diffusion", "--init-from", "models/sdar-tiny-arith", "--tokenizer-from",
+      "models/sdar-tiny-arith"], "--tokenizer-from must be left out with --init-from"),
+    (["--objective", "block_diffusion", "--init-from", "models/sdar-tiny-arith", "--grow-layers", "0"],
+     "--grow-layers (=0) must be a multiple of the --init-from model's"),
+    (["--objective", "ar", "--max-operand", "1"], "--max-operand (=1) must be >= 3"),
+    (["--objective", "ar", "--seq-len", "1"], "--seq-len (=1) must be >= 2 for --objective ar"),
 ])
 def test_train_refuses_bad_arguments_before_any_data(argv, words, tmp_path, capsys):
     """They crashed after the data loaded (a window of 10 against blocks of 4, LLaDA2's layers grown as dense ones,
@@ -423,3 +447,23 @@ def test_d2a_refuses_no_teacher_even_with_an_existing_cache(tmp_path):
     args = SimpleNamespace(d2a_stage=1, teacher=None, d2a_teacher_cache=str(cache))
     with pytest.raises(ValueError, match=re.escape("--teacher (=None) is required")):
         D2AObjective(args)
+
+
+def test_the_resume_point_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A run killed while writing `resume.pt` left a truncated archive in place of the last good one (`--resume`
+    then failed): the new one is written beside it and renamed over it."""
+    from recipes.train import save_resume
+
+    path = tmp_path / "resume.pt"
+    save_resume(path, {"state": {"step": 1}})
+    real_save = torch.save
+
+    def killed(obj, target):
+        real_save(obj, target)
+        pathlib.Path(target).write_bytes(pathlib.Path(target).read_bytes()[:20])    # cut short, then "killed"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_resume(path, {"state": {"step": 2}})
+    assert torch.load(path, weights_only=False)["state"]["step"] == 1
