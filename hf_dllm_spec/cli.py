@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from .cli_args import CACHE_IMPLEMENTATIONS, UsageError, did_you_mean, positive_int, suggest
+from .cli_args import CACHE_IMPLEMENTATIONS, UsageError, did_you_mean, positive_int, prompt_text, suggest
 from .tools.jobs import add_model_argument, check_model
 from .serving.loading import add_loading_arguments
 
@@ -224,7 +225,7 @@ def _add_generate(sub) -> None:
                                    "new text (stdout); --stats prints the speculative-decoding statistics (stderr).",
                        epilog="example: hf-dllm-spec generate --prompt 'def add(a, b):' --strategy s2d2 "
                               "--block-size 4 --min-ssd-span-length 1 --cache-ver --stats")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--prompt", required=True, type=prompt_text, help="the prompt text")
     p.add_argument("--strategy", default="s2d2", type=_strategy_name, metavar="NAME",
                    help="decoding_strategy: " + ", ".join(STRATEGIES) + " (default s2d2)")
     p.add_argument("--preset", default=None, help="a named configuration of the strategy (see `hf-dllm-spec "
@@ -516,11 +517,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:                 # the subcommand's error, with the closest of its options for a misspelt one
+        own = getattr(args, "parser", parser)
+        hints = "".join(did_you_mean(word.split("=")[0], own._option_string_actions)
+                        for word in unknown if word.startswith("--"))
+        own.error(f"unrecognized arguments: {' '.join(unknown)}{hints}")
     # The subcommand's own arguments (recorded by the benchmarks as their command line).
     rest = argv[argv.index(args.command) + 1:]
     try:
         args.handler(args, rest)
+    except BrokenPipeError:     # the reader went away (`| head`): stop quietly, as other command-line tools do
+        try:                    # Python's final flush of stdout must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):       # a stdout without a file descriptor
+            pass
+        raise SystemExit(1) from None
     except (UsageError, ValueError, OSError, NotImplementedError) as err:
         if debug:
             raise

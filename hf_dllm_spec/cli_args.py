@@ -112,6 +112,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def prompt_text(text: str) -> str:
+    """argparse type: a non-empty prompt of valid UTF-8 text (a byte the terminal's encoding cannot decode reaches
+    Python as a lone surrogate, which the tokenizer refused with a TypeError)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be non-empty text: pass the question to decode from")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(err.object[err.start])              # an undecodable byte b arrives as the surrogate U+DC00 + b
+        shown = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"character U+{code:04X}"
+        raise argparse.ArgumentTypeError(f"must be valid UTF-8 text ({shown} at position {err.start} is not): pass "
+                                         "it in the terminal's UTF-8 encoding") from None
+    return text
+
+
 def int_list(flag: str, text: str) -> list[int]:
     """`"4,8,16"` -> `[4, 8, 16]`; each item an integer >= 1.
 

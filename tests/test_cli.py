@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -264,6 +265,15 @@ def test_no_sys_path_edits():
     (["bench", "--block-sizes", "4,x"], "--block-sizes", "comma-separated integers"),
     (["bench", "--thresholds", "1.5"], "--thresholds", "(0, 1]"),
     (["export", "no_such_dir", "out"], "SOURCE", "config.json"),
+    # a byte the terminal could not decode (a traceback inside the tokenizer), an empty prompt (refused after loading,
+    # naming `input_ids`), a misspelt option (the top-level program's error, no suggestion)
+    (["generate", "--prompt", "caf\udce9"], "--prompt", "must be valid UTF-8 text (byte 0xe9 at position 3"),
+    (["generate", "--prompt", ""], "--prompt", "must be non-empty text"),
+    (["main", "--prompt", ""], "--prompt", "must be non-empty text"),
+    (["generate", "--prompt", "x", "--block-sise", "4"], "hf-dllm-spec generate: error: unrecognized arguments",
+     "did you mean '--block-size'?"),
+    (["bench", "--draft-model", "a=models/deer-drafter-tiny", "--draft-model", "a=models/sdar-tiny-arith"],
+     "--draft-model", "names 'a' twice"),
 ])
 def test_bad_arguments_name_the_flag_and_exit_2(capsys, argv, flag, words):
     code, out, err = run_cli(capsys, *argv)
@@ -293,6 +303,32 @@ def test_export_speaks_of_flags(capsys, tmp_path):
     code, _, err = run_cli(capsys, "export", str(DEFAULT_MODEL), str(tmp_path / "full"))
     assert code == 2 and "OUTPUT_DIR" in err and "--overwrite" in err and "overwrite=True" not in err, err
     assert f"argument OUTPUT_DIR: '{tmp_path / 'full'}' must be empty or new" in err, err    # it read "(='...')"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(capsys, monkeypatch):
+    """`hf-dllm-spec strategies | head -1`: the closed pipe was reported as a usage error (exit 2)."""
+    from hf_dllm_spec import cli
+
+    def closed(args, argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_strategies", closed)
+    code, _, err = run_cli(capsys, "strategies")
+    assert code == 1 and err == ""
+
+
+def test_a_missing_or_bad_held_out_set_names_the_file_and_the_fix(tmp_path):
+    """A checkpoint of one's own has no `heldout_arithmetic.jsonl`: `main` said only "[Errno 2]"; an empty file
+    was a StopIteration traceback, a line without `answer` a KeyError."""
+    from hf_dllm_spec.tools.jobs.evaluation import arithmetic_prompts
+
+    with pytest.raises(ValueError, match="heldout_arithmetic.jsonl is missing .*pass --num-arith 0"):
+        arithmetic_prompts(tmp_path, 2)
+    for text, words in (("", "is empty"), ('{"question": "q"}\n', "line 1 must be an object with a `question` and "
+                        "an `answer`"), ("\x8d\n", "must hold one JSON object per line")):
+        (tmp_path / "heldout_arithmetic.jsonl").write_bytes(text.encode("latin-1"))
+        with pytest.raises(ValueError, match=re.escape(words)):
+            arithmetic_prompts(tmp_path, 2)
 
 
 def test_the_console_script_exits_2_without_a_traceback_and_debug_shows_it():

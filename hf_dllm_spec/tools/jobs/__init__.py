@@ -31,6 +31,21 @@ def fresh_out_dir(kind: str) -> pathlib.Path:
     return pathlib.Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def make_out_dir(out: str | None, kind: str) -> pathlib.Path:
+    """The results folder of a benchmark, made before anything loads or runs: `out`, else :func:`fresh_out_dir`.
+
+    Raises:
+        UsageError: naming `--out`, when a file is in the way (found at the end, the run's results were lost).
+    """
+    path = pathlib.Path(out) if out is not None else fresh_out_dir(kind)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:
+        raise UsageError("--out", f"{path} must be a directory (a file is in the way: {err.strerror}); pass another "
+                                  "--out") from None
+    return path
+
+
 def check_model(parser: argparse.ArgumentParser, model: str, flag: str = "--model") -> None:
     """Refuse a `--model` that cannot be a checkpoint before anything loads.
 

@@ -15,7 +15,6 @@ measurement, not a test: numbers depend on the machine; record the machine and c
 from __future__ import annotations
 
 import argparse
-import pathlib
 import platform
 import shlex
 import statistics
@@ -29,7 +28,7 @@ import model_patches
 
 from ...cli_args import UsageError, add_dtype_argument, positive_int
 from .evaluation import StrategySpec, arithmetic_prompts, humaneval_prompts
-from . import add_model_argument, fresh_out_dir, job_main, load_checkpoint
+from . import add_model_argument, job_main, load_checkpoint, make_out_dir
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -107,6 +106,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     """The batch benchmark; `argv` (the command that ran, its words) is recorded in batch.md."""
+    out = make_out_dir(args.out, "bench-batch")
     tokenizer, model = load_checkpoint(args.model, getattr(torch, args.dtype))
     if not model_patches.get_patch(model).is_diffusion_lm:
         raise UsageError("--model", f"{args.model} is an autoregressive checkpoint: bench-batch compares the "
@@ -138,8 +138,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
             md.append(f"| {spec.label} | {r['sequential_tps']:.1f} | {r['batch_tps']:.1f} | {r['ratio']:.2f}x |")
         md.append("")
     bar.close()
-    out = pathlib.Path(args.out) if args.out is not None else fresh_out_dir("bench-batch")
-    out.mkdir(parents=True, exist_ok=True)
     (out / "batch.md").write_text("\n".join(md) + "\n")
     print(f"wrote {out / 'batch.md'}")
 

@@ -69,10 +69,25 @@ def arithmetic_prompts(model_dir: pathlib.Path, n: int) -> list[Prompt]:
         "arithmetic".
 
     Raises:
-        FileNotFoundError: when `model_dir` has no `heldout_arithmetic.jsonl`.
+        ValueError: when `model_dir` has no `heldout_arithmetic.jsonl` (a checkpoint of your own: the set comes with
+            the bundled models, which `recipes.train` writes), or its first `n` lines are not UTF-8 JSON objects
+            with a `question` and an `answer` (naming the file and line).
     """
-    lines = (pathlib.Path(model_dir) / "heldout_arithmetic.jsonl").read_text().splitlines()[:n]
-    return [Prompt(format_prompt(p["question"]), p["answer"], "arithmetic") for p in map(json.loads, lines)]
+    path = pathlib.Path(model_dir) / "heldout_arithmetic.jsonl"
+    fix = "pass --num-arith 0 and your own prompts (--prompt TEXT), or a checkpoint that recipes.train wrote"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing (the held-out arithmetic set ships with the bundled models): {fix}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()[:n]
+        problems = [json.loads(line) for line in lines]
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path} must hold one JSON object per line ({type(err).__name__}: {err}): {fix}") from None
+    for number, problem in enumerate(problems, 1):
+        if not isinstance(problem, dict) or not {"question", "answer"} <= problem.keys():
+            raise ValueError(f"{path} line {number} must be an object with a `question` and an `answer`: {fix}")
+    if not problems and n > 0:
+        raise ValueError(f"{path} is empty: {fix}")
+    return [Prompt(format_prompt(p["question"]), p["answer"], "arithmetic") for p in problems]
 
 
 def humaneval_prompts(n: int) -> list[Prompt]:

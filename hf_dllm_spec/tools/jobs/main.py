@@ -25,7 +25,8 @@ import ast
 
 import torch
 
-from ...cli_args import UsageError, add_dtype_argument, did_you_mean, non_negative_int, positive_int, suggest
+from ...cli_args import (UsageError, add_dtype_argument, did_you_mean, non_negative_int, positive_int, prompt_text,
+                         suggest)
 from ...strategies.registry import resolve_config
 from .evaluation import Prompt, StrategySpec, arithmetic_prompts, humaneval_prompts, run as run_spec, table
 from . import DEFAULT_MODEL, add_model_argument, job_main, load_checkpoint
@@ -128,7 +129,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """Add the options of `hf-dllm-spec main` to `ap`: the model and drafter, the strategy rows and their
     parameters, the prompt sets, the budget, seed, batch size, dtype and progress bars."""
     add_model_argument(ap)
-    ap.add_argument("--prompt", action="append", default=[], help="your own prompt (repeatable); skips the sets")
+    ap.add_argument("--prompt", action="append", default=[], type=prompt_text,
+                    help="your own prompt (repeatable); skips the sets")
     ap.add_argument("--strategies", default=None,
                     help="comma list of ar, static, dynamic, s2d2, fast_dllm_v2, deer, simsd, simsd-dynamic, llada2.0, "
                          "llada2, llada2-quality, s2d2-llada2; default: ar,dynamic,s2d2 (ar,fast_dllm_v2,s2d2 on a "

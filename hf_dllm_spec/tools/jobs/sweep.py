@@ -34,7 +34,7 @@ import torch
 
 from ...cli_args import UsageError, add_dtype_argument, float_list, int_list, non_negative_int
 from .evaluation import LEGEND, StrategySpec, arithmetic_prompts, humaneval_prompts, run as run_spec, table
-from . import add_model_argument, fresh_out_dir, job_main, load_checkpoint
+from . import add_model_argument, job_main, load_checkpoint, make_out_dir
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -250,12 +250,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     block_sizes = int_list("--block-sizes", DEFAULT_BLOCK_SIZES if args.block_sizes is None else args.block_sizes)
     if args.num_arith == 0 and args.num_humaneval == 0:
         raise UsageError("--num-arith", "--num-arith 0 and --num-humaneval 0 leave no prompts; pass a count > 0")
-    tokenizer, model = load_checkpoint(args.model, dtype)
-    patch = model_patches.get_patch(model)
-    drafters = {}
+    named = {}
     for item in args.draft_model:
         name, _, path = item.rpartition("=")
-        drafters[name or pathlib.Path(path).name] = load_checkpoint(path, dtype, "--draft-model")[1]
+        name = name or pathlib.Path(path).name
+        if name in named:            # the rows of both were measured with the last one, under one name
+            raise UsageError("--draft-model", f"names {name!r} twice ({named[name]} and {path}); name each drafter "
+                                              "once, e.g. --draft-model aligned=PATH --draft-model base=PATH")
+        named[name] = path
+    out_dir = make_out_dir(args.out, "bench")
+    tokenizer, model = load_checkpoint(args.model, dtype)
+    patch = model_patches.get_patch(model)
+    drafters = {name: load_checkpoint(path, dtype, "--draft-model")[1] for name, path in named.items()}
     if not patch.is_diffusion_lm:
         if not drafters:
             raise UsageError("--draft-model", "an AR --model is benchmarked with DEER: pass --draft-model "
@@ -280,8 +286,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     sets = {name: value for name, value in sets.items() if value[0]}     # --num-... 0: the set is skipped
     # Warm-up (allocator, lazy inits) so the first timed row is not penalised.
     run_spec(model, tokenizer, next(iter(sets.values()))[0][:2], specs[0], max_new_tokens=8, seed=0, progress=False)
-    out_dir = pathlib.Path(args.out) if args.out is not None else fresh_out_dir("bench")
-    out_dir.mkdir(parents=True, exist_ok=True)
     print(f"writing {out_dir}/ (sweep.md and sweep.json after every row)", flush=True)
     machine = (f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
                f"{args.dtype}, batch 1, greedy")
