@@ -69,7 +69,11 @@ class BurstStrategy(BlockDiffusionStrategy):
 
 
 if __name__ == "__main__":
+    import argparse
+
     from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()     # --help; no other arguments
 
     tokenizer, model = load(ROOT / "models" / "sdar-tiny-arith")
     ids = tokenizer(arithmetic_prompts(ROOT / "models" / "sdar-tiny-arith", 1)[0].text, return_tensors="pt").input_ids

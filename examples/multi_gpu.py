@@ -27,6 +27,8 @@ import tempfile
 
 import torch
 
+from hf_dllm_spec.cli_args import positive_int
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The default prompt's question (formatted with `recipes.arithmetic.format_prompt`).
 DEFAULT_QUESTION = "Zoe has 14 stamps. Zoe gets 3 more stamps. How many stamps does Zoe have now?"
@@ -105,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the drafter's device (default: the last GPU, else cpu)")
     parser.add_argument("--offload-folder", default=None, help="where disk-offloaded weights go (default: a temp dir)")
     parser.add_argument("--prompt", default=None, help="prompt text (default: an arithmetic question)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
     return parser
 
 
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> torch.Tensor:
             print(f"drafter: {device}, {draft_dtype}")
         strategy = args.strategy or ("simsd" if args.draft_model is not None else "s2d2")
         tokenizer = load_tokenizer(args.target)
-        text = args.prompt or format_prompt(DEFAULT_QUESTION)
+        text = args.prompt if args.prompt is not None else format_prompt(DEFAULT_QUESTION)
         ids = tokenizer(text, return_tensors="pt").input_ids.to(execution_device(target))
         # `custom_generate` serves every model (a plain transformers AR target of DEER as well as SDAR).
         out = target.generate(ids, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy=strategy,
@@ -148,4 +150,7 @@ def main(argv: list[str] | None = None) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError, NotImplementedError) as error:     # a bad argument: its message, not a traceback
+        build_parser().error(str(error))

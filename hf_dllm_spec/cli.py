@@ -31,7 +31,8 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from .cli_args import CACHE_IMPLEMENTATIONS, UsageError, did_you_mean, positive_int, prompt_text, suggest
+from .cli_args import (CACHE_IMPLEMENTATIONS, UsageError, did_you_mean, positive_int, prompt_text,
+                       sampling_temperature, suggest, top_k, top_p)
 from .tools.jobs import add_model_argument, check_model
 from .serving.loading import add_loading_arguments
 
@@ -235,9 +236,9 @@ def _add_generate(sub) -> None:
                                                                       "use one (DEER on an AR --model, SimSD)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="default 64")
     p.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--temperature", type=sampling_temperature, default=None)
+    p.add_argument("--top-p", type=top_p, default=None)
+    p.add_argument("--top-k", type=top_k, default=None)
     p.add_argument("--seed", type=_seed, default=0,
                    help="seed of the torch.Generator passed to generate, in [0, 2**64) (default 0)")
     add_loading_arguments(p)               # --dtype, --device, --device-map, --quantization, --draft-device

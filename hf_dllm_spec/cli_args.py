@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import re
 from typing import Iterable
 
@@ -125,6 +126,32 @@ def prompt_text(text: str) -> str:
         raise argparse.ArgumentTypeError(f"must be valid UTF-8 text ({shown} at position {err.start} is not): pass "
                                          "it in the terminal's UTF-8 encoding") from None
     return text
+
+
+def sampling_temperature(text: str) -> float:
+    """argparse type of `--temperature`: a finite number > 0 (transformers' `TemperatureLogitsWarper` rule)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}: pass e.g. 0.7, or leave out --do-sample "
+                                         "for greedy decoding")
+    return value
+
+
+def top_p(text: str) -> float:
+    """argparse type of `--top-p`: a probability in (0, 1] (1 keeps every token; transformers skips a larger one
+    without a word)."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}: pass e.g. 0.9 (1 keeps every token)")
+    return value
+
+
+def top_k(text: str) -> int:
+    """argparse type of `--top-k`: an integer >= 0 (0 keeps every token)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}: pass e.g. 50 (0 keeps every token)")
+    return value
 
 
 def int_list(flag: str, text: str) -> list[int]:

@@ -274,6 +274,10 @@ def test_no_sys_path_edits():
      "did you mean '--block-size'?"),
     (["bench", "--draft-model", "a=models/deer-drafter-tiny", "--draft-model", "a=models/sdar-tiny-arith"],
      "--draft-model", "names 'a' twice"),
+    (["main", "--strategies", ""], "--strategies", "unknown strategy ''"),
+    (["generate", "--prompt", "x", "--do-sample", "--top-p", "1.5"], "--top-p", "must lie in (0, 1]"),
+    (["generate", "--prompt", "x", "--do-sample", "--top-k", "-3"], "--top-k", "must be an integer >= 0"),
+    (["generate", "--prompt", "x", "--do-sample", "--temperature", "0"], "--temperature", "must be a number > 0"),
 ])
 def test_bad_arguments_name_the_flag_and_exit_2(capsys, argv, flag, words):
     code, out, err = run_cli(capsys, *argv)

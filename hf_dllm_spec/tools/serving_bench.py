@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from ..cli_args import positive_int, suggest
+from .jobs import check_model
 from .jobs.evaluation import DEFAULT_MODEL, arithmetic_prompts
 
 RUNTIMES = {"eager": None, "static": "static"}
@@ -91,13 +93,25 @@ def _set_runtime(served, runtime: str) -> None:
         model.generation_config.cache_implementation = RUNTIMES[runtime]
 
 
-def run(args: argparse.Namespace) -> list[dict]:
-    """Run the benchmark; print and return one row per runtime and setting."""
-    from ..serving.app import create_app, load_served_model, serve_in_background
+def prepare(args: argparse.Namespace) -> tuple:
+    """The served model and the prompts of the benchmark: `(served, prompts)`.
+
+    Raises:
+        ValueError: the library's refusal of the checkpoint, drafter or strategy; a missing held-out set.
+    """
+    from ..serving.app import load_served_model
 
     served = load_served_model(args.model, draft_model=args.draft_model, strategy=args.strategy,
                                max_concurrent_batches=args.max_concurrent_batches)
-    prompts = [p.text for p in arithmetic_prompts(args.model, args.num_prompts)]
+    return served, [p.text for p in arithmetic_prompts(args.model, args.num_prompts)]
+
+
+def run(args: argparse.Namespace, prepared: tuple | None = None) -> list[dict]:
+    """Run the benchmark (on `prepared`, :func:`prepare`'s result, else its own); print and return one row per
+    runtime and setting."""
+    from ..serving.app import create_app, serve_in_background
+
+    served, prompts = prepared if prepared is not None else prepare(args)
     settings = ["generate, one at a time"] + [f"server, {c} concurrent client{'s' * (c > 1)}" for c in args.concurrency]
     rows = []
     # The baseline runs in a worker thread as the server's batches do (torch's intra-op threading differs between
@@ -159,22 +173,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint (default: the bundled model)")
     parser.add_argument("--draft-model", default=None, metavar="PATH")
     parser.add_argument("--strategy", default=None, help="default: the model's stored strategy")
-    parser.add_argument("--num-prompts", type=int, default=32, help="held-out arithmetic prompts (default 32)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="default 32")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="default 1 8 32")
+    parser.add_argument("--num-prompts", type=positive_int, default=32, help="held-out arithmetic prompts (default 32)")
+    parser.add_argument("--max-tokens", type=positive_int, default=32, help="default 32")
+    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 8, 32], help="default 1 8 32")
     parser.add_argument("--runtimes", nargs="+", default=["eager"], choices=list(RUNTIMES),
                         help="runtimes measured in turn, each against its own one-at-a-time baseline (default "
                              "eager)")
-    parser.add_argument("--max-concurrent-batches", type=int, default=1, help="the server's worker threads "
-                                                                              "(eager runtime; default 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of every setting; the median "
-                                                               "wall time is reported (default 3)")
+    parser.add_argument("--max-concurrent-batches", type=positive_int, default=1, help="the server's worker "
+                                                                                       "threads (eager runtime; "
+                                                                                       "default 1)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="alternating runs of every setting; the "
+                                                                        "median wall time is reported (default 3)")
     args = parser.parse_args(argv)
-    if min(args.num_prompts, args.max_tokens, args.repeats, args.max_concurrent_batches, *args.concurrency) < 1:
-        parser.error("--num-prompts, --max-tokens, --repeats, --max-concurrent-batches and --concurrency must be >= 1")
     if args.max_concurrent_batches > 1 and "static" in args.runtimes:
         parser.error("--max-concurrent-batches must be 1 with the static runtime")
-    return run(args)
+    try:                        # a checkpoint, strategy or held-out set the library refuses: a usage error
+        check_model(parser, args.model)
+        prepared = prepare(args)
+    except (ValueError, NotImplementedError, OSError) as err:
+        parser.error(suggest(str(err)))
+    return run(args, prepared)
 
 
 if __name__ == "__main__":

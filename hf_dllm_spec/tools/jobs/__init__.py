@@ -65,7 +65,8 @@ def check_model(parser: argparse.ArgumentParser, model: str, flag: str = "--mode
     if path.parent.is_dir() and str(path.parent) not in ("", "."):   # models/typo: a local folder, mistyped
         siblings = [p.name for p in path.parent.iterdir() if (p / "config.json").is_file()]
         raise UsageError(flag, f"no checkpoint directory at {model!r}{did_you_mean(path.name, siblings)}; "
-                               f"checkpoints in {path.parent}/: {', '.join(sorted(siblings)) or 'none'}")
+                               f"checkpoints in {str(path.parent).rstrip('/')}/: "
+                               f"{', '.join(sorted(siblings)) or 'none'}")
     hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~")) and all(model.split("/"))
     if not hub_id:
         raise UsageError(flag, f"no checkpoint directory at {model!r}; pass a directory such as "

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
     dtype = getattr(torch, args.dtype)
     extra = parse_set(args.set)                   # bad --set values fail before anything loads
-    if args.strategies:
+    if args.strategies is not None:              # an empty list too (it ran the default rows without a word)
         check_strategy_names(args.strategies.split(","))
     try:                     # every row's confidence threshold, by the library's own rule, before anything loads
         resolve_config("block_diffusion", overrides={"confidence_threshold": args.threshold})
