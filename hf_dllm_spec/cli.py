@@ -31,8 +31,8 @@ import sys
 import typing
 from typing import Any, Callable, Sequence
 
-from .cli_args import (CACHE_IMPLEMENTATIONS, UsageError, did_you_mean, positive_int, prompt_text,
-                       sampling_temperature, suggest, top_k, top_p)
+from .cli_args import (CACHE_IMPLEMENTATIONS, UsageError, did_you_mean, non_negative_int, positive_int,
+                       prompt_text, sampling_temperature, suggest, top_p)
 from .tools.jobs import add_model_argument, check_model
 from .serving.loading import add_loading_arguments
 
@@ -238,7 +238,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
     p.add_argument("--temperature", type=sampling_temperature, default=None)
     p.add_argument("--top-p", type=top_p, default=None)
-    p.add_argument("--top-k", type=top_k, default=None)
+    p.add_argument("--top-k", type=non_negative_int, default=None, help="0 keeps every token")
     p.add_argument("--seed", type=_seed, default=0,
                    help="seed of the torch.Generator passed to generate, in [0, 2**64) (default 0)")
     add_loading_arguments(p)               # --dtype, --device, --device-map, --quantization, --draft-device

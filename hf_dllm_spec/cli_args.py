@@ -146,14 +146,6 @@ def top_p(text: str) -> float:
     return value
 
 
-def top_k(text: str) -> int:
-    """argparse type of `--top-k`: an integer >= 0 (0 keeps every token)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}: pass e.g. 50 (0 keeps every token)")
-    return value
-
-
 def int_list(flag: str, text: str) -> list[int]:
     """`"4,8,16"` -> `[4, 8, 16]`; each item an integer >= 1.
 

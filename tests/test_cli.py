@@ -276,7 +276,7 @@ def test_no_sys_path_edits():
      "--draft-model", "names 'a' twice"),
     (["main", "--strategies", ""], "--strategies", "unknown strategy ''"),
     (["generate", "--prompt", "x", "--do-sample", "--top-p", "1.5"], "--top-p", "must lie in (0, 1]"),
-    (["generate", "--prompt", "x", "--do-sample", "--top-k", "-3"], "--top-k", "must be an integer >= 0"),
+    (["generate", "--prompt", "x", "--do-sample", "--top-k", "-3"], "--top-k", "must be >= 0, got -3"),
     (["generate", "--prompt", "x", "--do-sample", "--temperature", "0"], "--temperature", "must be a number > 0"),
 ])
 def test_bad_arguments_name_the_flag_and_exit_2(capsys, argv, flag, words):
