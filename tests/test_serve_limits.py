@@ -264,7 +264,8 @@ BAD_VALUES = [
                  id="token-out-of-vocab-second-prompt"),
     pytest.param({"prompt": [PROMPT, [5] * 300]}, "`prompt[1]` (='<prompt of 300 tokens>') must be at most 200 "
                  "tokens", id="second-prompt-too-long"),
-    pytest.param({"prompt": [PROMPT, 5]}, "`prompt` (=", id="prompt-list-of-mixed-types"),
+    pytest.param({"prompt": [PROMPT, 5]}, "`prompt[1]` (=5) must be a non-empty string", id="prompt-list-of-mixed"),
+    pytest.param({"prompt": [PROMPT, None]}, "`prompt[1]` (=None) must be a non-empty string", id="prompt-list-null"),
     pytest.param({"prompt": [9999]}, "`prompt[0]` (=9999) must be a token id in [0, 8192)", id="token-out-of-vocab"),
     pytest.param({"prompt": [-1]}, "`prompt[0]` (=-1) must be a token id", id="token-negative"),
     pytest.param({"prompt": [5] * 300}, "must be at most 200 tokens (the server's --max-prompt-tokens)",
@@ -514,6 +515,20 @@ def test_max_step_tokens_bounds_each_batch_and_refuses_a_longer_prompt(served):
 
 
 # -- shutdown ---------------------------------------------------------------------------------------------------
+
+def test_too_many_prompts_are_refused_before_any_is_tokenized(served, monkeypatch):
+    """A body of 200,000 one-character prompts (under the body limit) was tokenized whole, on the one parsing
+    thread (14 s for a million), before the count was refused."""
+    from hf_dllm_spec.serving.protocol import RequestError, parse_request
+
+    calls = []
+    monkeypatch.setattr(served.tokenizer.__class__, "__call__", lambda self, *a, **k: calls.append(1))
+    with pytest.raises(RequestError, match=r"`prompt` \(='<200000 prompts>'\) must ask for at most 128"):
+        parse_request({"prompt": ["x"] * 200_000}, chat=False, tokenizer=served.tokenizer, served_name=served.name,
+                      default_strategy=served.default_strategy, default_params={},
+                      generation_config=served.model.generation_config, default_max_tokens=4)
+    assert not calls
+
 
 def test_requests_waiting_at_close_and_submitted_after_it_get_503(served):
     """`Batcher.close` (the server's shutdown) answers the requests still waiting with a 503 error event, and any

@@ -331,7 +331,8 @@ def test_a_request_with_one_refused_prompt_is_refused_whole_and_frees_its_rows(b
     """A list of prompts whose second one the library refuses in its batch (beyond the model's positions): a 400
     naming `prompt`, no partial answer, and nothing of it left running."""
     status, _, text = post(base, "/v1/completions", {"prompt": [PROMPT, [5] * 2100], "max_tokens": 4})
-    assert status == 400 and json.loads(text)["error"]["param"] == "prompt", text
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "prompt" and error["message"].startswith("`prompt[1]` ("), text
     deadline = time.monotonic() + 30
     while (health(base)["running"] or health(base)["queued"]) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -354,19 +355,62 @@ def test_a_client_that_leaves_frees_every_row_of_its_request(served):
         assert health(url)["running"] == 0
 
 
+def test_a_stream_starts_while_one_of_its_completions_still_waits_for_a_row(served):
+    """`--max-batch-size 1`, `n=2` streamed: the first completion's tokens arrive while the second waits for a free
+    row (nothing was sent until every completion had started: the first had decoded all its tokens by then)."""
+    with serving(served, max_batch_size=1) as url:
+        conn = http.client.HTTPConnection(url.split("//")[1], timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 1500, "n": 2,
+                                                            "ignore_eos": True, "stream": True}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data:")
+        assert health(url)["queued"] == 1                     # the second completion still waits for its row
+        conn.close()
+
+
 def test_max_waiting_counts_every_completion_and_seeds_wrap(served):
-    """`--max-waiting 2` while a batch runs: a request of 3 completions gets 429, one of 2 is served; completion 1
-    of `seed = 2**64 - 1` samples with seed 0 (the seed wraps, as `manual_seed` takes no larger one)."""
-    with serving(served, ServerLimits(max_waiting=2)) as url:
+    """`--max-waiting 3` while a batch runs: more completions than 3 in one request is a 400 naming `n` (it could
+    never be admitted: a 429 told the client to retry forever); with 2 waiting, a request of 2 more gets 429, one of
+    1 is taken. Completion 1 of `seed = 2**64 - 1` samples with seed 0 (the seed wraps, as `manual_seed` takes no
+    larger one)."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.5, "ignore_eos": True}
+    with serving(served, ServerLimits(max_waiting=3)) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
         with long_stream(url):
-            body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.5, "ignore_eos": True}
-            status, headers, _ = post(url, "/v1/completions", {**body, "n": 3})
-            assert status == 429 and int(headers["retry-after"]) >= 1
-            status, _, text = post(url, "/v1/completions", {**body, "n": 2, "seed": 2 ** 64 - 1})
-            assert status == 200, text
+            status, _, text = post(url, "/v1/completions", {**body, "n": 4})
+            assert status == 400 and json.loads(text)["error"]["param"] == "n", text
+            waiting = pool.submit(post, url, "/v1/completions", {**body, "n": 2, "seed": 2 ** 64 - 1})
+            deadline = time.monotonic() + 30                 # sampled: other options than the stream, so it waits
+            while health(url)["queued"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            status, headers, text = post(url, "/v1/completions", {**body, "n": 2})
+            assert status == 429 and int(headers["retry-after"]) >= 1 and "2 requests waiting" in text, text
+        status, _, text = waiting.result(timeout=120)        # the stream's client left: the waiting request runs
+        assert status == 200, text
         wrapped = json.loads(text)["choices"][1]["text"]
         alone = json.loads(post(url, "/v1/completions", {**body, "seed": 0})[2])["choices"][0]["text"]
         assert wrapped == alone
+
+
+def test_rows_cancelled_while_waiting_leave_the_queue_at_the_running_calls_join_points(served):
+    """A client that leaves while its completions wait behind a running call of the same options: its rows were
+    dropped only when the call ended, and counted as waiting meanwhile (`/health`, `--max-waiting`)."""
+    app = create_app(dataclasses.replace(served, max_batch_size=1), ServerLimits())
+    with serve_in_background(app) as url:
+        with long_stream(url):
+            conn = http.client.HTTPConnection(url.split("//")[1], timeout=30)
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": "#\n#\n", "max_tokens": 1500, "n": 3,
+                                                                "ignore_eos": True, "stream": True}),
+                         {"Content-Type": "application/json"})
+            deadline = time.monotonic() + 30
+            while health(url)["queued"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert health(url)["queued"] == 3
+            conn.close()                                      # the client leaves; the stream still runs
+            deadline = time.monotonic() + 30
+            while health(url)["queued"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert health(url)["queued"] == 0 and health(url)["running"] == 1
 
 
 def test_budgets_and_library_refusals_in_the_servers_terms():

@@ -227,17 +227,12 @@ class Choices:
         return out
 
     async def start(self, request: Request) -> list[tuple[int, tuple]] | None:
-        """The events until every completion has sent one (or one is refused): a request is refused whole, before
-        its response starts. None once the client has disconnected."""
-        backlog: list[tuple[int, tuple]] = []
-        while len({i for i, _ in backlog}) < len(self.jobs):
-            got = await self.next(request)
-            if got is None:
-                return None
-            backlog.append(got)
-            if got[1][0] == "error":
-                break
-        return backlog
+        """The first event and those already behind it (a refusal of a row is made before its batch's first
+        forward, so refusals of rows that start together come first); None once the client has disconnected. A
+        streamed response starts then: a completion still waiting for a free row does not hold the others' tokens
+        back, and one the library refuses later ends the stream with an error event."""
+        first = await self.next(request)
+        return None if first is None else [first, *self.ready()]
 
     async def next(self, request: Request) -> tuple[int, tuple] | None:
         """The next event, or None once the client has disconnected (every completion is cancelled then, so their
@@ -369,17 +364,24 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         raw = await request.body()                      # BodyLimitMiddleware: 413 / 408 while it arrives
         loop = asyncio.get_running_loop()
         rows = await loop.run_in_executor(parser, parse, raw, chat)
-        longest, field = max(len(row.prompt_ids) for row in rows), rows[0].prompt_field
-        if served.max_step_tokens is not None and longest > served.max_step_tokens:
-            raise RequestError(str(invalid(field, f"<prompt of {longest} tokens>",
+        longest = max(rows, key=lambda row: len(row.prompt_ids))
+        field = longest.prompt_field.split("[", 1)[0]                # `prompt[2]` is in the field `prompt`
+        if served.max_step_tokens is not None and len(longest.prompt_ids) > served.max_step_tokens:
+            raise RequestError(str(invalid(longest.prompt_field, f"<prompt of {len(longest.prompt_ids)} tokens>",
                                            f"fit one forward of at most {served.max_step_tokens} tokens (the "
                                            "server's --max-step-tokens)", "send a shorter prompt")), param=field)
+        if limits.max_waiting is not None and len(rows) > max(1, limits.max_waiting):     # never admitted: a 400
+            n = max(row.sample for row in rows) + 1
+            name = "n" if n > 1 else field
+            raise RequestError(str(invalid(name, n if n > 1 else f"<{len(rows)} prompts>", f"ask for at most "
+                                           f"{max(1, limits.max_waiting)} completions (the server's --max-waiting; "
+                                           f"{len(rows)} asked)", "send fewer per request")), param=name)
         status = batcher.status()
         if limits.max_waiting is not None and status["queued"] + len(rows) > limits.max_waiting and (
                 status["running"] or status["queued"]):          # an idle batcher takes the request at once
-            raise RequestError(f"the server has {limits.max_waiting} requests waiting (its --max-waiting); retry "
-                               "after the time in `Retry-After`", status=429,
-                               headers={"Retry-After": str(batcher.retry_after())})
+            raise RequestError(f"the server has {status['queued']} requests waiting and this one asks for "
+                               f"{len(rows)} (its --max-waiting is {limits.max_waiting}); retry after the time in "
+                               "`Retry-After`", status=429, headers={"Retry-After": str(batcher.retry_after())})
         choices = Choices(rows, loop)
         for job in choices.jobs:
             batcher.submit(job)

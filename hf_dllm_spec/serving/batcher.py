@@ -248,10 +248,10 @@ class Batcher:
         job.emit("error", (503, _SHUTTING_DOWN))
 
     def status(self) -> dict[str, Any]:
-        """A snapshot of the queue: "queued" (jobs waiting, cancelled ones not yet dropped included), "running" (rows
-        taken by a worker and not yet done), and the counters "requests", "batches", "cancelled", "errors"."""
+        """A snapshot of the queue: "queued" (jobs waiting; cancelled ones are dropped here), "running" (rows taken
+        by a worker and not yet done), and the counters "requests", "batches", "cancelled", "errors"."""
         with self.cond:
-            return {"queued": len(self.queue), "running": self.running, **self.counts}
+            return {"queued": len(self._waiting()), "running": self.running, **self.counts}
 
     def retry_after(self) -> int:
         """Seconds until the waiting requests are likely taken (the `Retry-After` of a 429): the mean wall time
@@ -279,10 +279,8 @@ class Batcher:
                 self.cond.wait()
             if self.closed:
                 return []
-            waiting = [j for j in self.queue if not j.cancelled.is_set()]
-            self.counts["cancelled"] += len(self.queue) - len(waiting)
+            waiting = self._waiting()
             if not waiting:
-                self.queue.clear()
                 return []
             key = waiting[0].request.options.batch_key
             batch = [j for j in waiting if j.request.options.batch_key == key and not j.request.stream_drafts]
@@ -291,6 +289,16 @@ class Batcher:
             self.queue = deque(j for j in waiting if id(j) not in taken)
             self.running += len(batch)
             return batch
+
+    def _waiting(self) -> list[Job]:
+        """The queue without the jobs cancelled while they waited (dropped and counted; the caller holds `cond`):
+        a running call's join points drop them too, so they never count as waiting (`--max-waiting`, `/health`)
+        while a call of their options keeps running."""
+        waiting = [j for j in self.queue if not j.cancelled.is_set()]
+        if len(waiting) < len(self.queue):
+            self.counts["cancelled"] += len(self.queue) - len(waiting)
+            self.queue = deque(waiting)
+        return waiting
 
     def _fit(self, group: list[Job], rows: int = 0, width: int = 0) -> list[Job]:
         """The oldest requests of `group` that fit beside `rows` running rows whose widest prompt has `width` tokens:
@@ -316,7 +324,7 @@ class Batcher:
         with self.cond:
             if self.closed:
                 return []
-            waiting = [j for j in self.queue if not j.cancelled.is_set()]
+            waiting = self._waiting()
             if not waiting or waiting[0].request.options.batch_key != key or waiting[0].request.stream_drafts:
                 return []
             taken = self._fit([j for j in waiting if j.request.options.batch_key == key

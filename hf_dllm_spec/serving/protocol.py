@@ -72,7 +72,8 @@ def server_error(err: Exception, prompt_field: str = "prompt", body_fields=()) -
     `max_new_tokens` as `max_tokens`; None for a name a request cannot hold (the model's special ids)."""
     name = getattr(err, "param", None)
     name = {"input_ids": prompt_field, "max_new_tokens": "max_tokens"}.get(name, name)
-    fields = SUPPORTED_FIELDS | EXTRA_OPTIONS | {prompt_field, *body_fields, *strategy_parameter_names()}
+    name = name.split("[", 1)[0] if isinstance(name, str) else name        # `prompt[1]`: the field is `prompt`
+    fields = SUPPORTED_FIELDS | EXTRA_OPTIONS | {*body_fields, *strategy_parameter_names()}
     return RequestError(server_terms(str(err), prompt_field), param=name if name in fields else None)
 
 
@@ -185,9 +186,9 @@ class DecodingOptions:
 class ParsedRequest:
     """One completion of a validated request (a row of a batch; a request asks for `n` per prompt): prompt token
     ids, budget, decoding options and response options (`stream_drafts`: provisional drafts are streamed too; such a
-    request is decoded in a batch of its own, batch 1); `prompt_field`: the field that held the prompt (`prompt`, or
-    chat's `messages`), named by its errors; `sample`: which of its prompt's `n` completions it is (0 for the
-    first)."""
+    request is decoded in a batch of its own, batch 1); `prompt_field`: where its prompt was (`prompt`, the item
+    `prompt[i]` of a list of several, or chat's `messages`), named by its errors; `sample`: which of its prompt's
+    `n` completions it is (0 for the first)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -370,10 +371,17 @@ def check_common(body: dict, served_name: str) -> None:
                            param="stop")
 
 
+def prompt_items(body: dict) -> list:
+    """The prompts of a `/v1/completions` body, untokenized: the items of a list whose first item is a string or a
+    list (several prompts, as LangChain's `OpenAI.batch` sends them), else the one prompt (a string or a list of
+    token ids). Counted before any is tokenized (a body of a million prompts is refused at once)."""
+    prompt = body.get("prompt")
+    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+
+
 def completion_prompts(body: dict, tokenizer, vocab_size: int | None = None) -> list[list[int]]:
     """The prompts of `/v1/completions` as token ids, as OpenAI takes them: a string, a list of token ids, or a list
-    of several prompts (strings or lists of token ids; LangChain's `OpenAI.batch` sends them so), each token id in
-    [0, vocab_size).
+    of several prompts (strings or lists of token ids, :func:`prompt_items`), each token id in [0, vocab_size).
 
     Returns:
         `list[list[int]]`: the prompts in order (one for a string or a list of ids).
@@ -381,10 +389,10 @@ def completion_prompts(body: dict, tokenizer, vocab_size: int | None = None) -> 
     Raises:
         RequestError: 400 naming `prompt` (or the element at fault, `prompt[i]`, `prompt[i][j]`).
     """
-    prompt = body.get("prompt")
-    many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
-    return ([_one_prompt(p, f"prompt[{i}]", tokenizer, vocab_size) for i, p in enumerate(prompt)] if many
-            else [_one_prompt(prompt, "prompt", tokenizer, vocab_size)])
+    items = prompt_items(body)
+    if len(items) == 1 and items[0] is body.get("prompt"):
+        return [_one_prompt(items[0], "prompt", tokenizer, vocab_size)]
+    return [_one_prompt(item, f"prompt[{i}]", tokenizer, vocab_size) for i, item in enumerate(items)]
 
 
 def _one_prompt(prompt: Any, where: str, tokenizer, vocab_size: int | None) -> list[int]:
@@ -545,18 +553,18 @@ def parse_request(body: Any, *, chat: bool, tokenizer, served_name: str, default
                                generation_config=generation_config, chat=chat, has_drafter=has_drafter)
     max_tokens = max_tokens_of(body, default_max_tokens)
     check_min_tokens(body, max_tokens, options.ignore_eos)
-    prompts = [chat_prompt(body, tokenizer)] if chat else completion_prompts(body, tokenizer, vocab_size)
-    prompt_field = "messages" if chat else "prompt"
     n = body.get("n") or 1
-    _check_choices(len(prompts), n, drafts)
-    for i, prompt_ids in enumerate(prompts):
+    _check_choices(1 if chat else len(prompt_items(body)), n, drafts)
+    prompts = [chat_prompt(body, tokenizer)] if chat else completion_prompts(body, tokenizer, vocab_size)
+    field = "messages" if chat else "prompt"
+    wheres = [field] if len(prompts) == 1 else [f"{field}[{i}]" for i in range(len(prompts))]
+    for where, prompt_ids in zip(wheres, prompts):
         if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
-            where = prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]"
             raise RequestError(str(invalid(where, f"<prompt of {len(prompt_ids)} tokens>",
                                            f"be at most {max_prompt_tokens} tokens (the server's --max-prompt-tokens)",
-                                           "send a shorter prompt")), param=prompt_field)
-    return [ParsedRequest(prompt_ids, max_tokens, _sample_options(options, j), stream, served_name, drafts,
-                          prompt_field, j) for prompt_ids in prompts for j in range(n)]
+                                           "send a shorter prompt")), param=field)
+    return [ParsedRequest(prompt_ids, max_tokens, _sample_options(options, j), stream, served_name, drafts, where, j)
+            for where, prompt_ids in zip(wheres, prompts) for j in range(n)]
 
 
 def _check_choices(prompts: int, n: int, drafts: bool) -> None:
