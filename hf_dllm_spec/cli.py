@@ -234,6 +234,10 @@ def _add_generate(sub) -> None:
     add_model_argument(p)
     p.add_argument("--draft-model", default=None, metavar="PATH", help="drafter checkpoint, for strategies that "
                                                                       "use one (DEER on an AR --model, SimSD)")
+    p.add_argument("--mask-token-id", type=non_negative_int, default=None, metavar="ID",
+                   help="the model's mask token, where its config has none (diffusion weights in the Qwen layout)")
+    p.add_argument("--draft-mask-token-id", type=non_negative_int, default=None, metavar="ID",
+                   help="the drafter's mask token, where its config has none")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="default 64")
     p.add_argument("--do-sample", action="store_true", help="sample (default: greedy)")
     p.add_argument("--temperature", type=sampling_temperature, default=None)
@@ -297,7 +301,7 @@ def _generate(args: argparse.Namespace, argv: list[str]) -> None:
         extra["custom_generate"] = dllm_generate      # through transformers' custom_generate hook
     if drafter is not None:
         extra["draft_model"] = drafter
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "mask_token_id", "draft_mask_token_id"):
         if getattr(args, name) is not None:
             extra[name] = getattr(args, name)
     if args.preset is not None:
@@ -490,6 +494,9 @@ def _flag_of(message: str, parser: argparse.ArgumentParser) -> str | None:
 
 #: A library message's Python fixes and the option of the subcommand that says the same (used when it has it).
 _CLI_TERMS = (("draft_model=<", "--draft-model <", "--draft-model"), ("draft_model=", "--draft-model", "--draft-model"),
+              ("draft_mask_token_id=<id>", "--draft-mask-token-id ID", "--draft-mask-token-id"),
+              ("mask_token_id=<id>", "--mask-token-id ID", "--mask-token-id"),
+              ("decoding_strategy='", "--strategy '", "--strategy"),
               ("max_new_tokens", "--max-new-tokens", "--max-new-tokens"),
               ("do_sample=False", "no --do-sample", "--do-sample"), ("do_sample=True", "--do-sample", "--do-sample"))
 

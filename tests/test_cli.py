@@ -309,6 +309,17 @@ def test_export_speaks_of_flags(capsys, tmp_path):
     assert f"argument OUTPUT_DIR: '{tmp_path / 'full'}' must be empty or new" in err, err    # it read "(='...')"
 
 
+def test_the_mask_token_of_a_qwen_layout_model_is_an_option(capsys):
+    """The refusal of a model without a mask token said "pass mask_token_id=<id> to generate", which the command
+    line had no option for: `--mask-token-id` now, named by the refusal."""
+    argv = ["generate", "--model", "models/qwen2-tiny-ar", "--prompt", "x", "--max-new-tokens", "4"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "argument --mask-token-id:" in err and "pass --mask-token-id ID" in err, err
+    code, out, err = run_cli(capsys, *argv, "--strategy", "block_diffusion", "--block-size", "4", "--mask-token-id",
+                             "2")
+    assert code == 0 and out.strip(), err
+
+
 def test_a_reader_that_goes_away_ends_the_command_quietly(capsys, monkeypatch):
     """`hf-dllm-spec strategies | head -1`: the closed pipe was reported as a usage error (exit 2)."""
     from hf_dllm_spec import cli
