@@ -358,12 +358,14 @@ def _export(args: argparse.Namespace, argv: list[str]) -> None:
         args.parser.error(f"checkpoint export is not available in this install ({err})")
     try:
         result = export_checkpoint(args.source, args.output_dir, **({"overwrite": True} if args.overwrite else {}))
-    except (ValueError, FileNotFoundError) as err:   # the library's words for Python arguments -> the flags
+    except (ValueError, OSError) as err:   # the library's words for Python arguments -> the flags
         message = str(err)
         for python, flag in (("pass overwrite=True", "pass --overwrite"), ("`output_dir`", "OUTPUT_DIR"),
                              ("`source`", "SOURCE"), ("pass the model object, or the directory", "pass the directory")):
             message = message.replace(python, flag)
-        flag = "OUTPUT_DIR" if "OUTPUT_DIR" in message else "SOURCE"
+        written = isinstance(err, OSError) and not str(getattr(err, "filename", "") or "").startswith(
+            str(args.source))                        # an error of the files written, not of the ones read
+        flag = "OUTPUT_DIR" if "OUTPUT_DIR" in message or written else "SOURCE"
         message = re.sub(r"^\(=(.*?)\) must ", r"\1 must ", message.removeprefix(flag + " "))   # 'x' must ...
         raise UsageError(flag, message) from err
     print(f"exported {args.source} -> {result if result is not None else args.output_dir}")

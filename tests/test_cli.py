@@ -275,6 +275,9 @@ def test_no_sys_path_edits():
     (["bench", "--draft-model", "a=models/deer-drafter-tiny", "--draft-model", "a=models/sdar-tiny-arith"],
      "--draft-model", "names 'a' twice"),
     (["main", "--strategies", ""], "--strategies", "unknown strategy ''"),
+    # an empty OUTPUT_DIR was the working directory; an unwritable one was reported as SOURCE
+    (["export", "models/sdar-tiny-arith", ""], "OUTPUT_DIR", "must be a directory path"),
+    (["export", "models/sdar-tiny-arith", "README.md/out"], "argument OUTPUT_DIR", "Not a directory"),
     (["generate", "--prompt", "x", "--do-sample", "--top-p", "1.5"], "--top-p", "must lie in (0, 1]"),
     (["generate", "--prompt", "x", "--do-sample", "--top-k", "-3"], "--top-k", "must be >= 0, got -3"),
     (["generate", "--prompt", "x", "--do-sample", "--temperature", "0"], "--temperature", "must be a number > 0"),

@@ -140,9 +140,9 @@ def export_checkpoint(source: Any, output_dir: str | os.PathLike, *, tokenizer: 
             (other than the source itself) or one that is a file, a `tokenizer` without `save_pretrained`, an
             `overwrite` that is no bool; all before anything is written.
     """
-    if not isinstance(output_dir, (str, os.PathLike)):
-        raise invalid("output_dir", output_dir, "be a directory path (a str or os.PathLike)",
-                      "pass e.g. \"out/my-checkpoint\"")
+    if not isinstance(output_dir, (str, os.PathLike)) or not str(output_dir):
+        raise invalid("output_dir", output_dir, "be a directory path (a non-empty str or os.PathLike; an empty one "
+                      "would be the working directory)", "pass e.g. \"out/my-checkpoint\"")
     if not isinstance(overwrite, bool):
         raise invalid("overwrite", overwrite, "be True or False", "pass overwrite=True to write into a non-empty "
                       "output_dir")
