@@ -122,8 +122,9 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
 def check_servable(model, drafter, strategy: str, params: dict, max_tokens: int) -> None:
     """Refuse a default strategy the served model cannot decode (a strategy that needs a mask token on an AR model,
     a drafter of another vocabulary, a block beyond the model's positions, ...), so that no request is refused for
-    a setting of the server: the library's own checks of a greedy call of `max_tokens` tokens on a one-token prompt
-    (its plan; no forward runs).
+    a setting of the server: the library's own checks of a greedy call (its plan; no forward runs) on a typical
+    request, a prompt of 64 tokens and a budget of `max_tokens` up to 64 (rules that depend on a request's own
+    lengths, its prompt and budget against the model's positions, stay the request's).
 
     Raises:
         ValueError: the library's refusal, naming the setting (`decoding_strategy`, a strategy parameter,
@@ -133,13 +134,17 @@ def check_servable(model, drafter, strategy: str, params: dict, max_tokens: int)
 
     import torch
 
+    import model_patches
+
     from ..integration.plan import build_plan
     from ..runtime.placement import execution_device
 
+    positions = model_patches.get_patch(model).max_positions(model) or 128
     config = copy.deepcopy(model.generation_config)
-    config.max_new_tokens, config.do_sample = max_tokens, False
+    config.max_new_tokens, config.do_sample = max(1, min(max_tokens, 64, positions // 2)), False
     masks = {getattr(model.config, "mask_token_id", None), getattr(config, "mask_token_id", None)}
-    ids = torch.tensor([[next(t for t in range(3) if t not in masks)]], device=execution_device(model))
+    token = next(t for t in range(3) if t not in masks)
+    ids = torch.full((1, max(1, min(64, positions // 2))), token, device=execution_device(model))
     build_plan(model, ids, config, {}, decoding_strategy=strategy, overrides=dict(params), strategy_config=None,
                preset=None, draft_model=drafter, mask_token_id=None, draft_mask_token_id=None, generator=None,
                streamer=None, stopping_criteria=None)
