@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 import sys
 import typing
 from typing import Any, Callable, Sequence
@@ -363,8 +364,12 @@ def _export(args: argparse.Namespace, argv: list[str]) -> None:
         for python, flag in (("pass overwrite=True", "pass --overwrite"), ("`output_dir`", "OUTPUT_DIR"),
                              ("`source`", "SOURCE"), ("pass the model object, or the directory", "pass the directory")):
             message = message.replace(python, flag)
-        written = isinstance(err, OSError) and not str(getattr(err, "filename", "") or "").startswith(
-            str(args.source))                        # an error of the files written, not of the ones read
+        if isinstance(err, shutil.Error):              # copytree's list of (source, target, why): the first
+            source, _, why = err.args[0][0]
+            message, written = f"{source} could not be copied ({why}); fix or remove it in SOURCE", False
+        else:                                          # an error of the files written, not of the ones read
+            written = isinstance(err, OSError) and not str(getattr(err, "filename", "") or "").startswith(
+                str(args.source))
         flag = "OUTPUT_DIR" if "OUTPUT_DIR" in message or written else "SOURCE"
         message = re.sub(r"^\(=(.*?)\) must ", r"\1 must ", message.removeprefix(flag + " "))   # 'x' must ...
         raise UsageError(flag, message) from err

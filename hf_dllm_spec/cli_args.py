@@ -128,22 +128,27 @@ def prompt_text(text: str) -> str:
     return text
 
 
+def _float(text: str, rule: str, fix: str, holds) -> float:
+    """`text` as a float for which `holds(value)`, else an `ArgumentTypeError` with the rule and the fix."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and holds(value)):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text!r}: {fix}")
+    return value
+
+
 def sampling_temperature(text: str) -> float:
     """argparse type of `--temperature`: a finite number > 0 (transformers' `TemperatureLogitsWarper` rule)."""
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}: pass e.g. 0.7, or leave out --do-sample "
-                                         "for greedy decoding")
-    return value
+    return _float(text, "a number > 0", "pass e.g. 0.7 with --do-sample (greedy decoding takes no --temperature)",
+                  lambda value: value > 0)
 
 
 def top_p(text: str) -> float:
     """argparse type of `--top-p`: a probability in (0, 1] (1 keeps every token; transformers skips a larger one
     without a word)."""
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}: pass e.g. 0.9 (1 keeps every token)")
-    return value
+    return _float(text, "a number in (0, 1]", "pass e.g. 0.9 (1 keeps every token)", lambda value: 0 < value <= 1)
 
 
 def int_list(flag: str, text: str) -> list[int]:

@@ -155,11 +155,13 @@ def check_args(args: argparse.Namespace) -> str | None:
                 f"pass a {types} checkpoint directory, e.g. --init-from models/"
                 f"{'qwen2-tiny-ar' if 'qwen2' in types else 'sdar-tiny-arith'}")
     for flag, path, types in (("--init-from", args.init_from, objective.init_types),
-                              ("--tokenizer-from", args.tokenizer_from, ()),
                               ("--teacher", getattr(args, "teacher", None), objective.teacher_types)):
         problem = check_checkpoint(flag, path, types, args.objective)
         if problem:
             return problem
+    if args.tokenizer_from and not (pathlib.Path(args.tokenizer_from) / "tokenizer.json").is_file():
+        return (f"--tokenizer-from (={args.tokenizer_from}) must be a directory with a tokenizer.json (what "
+                "save_pretrained writes for a fast tokenizer), e.g. --tokenizer-from models/sdar-tiny-arith")
     if args.init_from and args.tokenizer_from:
         return ("--tokenizer-from must be left out with --init-from (the model's own tokenizer is reused): pass one "
                 "of them")
@@ -291,8 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         gen.set_state(saved["generator"])
         state = saved["state"]
         print(f"resumed at step {state['step']} of {total_steps}")
-    t0 = time.time() - state["seconds"]
-    last_checkpoint = time.time()
+    t0 = time.time() - state["seconds"]                  # the stage's training time, resumed runs included
+    last_checkpoint = run_start = time.time()             # --max-minutes counts this run's own time
     bar = tqdm(range(state["step"], total_steps), desc=f"train {args.objective}", mininterval=10)
     for step in bar:
         x, maskable = sample_batch(streams, args.batch_size, args.seq_len, args.arith_fraction, gen)
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                                      "loss_ema": round(state["ema"], 4)})
             bar.set_postfix(loss=f"{state['ema']:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
         now = time.time()
-        stop = args.max_minutes is not None and now - t0 > 60 * args.max_minutes and state["step"] < total_steps
+        stop = args.max_minutes is not None and now - run_start > 60 * args.max_minutes and state["step"] < total_steps
         if stop or (args.checkpoint_minutes is not None and now - last_checkpoint > 60 * args.checkpoint_minutes):
             state["seconds"] = now - t0
             save_resume(resume_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),

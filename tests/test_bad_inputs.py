@@ -384,6 +384,17 @@ def test_length_options_that_act_on_no_position_are_accepted(sdar_model, option)
     assert torch.equal(sdar_model.generate(torch.tensor(PROMPT), **kwargs, **option), plain)
 
 
+def test_length_options_that_act_on_no_position_pass_the_assisted_path_too(pair_models):
+    """transformers' assisted decoding with DEER's drafter (`deer_assisted_generate`) takes `min_new_tokens=0` as
+    `custom_generate` does (it refused it, naming `min_length`)."""
+    models, _ = pair_models
+    kwargs = dict(num_draft_tokens=4, max_new_tokens=8)
+    plain = hf_dllm_spec.deer_assisted_generate(models["ar"], torch.tensor(PROMPT), models["drafter"], **kwargs)
+    got = hf_dllm_spec.deer_assisted_generate(models["ar"], torch.tensor(PROMPT), models["drafter"], min_new_tokens=0,
+                                              **kwargs)
+    assert torch.equal(got, plain)
+
+
 @pytest.mark.parametrize("strategy", ["block_diffusion", "s2d2", "deer"])
 def test_a_cache_used_by_an_earlier_call_is_refused_before_any_forward(counted, pair_models, strategy):
     """The multi-turn habit of passing one `DynamicCache` to every call: the first call decodes as without it; the

@@ -278,9 +278,11 @@ def test_no_sys_path_edits():
     # an empty OUTPUT_DIR was the working directory; an unwritable one was reported as SOURCE
     (["export", "models/sdar-tiny-arith", ""], "OUTPUT_DIR", "must be a directory path"),
     (["export", "models/sdar-tiny-arith", "README.md/out"], "argument OUTPUT_DIR", "Not a directory"),
-    (["generate", "--prompt", "x", "--do-sample", "--top-p", "1.5"], "--top-p", "must lie in (0, 1]"),
+    (["generate", "--prompt", "x", "--do-sample", "--top-p", "1.5"], "--top-p", "must be a number in (0, 1]"),
     (["generate", "--prompt", "x", "--do-sample", "--top-k", "-3"], "--top-k", "must be >= 0, got -3"),
     (["generate", "--prompt", "x", "--do-sample", "--temperature", "0"], "--temperature", "must be a number > 0"),
+    (["generate", "--prompt", "x", "--do-sample", "--temperature", "hot"], "--temperature", "must be a number > 0, "
+     "got 'hot'"),
 ])
 def test_bad_arguments_name_the_flag_and_exit_2(capsys, argv, flag, words):
     code, out, err = run_cli(capsys, *argv)
@@ -312,6 +314,18 @@ def test_export_speaks_of_flags(capsys, tmp_path):
     assert f"argument OUTPUT_DIR: '{tmp_path / 'full'}' must be empty or new" in err, err    # it read "(='...')"
 
 
+def test_export_names_source_for_a_file_it_cannot_copy(capsys, tmp_path):
+    """A file of SOURCE that cannot be read (a dangling link) was reported as OUTPUT_DIR's, as a Python list."""
+    import shutil
+
+    source = tmp_path / "src"
+    source.mkdir()
+    shutil.copy(ROOT / "models" / "sdar-tiny-arith" / "config.json", source)
+    (source / "dangling.bin").symlink_to(tmp_path / "nowhere")
+    code, _, err = run_cli(capsys, "export", str(source), str(tmp_path / "out"))
+    assert code == 2 and "argument SOURCE:" in err and "dangling.bin could not be copied" in err, err
+
+
 def test_the_mask_token_of_a_qwen_layout_model_is_an_option(capsys):
     """The refusal of a model without a mask token said "pass mask_token_id=<id> to generate", which the command
     line had no option for: `--mask-token-id` now, named by the refusal."""
@@ -340,7 +354,7 @@ def test_a_missing_or_bad_held_out_set_names_the_file_and_the_fix(tmp_path):
     was a StopIteration traceback, a line without `answer` a KeyError."""
     from hf_dllm_spec.tools.jobs.evaluation import arithmetic_prompts
 
-    with pytest.raises(ValueError, match="heldout_arithmetic.jsonl is missing .*pass --num-arith 0"):
+    with pytest.raises(ValueError, match="heldout_arithmetic.jsonl is missing .*--num-arith 0 with your own"):
         arithmetic_prompts(tmp_path, 2)
     for text, words in (("", "is empty"), ('{"question": "q"}\n', "line 1 must be an object with a `question` and "
                         "an `answer`"), ("\x8d\n", "must hold one JSON object per line")):

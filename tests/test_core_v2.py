@@ -359,14 +359,15 @@ def test_drafter_mask_token_and_zero_special_ids_are_checked(sdar_model, qwen2_a
     with pytest.raises(ValueError, match=r"`draft_mask_token_id` \(=None\) must be known"):
         sdar_model.generate(prompt, decoding_strategy="toy_drafter_mask", draft_model=qwen2_ar, max_new_tokens=4)
     registered(DrafterAR)
-    qwen2_ar.generation_config.pad_token_id = 5
+    before = qwen2_ar.generation_config.pad_token_id, sdar_model.generation_config.pad_token_id
+    qwen2_ar.generation_config.pad_token_id, sdar_model.generation_config.pad_token_id = 5, 0   # the models' own
     try:
         match = r"`draft_model` \(='<pad_token_id=5>'\) must use the target's pad_token_id \(0\)"
         with pytest.raises(ValueError, match=match):
-            sdar_model.generate(prompt, decoding_strategy="toy_drafter_ar", draft_model=qwen2_ar, pad_token_id=0,
-                                max_new_tokens=4, eos_token_id=None)
+            sdar_model.generate(prompt, decoding_strategy="toy_drafter_ar", draft_model=qwen2_ar, max_new_tokens=4,
+                                eos_token_id=None)
     finally:
-        qwen2_ar.generation_config.pad_token_id = None
+        qwen2_ar.generation_config.pad_token_id, sdar_model.generation_config.pad_token_id = before
 
 
 @pytest.mark.gpu

@@ -370,14 +370,15 @@ def test_a_stream_starts_while_one_of_its_completions_still_waits_for_a_row(serv
 
 
 def test_max_waiting_counts_every_completion_and_seeds_wrap(served):
-    """`--max-waiting 3` while a batch runs: more completions than 3 in one request is a 400 naming `n` (it could
-    never be admitted: a 429 told the client to retry forever); with 2 waiting, a request of 2 more gets 429, one of
-    1 is taken. Completion 1 of `seed = 2**64 - 1` samples with seed 0 (the seed wraps, as `manual_seed` takes no
-    larger one)."""
+    """`--max-waiting 3`, `--max-batch-size 1`, while a batch runs: more completions in one request than an idle
+    server runs and queues (1 + 3) is a 400 naming `n` (it could never be admitted: a 429 told the client to retry
+    forever); with 2 waiting, a request of 2 more gets 429. Completion 1 of `seed = 2**64 - 1` samples with seed 0
+    (the seed wraps, as `manual_seed` takes no larger one)."""
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.5, "ignore_eos": True}
-    with serving(served, ServerLimits(max_waiting=3)) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with serving(served, ServerLimits(max_waiting=3), max_batch_size=1) as url, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
         with long_stream(url):
-            status, _, text = post(url, "/v1/completions", {**body, "n": 4})
+            status, _, text = post(url, "/v1/completions", {**body, "n": 5})
             assert status == 400 and json.loads(text)["error"]["param"] == "n", text
             waiting = pool.submit(post, url, "/v1/completions", {**body, "n": 2, "seed": 2 ** 64 - 1})
             deadline = time.monotonic() + 30                 # sampled: other options than the stream, so it waits

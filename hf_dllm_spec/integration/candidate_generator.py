@@ -31,7 +31,7 @@ from ..strategies.drafting import OneStepDrafter
 from ..outputs import BatchStats
 from ..runtime.quantization import check_quantized_model
 from ..runtime.runner import ModelRunner
-from ..maths.sampling import Sampler
+from ..maths.sampling import Sampler, active_processors
 from ..validation import check_int, invalid
 
 
@@ -176,7 +176,8 @@ def draft_as_assistant(draft_model, input_ids: torch.LongTensor, *, generation_c
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     k = max_new_tokens if max_new_tokens is not None else generation_config.max_new_tokens
-    drafter = DeerCandidateGenerator(draft_model, num_draft_tokens=max(1, int(k)), logits_processor=logits_processor,
+    drafter = DeerCandidateGenerator(draft_model, num_draft_tokens=max(1, int(k)),
+                                     logits_processor=active_processors(logits_processor, input_ids.shape[1]),
                                      do_sample=bool(generation_config.do_sample), role="assistant_model")
     _check_first_parameter_placed(draft_model, "assistant_model")     # once it is known to be loaded
     sequences, logprobs = drafter.get_candidates(input_ids)
@@ -253,7 +254,9 @@ def deer_assisted_generate(model, input_ids: torch.LongTensor, draft_model, *, n
     check_loaded(draft_model, "draft_model")
     check_vocabulary(model, model_patches.get_patch(model), draft_model, model_patches.get_patch(draft_model))
 
-    def factory(*, generation_config, logits_processor, **_: Any) -> DeerCandidateGenerator:
+    def factory(*, generation_config, logits_processor, input_ids=None, **_: Any) -> DeerCandidateGenerator:
+        if input_ids is not None:                       # a length option that masks no position: as in stock
+            logits_processor = active_processors(logits_processor, input_ids.shape[1])
         generator_ = DeerCandidateGenerator(
             draft_model, num_draft_tokens=num_draft_tokens, logits_processor=logits_processor,
             do_sample=bool(generation_config.do_sample), max_length=generation_config.max_length,

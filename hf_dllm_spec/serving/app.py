@@ -3,14 +3,14 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or server-sent events with `stream=true`),
 `GET /v1/models` (and `/v1/models/{id}`), `GET /health` (the queue and the batch in progress), `GET /metrics`
 (Prometheus text, :mod:`~hf_dllm_spec.serving.metrics`). Responses are the `openai` package's own types (as in
-transformers' `serve`), with two additions: `usage` in every response (also in the last streamed
-chunk) and `dllm_stats`, the library's statistics of the request's row (NFE, tokens per forward, acceptance
-rate). A streamed response only carries final tokens in its choices; with `stream_drafts=true` in the body
-(batch 1) it also carries, between them, chunks marked `dllm_draft` (`{"text", "token_ids"}`: the provisional
-tokens after the final ones, e.g. the current block's argmax canvas or a drafter's proposals, each replacing the
-previous one; transformers' `TextDiffusionStreamer` protocol). Errors are `{"error": {"message", "type", "param"}}`
-with HTTP 4xx and the library's own message (at most :data:`~.limits.MAX_MESSAGE_CHARS` characters: a big input is
-never echoed).
+transformers' `serve`), with two additions: `usage` in every response (also in the last streamed chunk) and
+`dllm_stats`, the library's statistics of a completion's row (NFE, tokens per forward, acceptance rate), in each
+choice (and at the top level of a response of one). A streamed response only carries final tokens in its choices;
+with `stream_drafts=true` in the body (batch 1) it also carries, between them, chunks marked `dllm_draft` (`{"text",
+"token_ids"}`: the provisional tokens after the final ones, e.g. the current block's argmax canvas or a drafter's
+proposals, each replacing the previous one; transformers' `TextDiffusionStreamer` protocol). Errors are `{"error":
+{"message", "type", "param"}}` with HTTP 4xx and the library's own message (at most
+:data:`~.limits.MAX_MESSAGE_CHARS` characters: a big input is never echoed).
 
 Limits (:class:`~hf_dllm_spec.serving.limits.ServerLimits`, the `serve` options): an API key for every route but
 `/health` (401), the body's size (413), type (415) and arrival time (408), JSON depth and numbers (400), the
@@ -113,7 +113,8 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
                       "decoding strategy", "pass --strategy ar (or a strategy with --draft-model)")
     resolve_config(default, generation_config=model.generation_config, overrides=params or {})
     check_drafter(default, drafter is not None)
-    check_servable(model, drafter, default, params or {}, options.get("default_max_tokens", 256))
+    check_servable(model, drafter, default, params or {},
+                   options.get("default_max_tokens", ServedModel.default_max_tokens))
     ensure_chat_template(tokenizer)
     return ServedModel(name or pathlib.Path(path).name, model, tokenizer, default, drafter, dict(params or {}),
                        **options)
@@ -122,13 +123,14 @@ def load_served_model(path: str, *, draft_model: str | None = None, strategy: st
 def check_servable(model, drafter, strategy: str, params: dict, max_tokens: int) -> None:
     """Refuse a default strategy the served model cannot decode (a strategy that needs a mask token on an AR model,
     a drafter of another vocabulary, a block beyond the model's positions, ...), so that no request is refused for
-    a setting of the server: the library's own checks of a greedy call (its plan; no forward runs) on a typical
-    request, a prompt of 64 tokens and a budget of `max_tokens` up to 64 (rules that depend on a request's own
-    lengths, its prompt and budget against the model's positions, stay the request's).
+    a setting of the server: the library's own checks of a call (its plan; no forward runs) on a typical request,
+    a prompt of 64 tokens and a budget of `max_tokens` up to 64, greedy or else sampled (a stochastic acceptance
+    rule serves sampled requests); `drafter` only where the strategy drafts with it (the others serve requests that
+    name a drafting strategy). Rules of a request's own lengths stay the request's.
 
     Raises:
-        ValueError: the library's refusal, naming the setting (`decoding_strategy`, a strategy parameter,
-            `mask_token_id`, `draft_model`, ...).
+        ValueError: the library's refusal of the greedy call, naming the setting (`decoding_strategy`, a strategy
+            parameter, `mask_token_id`, `draft_model`, ...).
     """
     import copy
 
@@ -138,16 +140,30 @@ def check_servable(model, drafter, strategy: str, params: dict, max_tokens: int)
 
     from ..integration.plan import build_plan
     from ..runtime.placement import execution_device
+    from ..strategies.registry import get_strategy
 
     positions = model_patches.get_patch(model).max_positions(model) or 128
-    config = copy.deepcopy(model.generation_config)
-    config.max_new_tokens, config.do_sample = max(1, min(max_tokens, 64, positions // 2)), False
-    masks = {getattr(model.config, "mask_token_id", None), getattr(config, "mask_token_id", None)}
-    token = next(t for t in range(3) if t not in masks)
+    drafter = drafter if get_strategy(strategy).uses_drafter else None
+    masks = {getattr(m.config, "mask_token_id", None) for m in (model, drafter) if m is not None}
+    masks |= {getattr(m.generation_config, "mask_token_id", None) for m in (model, drafter) if m is not None}
+    token = next(t for t in range(4) if t not in masks)
     ids = torch.full((1, max(1, min(64, positions // 2))), token, device=execution_device(model))
-    build_plan(model, ids, config, {}, decoding_strategy=strategy, overrides=dict(params), strategy_config=None,
-               preset=None, draft_model=drafter, mask_token_id=None, draft_mask_token_id=None, generator=None,
-               streamer=None, stopping_criteria=None)
+
+    def plan(do_sample: bool) -> None:
+        config = copy.deepcopy(model.generation_config)
+        config.max_new_tokens, config.do_sample = max(1, min(max_tokens, 64, positions // 2)), do_sample
+        build_plan(model, ids, config, {}, decoding_strategy=strategy, overrides=dict(params), strategy_config=None,
+                   preset=None, draft_model=drafter, mask_token_id=None, draft_mask_token_id=None,
+                   generator=torch.Generator(ids.device) if do_sample else None, streamer=None,
+                   stopping_criteria=None)
+
+    try:
+        plan(do_sample=False)
+    except ValueError as greedy_refusal:
+        try:
+            plan(do_sample=True)
+        except ValueError:
+            raise greedy_refusal from None
 
 
 class TextDeltas:
@@ -375,11 +391,12 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
             raise RequestError(str(invalid(longest.prompt_field, f"<prompt of {len(longest.prompt_ids)} tokens>",
                                            f"fit one forward of at most {served.max_step_tokens} tokens (the "
                                            "server's --max-step-tokens)", "send a shorter prompt")), param=field)
-        if limits.max_waiting is not None and len(rows) > max(1, limits.max_waiting):     # never admitted: a 400
+        most = None if limits.max_waiting is None else limits.max_waiting + served.max_batch_size
+        if most is not None and len(rows) > most:       # more than an idle server runs and queues: never admitted
             n = max(row.sample for row in rows) + 1
             name = "n" if n > 1 else field
-            raise RequestError(str(invalid(name, n if n > 1 else f"<{len(rows)} prompts>", f"ask for at most "
-                                           f"{max(1, limits.max_waiting)} completions (the server's --max-waiting; "
+            raise RequestError(str(invalid(name, n if n > 1 else f"<{len(rows)} prompts>", f"ask for at most {most} "
+                                           f"completions (the server's --max-batch-size rows plus its --max-waiting; "
                                            f"{len(rows)} asked)", "send fewer per request")), param=name)
         status = batcher.status()
         if limits.max_waiting is not None and status["queued"] + len(rows) > limits.max_waiting and (
@@ -388,8 +405,7 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
                                f"{len(rows)} (its --max-waiting is {limits.max_waiting}); retry after the time in "
                                "`Retry-After`", status=429, headers={"Retry-After": str(batcher.retry_after())})
         choices = Choices(rows, loop)
-        for job in choices.jobs:
-            batcher.submit(job)
+        batcher.submit(*choices.jobs)                   # together: they start in one batch where rows are free
         try:
             backlog = await choices.start(request)   # the library refuses a request before any forward
         except BaseException:
@@ -446,11 +462,10 @@ class _TextShape:
         return {"index": i, "text": text, "finish_reason": finish_reason, "logprobs": None}
 
     def whole(self, outputs: list[tuple[str, Result]], prompt_tokens: int) -> dict:
-        """The response: a choice per completion `(text, result)`; the library's statistics in `dllm_stats`, at the
-        top level for one completion, in each choice for several; `usage` of them all."""
-        choices = [self.choice(i, text, result.finish_reason) for i, (text, result) in enumerate(outputs)]
-        if len(outputs) > 1:
-            choices = [{**choice, "dllm_stats": result.stats} for choice, (_, result) in zip(choices, outputs)]
+        """The response: a choice per completion `(text, result)`, each with the library's statistics of its row in
+        `dllm_stats` (with one completion, also at the top level); `usage` of them all."""
+        choices = [{**self.choice(i, text, result.finish_reason), "dllm_stats": result.stats}
+                   for i, (text, result) in enumerate(outputs)]
         body = {**self.base, "object": self.whole_object, "choices": choices,
                 "usage": _usage(prompt_tokens, sum(len(result.tokens) for _, result in outputs))}
         return body if len(outputs) > 1 else {**body, "dllm_stats": outputs[0][1].stats}

@@ -235,17 +235,21 @@ class Batcher:
             thread.start()
 
     # -- the event-loop side ---------------------------------------------------------------------------------
-    def submit(self, job: Job) -> None:
-        """Queue `job` (it starts a batch or joins a running one when a worker takes it) and give it the batcher's
-        `observer`; counted in `counts["requests"]`. After :meth:`close` the job gets a 503 error event at once."""
-        job.observer = self.observer
+    def submit(self, *jobs: Job) -> None:
+        """Queue `jobs` together (a request's completions: a worker sees them all at once, so they start one batch
+        where rows are free) and give them the batcher's `observer`; each counted in `counts["requests"]`. Each job
+        starts a batch or joins a running one when a worker takes it. After :meth:`close` they get a 503 error event
+        at once."""
+        for job in jobs:
+            job.observer = self.observer
         with self.cond:
             if not self.closed:
-                self.queue.append(job)
-                self.counts["requests"] += 1
+                self.queue.extend(jobs)
+                self.counts["requests"] += len(jobs)
                 self.cond.notify()
                 return
-        job.emit("error", (503, _SHUTTING_DOWN))
+        for job in jobs:
+            job.emit("error", (503, _SHUTTING_DOWN))
 
     def status(self) -> dict[str, Any]:
         """A snapshot of the queue: "queued" (jobs waiting; cancelled ones are dropped here), "running" (rows taken

@@ -371,17 +371,17 @@ def check_common(body: dict, served_name: str) -> None:
                            param="stop")
 
 
-def prompt_items(body: dict) -> list:
-    """The prompts of a `/v1/completions` body, untokenized: the items of a list whose first item is a string or a
-    list (several prompts, as LangChain's `OpenAI.batch` sends them), else the one prompt (a string or a list of
-    token ids). Counted before any is tokenized (a body of a million prompts is refused at once)."""
+def prompt_list(body: dict) -> bool:
+    """Whether a `/v1/completions` body holds a list of prompts: a list whose first item is a string or a list (as
+    LangChain's `OpenAI.batch` sends them); else one prompt (a string or a list of token ids). Its items are then
+    named `prompt[i]`, also when there is only one."""
     prompt = body.get("prompt")
-    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
 def completion_prompts(body: dict, tokenizer, vocab_size: int | None = None) -> list[list[int]]:
     """The prompts of `/v1/completions` as token ids, as OpenAI takes them: a string, a list of token ids, or a list
-    of several prompts (strings or lists of token ids, :func:`prompt_items`), each token id in [0, vocab_size).
+    of several prompts (strings or lists of token ids, :func:`prompt_list`), each token id in [0, vocab_size).
 
     Returns:
         `list[list[int]]`: the prompts in order (one for a string or a list of ids).
@@ -389,10 +389,10 @@ def completion_prompts(body: dict, tokenizer, vocab_size: int | None = None) -> 
     Raises:
         RequestError: 400 naming `prompt` (or the element at fault, `prompt[i]`, `prompt[i][j]`).
     """
-    items = prompt_items(body)
-    if len(items) == 1 and items[0] is body.get("prompt"):
-        return [_one_prompt(items[0], "prompt", tokenizer, vocab_size)]
-    return [_one_prompt(item, f"prompt[{i}]", tokenizer, vocab_size) for i, item in enumerate(items)]
+    prompt = body.get("prompt")
+    if not prompt_list(body):
+        return [_one_prompt(prompt, "prompt", tokenizer, vocab_size)]
+    return [_one_prompt(item, f"prompt[{i}]", tokenizer, vocab_size) for i, item in enumerate(prompt)]
 
 
 def _one_prompt(prompt: Any, where: str, tokenizer, vocab_size: int | None) -> list[int]:
@@ -553,11 +553,11 @@ def parse_request(body: Any, *, chat: bool, tokenizer, served_name: str, default
                                generation_config=generation_config, chat=chat, has_drafter=has_drafter)
     max_tokens = max_tokens_of(body, default_max_tokens)
     check_min_tokens(body, max_tokens, options.ignore_eos)
-    n = body.get("n") or 1
-    _check_choices(1 if chat else len(prompt_items(body)), n, drafts)
+    n, listed = body.get("n") or 1, not chat and prompt_list(body)
+    _check_choices(len(body["prompt"]) if listed else 1, n, drafts)     # counted before any is tokenized
     prompts = [chat_prompt(body, tokenizer)] if chat else completion_prompts(body, tokenizer, vocab_size)
     field = "messages" if chat else "prompt"
-    wheres = [field] if len(prompts) == 1 else [f"{field}[{i}]" for i in range(len(prompts))]
+    wheres = [f"{field}[{i}]" for i in range(len(prompts))] if listed else [field]
     for where, prompt_ids in zip(wheres, prompts):
         if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
             raise RequestError(str(invalid(where, f"<prompt of {len(prompt_ids)} tokens>",

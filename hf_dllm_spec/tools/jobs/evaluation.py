@@ -74,7 +74,8 @@ def arithmetic_prompts(model_dir: pathlib.Path, n: int) -> list[Prompt]:
             with a `question` and an `answer` (naming the file and line).
     """
     path = pathlib.Path(model_dir) / "heldout_arithmetic.jsonl"
-    fix = "pass --num-arith 0 and your own prompts (--prompt TEXT), or a checkpoint that recipes.train wrote"
+    fix = ("pass a checkpoint that recipes.train wrote (or copy the file from models/sdar-tiny-arith); `main` also "
+           "takes --num-arith 0 with your own --prompt TEXT")
     if not path.is_file():
         raise ValueError(f"{path} is missing (the held-out arithmetic set ships with the bundled models): {fix}")
     try:
