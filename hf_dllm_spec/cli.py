@@ -503,7 +503,6 @@ def _flag_of(message: str, parser: argparse.ArgumentParser) -> str | None:
 _CLI_TERMS = (("draft_model=<", "--draft-model <", "--draft-model"), ("draft_model=", "--draft-model", "--draft-model"),
               ("draft_mask_token_id=<id>", "--draft-mask-token-id ID", "--draft-mask-token-id"),
               ("mask_token_id=<id>", "--mask-token-id ID", "--mask-token-id"),
-              ("decoding_strategy='", "--strategy '", "--strategy"),
               ("max_new_tokens", "--max-new-tokens", "--max-new-tokens"),
               ("do_sample=False", "no --do-sample", "--do-sample"), ("do_sample=True", "--do-sample", "--do-sample"))
 
