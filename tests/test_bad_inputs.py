@@ -553,6 +553,8 @@ def test_per_call_pad_id_applies_to_both_models_and_a_drafters_own_other_pad_id_
         with pytest.raises(ValueError, match=r"^`draft_model` \(='<pad_token_id=9>'\) must use the target's"):
             _pair_generate(models, strategy, eos_token_id=None)
         assert not calls
+        # the call's pad id is what both models use: the drafter's own 9 against the target's own 0 is not compared
+        assert torch.equal(_pair_generate(models, strategy, eos_token_id=None, pad_token_id=9), plain)
     finally:
         target.generation_config.pad_token_id, drafter.generation_config.pad_token_id = before
 

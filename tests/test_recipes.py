@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 from types import SimpleNamespace
@@ -467,3 +468,19 @@ def test_the_resume_point_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         save_resume(path, {"state": {"step": 2}})
     assert torch.load(path, weights_only=False)["state"]["step"] == 1
+
+
+def test_a_stage_stopped_by_max_minutes_keeps_its_resume_point_and_resumes_to_the_end(tmp_path):
+    """A `--max-minutes` stop saved the model and deleted `resume.pt`, so the run could not continue (the model
+    cards run stages with `--checkpoint-minutes` and `--max-minutes`); now it keeps a current one, and `--resume`
+    trains the remaining steps and removes it."""
+    from recipes.train import main
+
+    args = ["--objective", "ar", "--init-from", "models/qwen2-tiny-ar", "--out", str(tmp_path), "--tokens", "320",
+            "--seq-len", "16", "--batch-size", "2", "--train-problems", "20"]
+    main([*args, "--max-minutes", "1e-9"])                                  # stops after its first step
+    assert (tmp_path / "resume.pt").is_file()
+    assert json.loads((tmp_path / "training_log.json").read_text())["stages"][-1]["steps"] == 1
+    main([*args, "--resume"])
+    assert not (tmp_path / "resume.pt").exists()
+    assert json.loads((tmp_path / "training_log.json").read_text())["stages"][-1]["steps"] == 10

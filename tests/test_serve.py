@@ -269,6 +269,7 @@ def test_n_completions_sample_with_consecutive_seeds(sdar):
     alone = [client.completions.create(model=served.name, prompt=prompt, max_tokens=8, temperature=1.5,
                                        seed=70 + j).choices[0].text for j in range(3)]
     assert [c.text for c in r.choices] == alone and len(set(alone)) > 1
+    assert r.usage.prompt_tokens == len(tok(prompt)["input_ids"])             # the prompt counts once, not n times
     want = reference(served, tok(prompt)["input_ids"], 8, served.default_strategy, do_sample=True, temperature=1.5,
                      generator=[torch.Generator().manual_seed(71)], **NEUTRAL)
     assert alone[1] == tok.decode(want, skip_special_tokens=True)
@@ -519,6 +520,16 @@ def test_bad_requests_get_4xx_with_the_library_message_and_the_server_keeps_serv
 def test_models_route_lists_the_served_model(sdar):
     served, client, base, app = sdar
     assert [m.id for m in client.models.list()] == [served.name]
+
+
+def test_settings_a_typical_request_can_use_start_the_server():
+    """The start-time check builds the plan of a typical request (a 64-token prompt): blocks of 64 with a default
+    budget of 8 serve such prompts (a one-token prompt with that budget allowed blocks of 16 only); a drafter loaded
+    for the requests that name a drafting strategy does not refuse a default strategy that drafts with the target."""
+    load_served_model(str(MODELS / "sdar-tiny-arith"), strategy="block_diffusion", params={"block_size": 64},
+                      default_max_tokens=8)
+    load_served_model(str(MODELS / "qwen2-tiny-ar"), draft_model=str(MODELS / "deer-drafter-tiny"), strategy="ar")
+    load_served_model(str(MODELS / "sdar-tiny-arith"), strategy="s2d2", params={"s2d2_acceptance": "stochastic"})
 
 
 def test_serve_command_refuses_a_bad_option_before_serving(capsys):

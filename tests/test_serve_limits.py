@@ -118,9 +118,10 @@ def test_serve_reads_the_key_from_the_environment(monkeypatch):
     assert server_limits(parse(["serve", "m", "--host", "0.0.0.0"])).allowed_hosts == ("*",)
     limits = server_limits(parse(["serve", "m", "--max-body-bytes", "100", "--max-waiting", "3"]))
     assert (limits.max_body_bytes, limits.max_waiting) == (100, 3)
-    monkeypatch.setenv("HF_DLLM_SPEC_API_KEY", "")              # `export HF_DLLM_SPEC_API_KEY=$UNSET`: no key at all
-    with pytest.raises(ValueError, match="argument HF_DLLM_SPEC_API_KEY: must not be empty"):
-        server_limits(parse(["serve", "m"]))
+    for empty in ("", "  "):                      # `export HF_DLLM_SPEC_API_KEY=$UNSET`: no key at all
+        monkeypatch.setenv("HF_DLLM_SPEC_API_KEY", empty)
+        with pytest.raises(ValueError, match="argument HF_DLLM_SPEC_API_KEY: must not be empty"):
+            server_limits(parse(["serve", "m"]))
 
 
 def test_host_header_outside_the_allowed_hosts_is_refused(served, server):
@@ -266,6 +267,7 @@ BAD_VALUES = [
                  "tokens", id="second-prompt-too-long"),
     pytest.param({"prompt": [PROMPT, 5]}, "`prompt[1]` (=5) must be a non-empty string", id="prompt-list-of-mixed"),
     pytest.param({"prompt": [PROMPT, None]}, "`prompt[1]` (=None) must be a non-empty string", id="prompt-list-null"),
+    pytest.param({"prompt": []}, "`prompt` (=[]) must be a non-empty string", id="prompt-empty-list"),
     pytest.param({"prompt": [9999]}, "`prompt[0]` (=9999) must be a token id in [0, 8192)", id="token-out-of-vocab"),
     pytest.param({"prompt": [-1]}, "`prompt[0]` (=-1) must be a token id", id="token-negative"),
     pytest.param({"prompt": [5] * 300}, "must be at most 200 tokens (the server's --max-prompt-tokens)",
@@ -515,6 +517,23 @@ def test_max_step_tokens_bounds_each_batch_and_refuses_a_longer_prompt(served):
 
 
 # -- shutdown ---------------------------------------------------------------------------------------------------
+
+def test_completions_up_to_the_limit_are_accepted_and_stream_drafts_takes_one(served):
+    """128 completions in all are one request's most (n=128, or 64 prompts with n=2); `stream_drafts` is refused
+    with more than one completion (its stream is batch 1)."""
+    from hf_dllm_spec.serving.protocol import RequestError, parse_request
+
+    def parse(body):
+        return parse_request(body, chat=False, tokenizer=served.tokenizer, served_name=served.name,
+                             default_strategy=served.default_strategy, default_params={},
+                             generation_config=served.model.generation_config, default_max_tokens=4)
+
+    assert len(parse({"prompt": PROMPT, "n": 128})) == len(parse({"prompt": [PROMPT] * 64, "n": 2})) == 128
+    for body in ({"prompt": PROMPT, "n": 2}, {"prompt": [PROMPT, PROMPT]}):
+        with pytest.raises(RequestError, match=r"`stream_drafts` \(=True\) must ask for one completion"):
+            parse({**body, "stream": True, "stream_drafts": True})
+    assert len(parse({"prompt": [PROMPT], "stream": True, "stream_drafts": True})) == 1
+
 
 def test_too_many_prompts_are_refused_before_any_is_tokenized(served, monkeypatch):
     """A body of 200,000 one-character prompts (under the body limit) was tokenized whole, on the one parsing

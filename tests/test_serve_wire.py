@@ -330,13 +330,14 @@ def test_a_chat_request_the_library_refuses_in_its_batch_names_messages(base):
 def test_a_request_with_one_refused_prompt_is_refused_whole_and_frees_its_rows(base):
     """A list of prompts whose second one the library refuses in its batch (beyond the model's positions): a 400
     naming `prompt`, no partial answer, and nothing of it left running."""
-    status, _, text = post(base, "/v1/completions", {"prompt": [PROMPT, [5] * 2100], "max_tokens": 4})
+    status, _, text = post(base, "/v1/completions", {"prompt": [PROMPT, [5] * 2100], "max_tokens": 1500,
+                                                     "ignore_eos": True})
     error = json.loads(text)["error"]
     assert status == 400 and error["param"] == "prompt" and error["message"].startswith("`prompt[1]` ("), text
     deadline = time.monotonic() + 30
     while (health(base)["running"] or health(base)["queued"]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert health(base)["running"] == health(base)["queued"] == 0
+    assert health(base)["running"] == health(base)["queued"] == 0        # the good row was cancelled, not decoded
 
 
 def test_a_client_that_leaves_frees_every_row_of_its_request(served):
@@ -353,6 +354,15 @@ def test_a_client_that_leaves_frees_every_row_of_its_request(served):
         rows = list(app.state.batcher.history)[before:]
         assert len(rows) == 4 and all(r["finish_reason"] == "cancelled" and r["tokens"] < 1500 for r in rows), rows
         assert health(url)["running"] == 0
+
+
+def test_max_step_tokens_reads_the_longest_prompt_of_a_request(served):
+    """`--max-step-tokens 20`: a list whose second prompt is longer than a forward may hold is refused naming it
+    (only the first prompt was measured, and the batcher assumes a request that starts a batch fits)."""
+    with serving(served, max_step_tokens=20) as url:
+        status, _, text = post(url, "/v1/completions", {"prompt": [[5] * 4, [5] * 25], "max_tokens": 2})
+        error = json.loads(text)["error"]
+        assert status == 400 and error["param"] == "prompt" and error["message"].startswith("`prompt[1]`"), text
 
 
 def test_a_stream_starts_while_one_of_its_completions_still_waits_for_a_row(served):
@@ -412,6 +422,7 @@ def test_rows_cancelled_while_waiting_leave_the_queue_at_the_running_calls_join_
             while health(url)["queued"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert health(url)["queued"] == 0 and health(url)["running"] == 1
+            assert health(url)["cancelled"] == health(url)["cancelled"] == 3     # counted once, however often read
 
 
 def test_budgets_and_library_refusals_in_the_servers_terms():
