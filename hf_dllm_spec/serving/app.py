@@ -40,7 +40,7 @@ from .batcher import Batcher, Job, Result
 from .limits import (BodyLimitMiddleware, HostCheckMiddleware, ServerLimits, check_content_type, error_body,
                      error_response, key_matches, parse_json)
 from .loading import LoadOptions
-from .protocol import RequestError, ensure_chat_template, excerpt, parse_request
+from .protocol import RequestError, ensure_chat_template, excerpt, parse_request, request_field
 
 
 @dataclass
@@ -386,7 +386,7 @@ def create_app(served: ServedModel, limits: ServerLimits | None = None) -> FastA
         loop = asyncio.get_running_loop()
         rows = await loop.run_in_executor(parser, parse, raw, chat)
         longest = max(rows, key=lambda row: len(row.prompt_ids))
-        field = longest.prompt_field.split("[", 1)[0]                # `prompt[2]` is in the field `prompt`
+        field = request_field(longest.prompt_field)
         if served.max_step_tokens is not None and len(longest.prompt_ids) > served.max_step_tokens:
             raise RequestError(str(invalid(longest.prompt_field, f"<prompt of {len(longest.prompt_ids)} tokens>",
                                            f"fit one forward of at most {served.max_step_tokens} tokens (the "

@@ -65,6 +65,11 @@ def server_terms(message: str, prompt_field: str = "prompt") -> str:
     return message
 
 
+def request_field(where: str) -> str:
+    """The request field a place in the body is in: `prompt[2]` (an item of a list of prompts) is in `prompt`."""
+    return where.split("[", 1)[0]
+
+
 def server_error(err: Exception, prompt_field: str = "prompt", body_fields=()) -> RequestError:
     """A library refusal (`ValueError` / `NotImplementedError`, built by :func:`hf_dllm_spec.validation.invalid`)
     as a 400 in the server's terms (:func:`server_terms`) whose `param` is the request field it names: a strategy
@@ -72,7 +77,7 @@ def server_error(err: Exception, prompt_field: str = "prompt", body_fields=()) -
     `max_new_tokens` as `max_tokens`; None for a name a request cannot hold (the model's special ids)."""
     name = getattr(err, "param", None)
     name = {"input_ids": prompt_field, "max_new_tokens": "max_tokens"}.get(name, name)
-    name = name.split("[", 1)[0] if isinstance(name, str) else name        # `prompt[1]`: the field is `prompt`
+    name = request_field(name) if isinstance(name, str) else name
     fields = SUPPORTED_FIELDS | EXTRA_OPTIONS | {*body_fields, *strategy_parameter_names()}
     return RequestError(server_terms(str(err), prompt_field), param=name if name in fields else None)
 
