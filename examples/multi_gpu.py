@@ -3,7 +3,7 @@
 The target is loaded by transformers / accelerate's big-model engine, ``from_pretrained(..., device_map="auto",
 max_memory=...)``: whole decoder layers fill the GPUs in order, what does not fit goes to the CPU, then to disk
 (`offload_folder`). Nothing here places tensors by hand; hf_dllm_spec runs its forwards on the model's
-execution device (`hf_dllm_spec.runtime.placement.execution_device`) and accelerate's hooks move the activations between
+execution device (`hf_dllm_spec.runtime.weights.execution_device`) and accelerate's hooks move the activations between
 layers. A drafter (`--draft-model`, for simsd / deer) is loaded on one device of its own (`--draft-device`, and
 its own `--draft-dtype`); the strategies move token ids to it and its block logits back, never a cache. See
 `docs/placement.md`.
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     import hf_dllm_spec
-    from hf_dllm_spec.runtime.placement import execution_device
+    from hf_dllm_spec.runtime.weights import execution_device
     from recipes.arithmetic import format_prompt
 
     args = build_parser().parse_args(argv)

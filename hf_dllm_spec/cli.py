@@ -287,7 +287,7 @@ def _generate(args: argparse.Namespace, argv: list[str]) -> None:
 
     from .integration.generate import dllm_generate
     from .integration.mixin import DllmGenerationMixin
-    from .runtime.placement import execution_device
+    from .runtime.weights import execution_device
     from .serving.loading import LoadOptions, load_models
     from .strategies.registry import resolve_config
 

@@ -25,7 +25,7 @@ LLM", arXiv 2509.26328). Its Hub remote code pins transformers 4.53.1; here the 
 - Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): every
   `nn.Linear` of the decoder (q/k/v with bias, o, the MLP) is quantized; the output head `lm_head` (tied on the
   1.5B, its own on the 7B) stays unquantized, in the load dtype (`Fast_dLLM_QwenForCausalLM._keep_in_fp32_modules`).
-  Rules: `hf_dllm_spec.runtime.quantization`.
+  Rules: `hf_dllm_spec.runtime.weights`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ needs no registration). Source: JetAstra/SDAR and its Hub checkpoints (`JetLM/SD
 - Quantized weights (bitsandbytes, `from_pretrained(quantization_config=BitsAndBytesConfig(...))`): every
   `nn.Linear` of the decoder (q/k/v/o projections, the MLP) is quantized; the output head `lm_head` stays
   unquantized, in the load dtype (`SDARForCausalLM._keep_in_fp32_modules`); embeddings and norms are not linear
-  layers and are never quantized. Rules: `hf_dllm_spec.runtime.quantization`.
+  layers and are never quantized. Rules: `hf_dllm_spec.runtime.weights`.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import hf_dllm_spec
-from hf_dllm_spec.integration.continuous import RowFeed, RowRequest
+from hf_dllm_spec.integration.rows import RowFeed, RowRequest
 from hf_dllm_spec.runtime.runner import ModelRunner
 from model_patches.sdar import SDARConfig, SDARForCausalLM
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import MASK_ID, TINY
+from conftest import MASK_ID, TINY, tiny_family_models
 from transformers import (GenerationConfig, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM, StoppingCriteriaList,
                           TemperatureLogitsWarper)
 from transformers.generation.streamers import BaseStreamer
@@ -467,13 +467,13 @@ def pair_models():
         handle.remove()
 
 
-def _pair_generate(models, strategy, **kwargs):
+def _pair_generate(models, strategy, target=None, **kwargs):
     kwargs.setdefault("max_new_tokens", 8)
     kwargs.setdefault("draft_model", models["drafter"])
-    if strategy == "deer":
-        return models["ar"].generate(torch.tensor(PROMPT), custom_generate=hf_dllm_spec.custom_generate,
-                                     decoding_strategy="deer", **kwargs)
-    return models["sdar"].generate(torch.tensor(PROMPT), decoding_strategy="simsd", **kwargs)
+    if strategy == "simsd" and target is None:
+        return models["sdar"].generate(torch.tensor(PROMPT), decoding_strategy="simsd", **kwargs)
+    return models[target or "ar"].generate(torch.tensor(PROMPT), custom_generate=hf_dllm_spec.custom_generate,
+                                           decoding_strategy=strategy, **kwargs)
 
 
 #: (case id, strategy, generate keyword arguments, argument the message must name)
@@ -496,7 +496,18 @@ DRAFTER_CASES = [
     ("deer-target-mask-token", "deer", dict(mask_token_id=5), "mask_token_id"),
     ("deer-sep-is-the-drafter-mask", "deer", dict(sep_token_id=MASK_ID), "sep_token_id"),
     ("deer-assistant-on-meta", "deer", dict(draft_model=None, assistant_model="<meta>"), "draft_model"),
+    # the kinds each strategy declares (`target_kind`, `drafter_kind`), checked by the plan
+    ("deer-diffusion-target", "deer", dict(target="sdar"), "model"),
+    ("simsd-ar-target", "simsd", dict(target="ar"), "model"),
+    ("simsd-ar-drafter", "simsd", dict(draft_model="<ar>"), "draft_model"),
+    ("simsd-drafter-of-another-family", "simsd", dict(draft_model="<fast>"), "draft_model"),
 ]
+
+#: The rule each kind case's message states.
+KIND_RULES = {"deer-diffusion-target": "be an autoregressive causal LM for decoding_strategy='deer'",
+              "simsd-ar-target": "be a diffusion LM for decoding_strategy='simsd'",
+              "simsd-ar-drafter": "be a diffusion LM for decoding_strategy='simsd'",
+              "simsd-drafter-of-another-family": "be of the target's family (SDAR) and alignment"}
 
 
 @pytest.mark.parametrize("case", DRAFTER_CASES, ids=[c[0] for c in DRAFTER_CASES])
@@ -511,10 +522,15 @@ def test_bad_drafter_input_is_caught_before_any_forward(pair_models, case):
             kwargs[key] = _meta_model()
         elif kwargs.get(key) == "<vocab 120>":
             kwargs[key] = _sdar(2, vocab_size=120)
+        elif kwargs.get(key) == "<ar>":
+            kwargs[key] = models["ar"]
+        elif kwargs.get(key) == "<fast>":
+            kwargs[key] = tiny_family_models()["fast"]
     calls.clear()
     with pytest.raises(ValueError) as info:
         _pair_generate(models, strategy, **kwargs)
     assert str(info.value).startswith(f"`{name}`"), str(info.value)
+    assert KIND_RULES.get(case[0], "") in str(info.value)
     assert not calls, f"{len(calls)} forward(s) ran before the error"
 
 

@@ -28,7 +28,7 @@ from conftest import (Recorder, ScriptedFeed, assert_same_decode, cpu_compile_co
                       spec_counters)
 
 import hf_dllm_spec
-from hf_dllm_spec.integration.continuous import RowRequest
+from hf_dllm_spec.integration.rows import RowRequest
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import deer
 from hf_dllm_spec.strategies.base import DecodingStrategy
@@ -254,7 +254,8 @@ def stream_site(site: tuple[str, int]) -> bool:
     `DecodingStrategy.stream_draft`), which the compiled cycle feeds with tensors made on the host from its read."""
     path, line = site
     lines, first = inspect.getsourcelines(DecodingStrategy.stream_draft)
-    return (path.endswith(("strategies/streaming.py", "integration/stopping.py"))
+    rows_end = inspect.getsourcelines(RowRequest)[1]            # rows.py above it: where each row's output ends
+    return (path.endswith("strategies/streaming.py") or (path.endswith("integration/rows.py") and line < rows_end)
             or (path.endswith("strategies/base.py") and first <= line < first + len(lines)))
 
 

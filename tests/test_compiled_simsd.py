@@ -29,7 +29,7 @@ import torch
 from conftest import (MASK_ID, TINY, Recorder, ScriptedFeed, assert_same_decode, cpu_compile_config, generator_states,
                       left_padded_batch, load_first_layers, spec_counters)
 
-from hf_dllm_spec.integration.continuous import RowRequest
+from hf_dllm_spec.integration.rows import RowRequest
 from hf_dllm_spec.maths.masks import temporal_verify_mask
 from hf_dllm_spec.runtime.static import clear_static_state, static_states
 from hf_dllm_spec.strategies import simsd

@@ -15,7 +15,7 @@ import torch
 from conftest import MASK_ID, ScriptedFeed, fast_first, no_cyclic_garbage, tiny_family_models
 
 import hf_dllm_spec
-from hf_dllm_spec.integration.continuous import RowRequest
+from hf_dllm_spec.integration.rows import RowRequest
 
 PAD = 0
 
@@ -406,7 +406,7 @@ def test_feed_admission_streams_reports_and_times_each_row_alone():
     sent), a row that ignores EOS ends by length on a stop id, each row's `on_done` gets a copy of its own counters,
     a row that joined is timed from when it joined (it was timed from the call's start), and a row that ended before
     its client left is not "cancelled"."""
-    from hf_dllm_spec.integration.continuous import FeedAdmission, RowFeed
+    from hf_dllm_spec.integration.rows import FeedAdmission, RowFeed
     from hf_dllm_spec.outputs import SpecDecodingStats
 
     class Feed(RowFeed):

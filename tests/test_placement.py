@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 import hf_dllm_spec
 import hf_dllm_spec.runtime.static as static_runtime
 from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts, load
-from hf_dllm_spec.runtime.placement import execution_device
+from hf_dllm_spec.runtime.weights import execution_device
 from hf_dllm_spec.runtime.runner import ModelRunner
 from recipes.arithmetic import format_prompt
 

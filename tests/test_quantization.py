@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedTok
 import hf_dllm_spec  # noqa: E402
 from hf_dllm_spec.tools.jobs.evaluation import ROOT, arithmetic_prompts  # noqa: E402
 from hf_dllm_spec.integration.mixin import DllmGenerationMixin  # noqa: E402
-from hf_dllm_spec.runtime.quantization import check_quantized_model, quantization_of  # noqa: E402
+from hf_dllm_spec.runtime.weights import check_quantized_model, quantization_of  # noqa: E402
 
 MODELS = ROOT / "models"
 DTYPE = torch.float16

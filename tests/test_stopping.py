@@ -1,4 +1,4 @@
-"""Each row's end by budget and stop ids (`hf_dllm_spec.integration.stopping`): the scan from a known-clean prefix
+"""Each row's end by budget and stop ids (`hf_dllm_spec.integration.rows`): the scan from a known-clean prefix
 and the incremental scan of a row's growing host list give what a whole scan gives."""
 
 import warnings
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_dllm_spec.integration.stopping import RowEnds, StopScan, row_end
+from hf_dllm_spec.integration.rows import RowEnds, StopScan, row_end
 
 ids_lists = st.lists(st.integers(0, 5), max_size=12)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import hf_dllm_spec
+from conftest import tiny_family_models
 from hf_dllm_spec.strategies.block_diffusion import BlockDiffusionConfig, BlockDiffusionStrategy
 from hf_dllm_spec.strategies.registry import STRATEGIES, register_strategy
 
@@ -249,6 +250,50 @@ def test_the_stored_strategy_key_is_no_parameter_name(field):
     with pytest.raises(ValueError, match=field):
         register_strategy(strategy)
     assert "key" not in STRATEGIES
+
+
+@pytest.mark.parametrize("field, value", [("target_kind", "ar"), ("drafter_kind", "same family")])
+def test_a_model_kind_that_is_not_one_of_the_declared_ones_is_refused(field, value):
+    """A misspelt kind would check nothing: refused at registration, naming the field and listing the kinds."""
+    strategy = type("Kinded", (BlockDiffusionStrategy,), {"name": "kinded", "config_class": BlockDiffusionConfig,
+                                                          field: value})
+    before = dict(STRATEGIES)
+    with pytest.raises(ValueError, match=rf"^`strategy.{field}` \(='{value}'\) must be one of 'any', "):
+        register_strategy(strategy)
+    assert STRATEGIES == before
+
+
+def test_a_declared_target_kind_is_checked_by_the_plan_before_any_forward(sdar_model, prompt):
+    """A third-party strategy states the target it decodes (`target_kind`) instead of checking the models itself:
+    an autoregressive-only block strategy refuses the SDAR target, naming `model` and the strategy, before any
+    forward; a right-shifted AR Qwen3 target (given a mask token and a block size) decodes with it."""
+    @dataclass
+    class ArOnlyConfig(BlockDiffusionConfig):
+        pass
+
+    class ArOnlyStrategy(BlockDiffusionStrategy):
+        name = "ar_only"
+        config_class = ArOnlyConfig
+        target_kind = "autoregressive"
+
+    forwards = []
+    handle = sdar_model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    before = dict(STRATEGIES)
+    try:
+        register_strategy(ArOnlyStrategy)
+        with pytest.raises(ValueError, match=r"^`model` \(='SDARForCausalLM'\) must be an autoregressive causal LM "
+                                             r"for decoding_strategy='ar_only'"):
+            sdar_model.generate(prompt, decoding_strategy="ar_only", max_new_tokens=4)
+        assert not forwards
+        out = tiny_family_models()["qwen"].generate(
+            prompt, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="ar_only",
+            mask_token_id=98, block_size=4, max_new_tokens=4, eos_token_id=None)
+        assert out.shape == (1, prompt.shape[1] + 4)
+    finally:
+        handle.remove()
+        STRATEGIES.clear()
+        STRATEGIES.update(before)
+        register_strategy(before["ar"])
 
 
 def test_a_parameter_without_a_default_is_refused():

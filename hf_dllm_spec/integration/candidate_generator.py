@@ -26,10 +26,10 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 import model_patches
 
-from .plan import check_drafter_tokens, check_loaded, check_token_id, check_vocabulary
+from .plan import check_drafter_tokens, check_token_id, check_vocabulary
 from ..strategies.drafting import OneStepDrafter
 from ..outputs import BatchStats
-from ..runtime.quantization import check_quantized_model
+from ..runtime.weights import check_weights
 from ..runtime.runner import ModelRunner
 from ..maths.sampling import Sampler, active_processors
 from ..validation import check_int, invalid
@@ -61,7 +61,7 @@ class DeerCandidateGenerator(CandidateGenerator):
     Raises:
         ValueError: the drafter has no mask token, or one (or a `sep_token_id`) outside its vocabulary, or a mask
             token among `stop_token_ids`; a bad `num_draft_tokens`; a drafter on the meta device; a quantized
-            drafter that cannot decode (:func:`hf_dllm_spec.runtime.quantization.check_quantized_model`).
+            drafter that cannot decode (:func:`hf_dllm_spec.runtime.weights.check_weights`).
     """
 
     def __init__(self, draft_model, *, num_draft_tokens: int = 32, logits_processor: LogitsProcessorList | None = None,
@@ -70,8 +70,7 @@ class DeerCandidateGenerator(CandidateGenerator):
                  sep_position: str = "after_masks", generator: torch.Generator | None = None,
                  stop_token_ids: list[int] | None = None, role: str = "draft_model") -> None:
         check_int("num_draft_tokens", num_draft_tokens, 1, "pass e.g. 16")
-        check_loaded(draft_model, role)
-        check_quantized_model(draft_model, role)
+        check_weights(draft_model, role)
         check_token_id("mask_token_id", mask_token_id, "pass the drafter's mask token's integer id")
         if sep_token_id is not None:
             check_int("sep_token_id", sep_token_id, 0, "pass a token id of the drafter's vocabulary, or None")
@@ -249,9 +248,9 @@ def deer_assisted_generate(model, input_ids: torch.LongTensor, draft_model, *, n
             device, a target whose first parameter is offloaded (transformers' loop reads `model.device`) or a
             drafter of another vocabulary.
     """
-    check_loaded(model, "model")
+    check_weights(model, "model")
     _check_first_parameter_placed(model, "model")
-    check_loaded(draft_model, "draft_model")
+    check_weights(draft_model, "draft_model")
     check_vocabulary(model, model_patches.get_patch(model), draft_model, model_patches.get_patch(draft_model))
 
     def factory(*, generation_config, logits_processor, input_ids=None, **_: Any) -> DeerCandidateGenerator:

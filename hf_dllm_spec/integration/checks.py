@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ..runtime.quantization import check_quantized_model
+from ..runtime.weights import check_weights
 from ..validation import check_int, invalid
 from .plan import (SINGLE_HYPOTHESIS, check_attention_mask, check_cache_implementation, check_inputs_embeds,
-                   check_loaded, check_single_hypothesis, check_streamer)
+                   check_single_hypothesis, check_streamer)
 
 
 def _input_ids_of(args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -37,11 +37,10 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
         kwargs (`dict`): keyword arguments of `generate`.
 
     Raises:
-        ValueError: the model, `draft_model` or `assistant_model` on the meta device (weights never loaded; an
-            accelerate-offloaded model runs on its execution device and passes); a quantized transformers assistant
-            model that cannot decode (:func:`hf_dllm_spec.runtime.quantization.check_quantized_model`; the target and
-            `draft_model` are checked where decoding starts, every entry point included); a tensor argument on the
-            meta device; `inputs_embeds`; `input_ids` not a 2D integer tensor `(N, P)`; an `attention_mask` that is
+        ValueError: the model, `draft_model` or `assistant_model` with weights that cannot decode
+            (:func:`hf_dllm_spec.runtime.weights.check_weights`: on the meta device, never loaded; an
+            accelerate-offloaded model runs on its execution device and passes; a refused quantization); a tensor
+            argument on the meta device; `inputs_embeds`; `input_ids` not a 2D integer tensor `(N, P)`; an `attention_mask` that is
             not a 0/1 tensor of the shape of `input_ids`
             (:func:`~hf_dllm_spec.integration.plan.check_attention_mask`); `max_new_tokens` / `max_length` not an
             integer >= 1, a `max_length` that leaves no new token; `num_beams` / `num_return_sequences` /
@@ -50,12 +49,10 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
             (:func:`~hf_dllm_spec.integration.plan.check_cache_implementation`); a `streamer` without `put` and
             `end` (:func:`~hf_dllm_spec.integration.plan.check_streamer`).
     """
-    check_loaded(model, "model")
+    check_weights(model, "model")
     for name in ("draft_model", "assistant_model"):
         if isinstance(kwargs.get(name), torch.nn.Module):
-            check_loaded(kwargs[name], name)
-    if kwargs.get("assistant_model") is not None:
-        check_quantized_model(kwargs["assistant_model"], "assistant_model")
+            check_weights(kwargs[name], name)
     ids = _input_ids_of(args, kwargs)
     named = [("input_ids", ids)] if args else []
     for name, value in [*named, *kwargs.items()]:

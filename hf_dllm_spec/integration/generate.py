@@ -21,7 +21,7 @@ refreshes it); they merge with a stored ``generation_config.dllm_decoding``, an 
 `strategy_config` object.
 
 One call: :func:`~hf_dllm_spec.integration.plan.build_plan` resolves and checks everything before any forward, the
-runtimes and the session are made from the plan, the strategy decodes, :class:`~hf_dllm_spec.integration.stopping
+runtimes and the session are made from the plan, the strategy decodes, :class:`~hf_dllm_spec.integration.rows
 .RowEnds` cuts each row, the output is assembled. Every contact with transformers' private behaviour (reading the
 `generate` call's frame, the signature routing, the hand-off of a direct call) goes through
 :mod:`hf_dllm_spec.bridge`.
@@ -51,9 +51,8 @@ from ..strategies.registry import STRATEGIES, get_strategy, on_register, strateg
 from ..strategies.streaming import TokenStream
 from ..validation import invalid
 from .checks import check_call
-from .continuous import FeedAdmission, RowFeed
 from .plan import DecodePlan, build_plan, check_row
-from .stopping import RowEnds, criteria_to_scan, stop_strings_as_criteria
+from .rows import FeedAdmission, RowEnds, RowFeed, criteria_to_scan, stop_strings_as_criteria
 
 _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
 
@@ -118,7 +117,7 @@ def dllm_generate(
             drops `tokenizer` before calling a `custom_generate` callable (the tokenizer is read from the call).
         row_feed (`RowFeed`, *optional*): continuous batching: the call's rows as requests (one per row of
             `input_ids`, each with its own budget, generator and callbacks) and the requests that join the running
-            batch at the strategy's join points (:mod:`hf_dllm_spec.integration.continuous`); every row's result
+            batch at the strategy's join points (:mod:`hf_dllm_spec.integration.rows`); every row's result
             goes to its `on_done`.
         **kwargs: strategy parameters (see the config classes) and the model kwargs transformers prepared.
 

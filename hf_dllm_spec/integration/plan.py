@@ -36,14 +36,12 @@ from model_patches.compat import CACHE_KWARG, CACHE_NAMES, cache_used, find_cach
 from ..bridge import caller_stacklevel
 from ..configuration import DecodingConfig
 from ..maths.masks import left_padded_valid
-from ..runtime.placement import execution_device, unplaced_weight
-from ..runtime.quantization import check_quantized_model
+from ..runtime.weights import check_weights
 from ..runtime.static import drop_prepared_static_cache, static_cache_length
 from ..strategies.base import DecodingStrategy
 from ..strategies.registry import get_strategy, resolve_config
 from ..validation import check_int, invalid
-from .continuous import RowFeed, check_request
-from .stopping import criteria_to_scan
+from .rows import RowFeed, check_request, criteria_to_scan
 
 #: Float options of `GenerationConfig` the sampler reads; NaN or infinity is refused.
 FLOAT_GENERATION_OPTIONS = ("temperature", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
@@ -185,7 +183,7 @@ def _check_feed(plan: DecodePlan, feed: RowFeed, streamer) -> None:
         ValueError: the first of these that fails.
     """
     if not isinstance(feed, RowFeed):
-        raise invalid("row_feed", type(feed).__name__, "be a hf_dllm_spec.integration.continuous.RowFeed",
+        raise invalid("row_feed", type(feed).__name__, "be a hf_dllm_spec.integration.rows.RowFeed",
                       "subclass RowFeed (take) and pass its instance")
     if len(feed.initial) != plan.batch_size or any(len(r.prompt_ids) != n for r, n in zip(feed.initial, plan.lengths)):
         raise invalid("row_feed", f"<{len(feed.initial)} initial requests>", f"hold one request per row of input_ids "
@@ -208,17 +206,41 @@ def _check_feed(plan: DecodePlan, feed: RowFeed, streamer) -> None:
 
 def _check_models(strategy, model, draft_model) -> tuple[torch.device, Any, Any]:
     """The models, checked: real weights (the target's execution device, not `model.device`, which is "meta" under
-    accelerate offload), quantized weights that can decode, a family adapter each, served by the strategy
-    (:meth:`DecodingStrategy.check_models`). Returns `(device, patch, drafter_patch or None)`."""
-    device = check_loaded(model, "model")
-    check_quantized_model(model, "model")
+    accelerate offload), quantized weights that can decode, a family adapter each, of the kinds the strategy
+    declares (:func:`_check_kinds`). Returns `(device, patch, drafter_patch or None)`."""
+    device = check_weights(model, "model")
     if draft_model is not None:
-        check_loaded(draft_model, "draft_model")
-        check_quantized_model(draft_model, "draft_model")
+        check_weights(draft_model, "draft_model")
     patch = model_patches.get_patch(model)
     drafter_patch = model_patches.get_patch(draft_model) if draft_model is not None else None
-    strategy.check_models(model, patch, draft_model, drafter_patch)
+    _check_kinds(strategy, model, patch, draft_model, drafter_patch)
     return device, patch, drafter_patch
+
+
+def _check_kinds(strategy, model, patch, draft_model, drafter_patch) -> None:
+    """The models against the kinds the strategy declares (`DecodingStrategy.target_kind` / `drafter_kind`): an
+    autoregressive target (a right-shifted causal LM that is no diffusion LM), diffusion LMs, a drafter of the
+    target's family and alignment. A strategy's other requirements are refused when it starts (its `__init__`,
+    before any forward)."""
+    same_family = strategy.drafter_kind == "same_family"
+    kinds = [("model", model, patch, strategy.target_kind)]
+    if draft_model is not None:
+        kinds.append(("draft_model", draft_model, drafter_patch, "diffusion" if same_family else strategy.drafter_kind))
+    for name, m, p, kind in kinds:
+        if kind == "autoregressive" and (p.is_diffusion_lm or p.alignment_of(m) != "right_shift"):
+            fix = "pass the AR model as the model"
+            raise invalid(name, type(m).__name__, f"be an autoregressive causal LM for decoding_strategy="
+                          f"{strategy.name!r}, which verifies with an AR model (e.g. Qwen2/Qwen3)",
+                          fix + " and the diffusion model as draft_model=" if strategy.uses_drafter else fix)
+        if kind == "diffusion" and not p.is_diffusion_lm:
+            fix = "use block-diffusion models (SDAR, Fast-dLLM v2, LLaDA2)"
+            raise invalid(name, type(m).__name__, f"be a diffusion LM for decoding_strategy={strategy.name!r}",
+                          fix + " of one family for both" if same_family else fix)
+    if draft_model is not None and same_family and (
+            type(drafter_patch) is not type(patch)
+            or drafter_patch.alignment_of(draft_model) != patch.alignment_of(model)):
+        raise invalid("draft_model", type(draft_model).__name__, f"be of the target's family ({patch.family}) and "
+                      "alignment", "pass a smaller model of the same family and tokenizer")
 
 
 def _check_inputs(input_ids, generation_config, model_kwargs, *, device, generator, streamer,
@@ -419,31 +441,6 @@ def _check_prompts(plan: DecodePlan, input_ids: torch.Tensor, lengths: list[int]
                           f"not contain the {whose}mask token (infilling a prompt is not supported: the prompt is "
                           "returned as given)", "remove the mask tokens from the prompt")
 
-
-def check_loaded(model, name: str) -> torch.device:
-    """Raise unless `model` holds real weights: refused on the meta device (never loaded); a model that accelerate
-    dispatched with offload runs on its execution device and passes.
-
-    Returns:
-        `torch.device`: the model's execution device (:func:`hf_dllm_spec.runtime.placement.execution_device`).
-
-    Raises:
-        ValueError: naming `name` ("model", "draft_model", "assistant_model").
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise invalid(name, f"<{type(model).__name__}>", "be a loaded model (a transformers PreTrainedModel)",
-                      f"load it first, e.g. `{name}=AutoModelForCausalLM.from_pretrained(path)`")
-    device = execution_device(model)
-    if device.type == "meta":
-        raise invalid(name, f"<{type(model).__name__} on the meta device>", "hold real weights to decode",
-                      "load it with `from_pretrained` (or `to_empty` and load a state dict) before calling generate")
-    missing = unplaced_weight(model)
-    if missing is not None:
-        raise invalid(name, f"<{type(model).__name__} whose `{missing}` is on the meta device>",
-                      "hold real weights to decode (only accelerate's offload hooks bring meta weights in per "
-                      "forward)", "load the missing weights (or place the model with `from_pretrained(..., "
-                      "device_map=...)`, which offloads with hooks) before calling generate")
-    return device
 
 
 def check_inputs_embeds(inputs_embeds: Any) -> None:
@@ -777,6 +774,6 @@ def check_model_pair(target, target_patch, drafter, drafter_patch, generation_co
 
 
 __all__ = ["DecodePlan", "build_plan", "check_attention_mask", "check_block_budget", "check_cache_implementation",
-           "check_drafter_tokens", "check_generation_config", "check_generator", "check_inputs_embeds", "check_loaded",
+           "check_drafter_tokens", "check_generation_config", "check_generator", "check_inputs_embeds",
            "check_model_kwargs", "check_model_pair", "check_row", "check_single_hypothesis", "check_streamer",
            "check_token_id", "check_vocabulary", "prompt_lengths"]

@@ -1,3 +1,3 @@
 """Running forwards: the eager `ModelRunner` over a growing cache, the static runtime beside it,
-timing, the per-forward trace, device placement and quantization checks.
+timing, the per-forward trace, a model's weights (placement, quantization, the check that they can decode).
 """

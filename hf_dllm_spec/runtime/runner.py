@@ -33,7 +33,7 @@ from model_patches.compat import CACHE_KWARG, crop
 
 from ..maths.masks import to_additive
 from ..outputs import BatchStats
-from .placement import execution_device
+from .weights import execution_device
 from .timing import ForwardTimer
 from .trace import ForwardRecord, active_trace
 

@@ -69,7 +69,7 @@ from ..tracing import recording_step
 from ..validation import invalid
 from .experts import capturable_experts, experts_configs, experts_implementation
 from .graphs import DEFAULT_MAX_GRAPHS, CapturedForwards, fresh_copies, with_zero_rows
-from .placement import execution_device
+from .weights import execution_device
 from .runner import DRAFT_MODEL_SPAN, ModelRunner, align_right_shift
 from .static_cache import RowStaticCache, RowStaticLayer
 from .step import CompiledSteps, compile_options

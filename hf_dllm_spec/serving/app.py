@@ -139,7 +139,7 @@ def check_servable(model, drafter, strategy: str, params: dict, max_tokens: int)
     import model_patches
 
     from ..integration.plan import build_plan
-    from ..runtime.placement import execution_device
+    from ..runtime.weights import execution_device
     from ..strategies.registry import get_strategy
 
     positions = model_patches.get_patch(model).max_positions(model) or 128

@@ -5,7 +5,7 @@ waiting request and every other waiting request with the same decoding options
 (:attr:`~hf_dllm_spec.serving.protocol.DecodingOptions.batch_key`: strategy, parameters, warpers), up to
 `max_batch_size` rows and `max_step_tokens`, and starts one `model.generate` call with them. While that call runs,
 requests of the same options join it at the strategy's next join point (between two denoising steps for the block
-strategies, between two draft-and-verify cycles for SimSD and DEER: :mod:`hf_dllm_spec.integration.continuous`), as
+strategies, between two draft-and-verify cycles for SimSD and DEER: :mod:`hf_dllm_spec.integration.rows`), as
 long as the oldest waiting request is of the same options: a request of other options is not passed over, the
 running call stops taking rows, drains, and the other options run next (first come, first served between groups). A
 row leaves the batch as soon as it ends (its own budget, its stop id) or its client goes away, and its row is free
@@ -35,9 +35,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import model_patches
 
 from ..maths.masks import left_pad
-from ..runtime.placement import execution_device
+from ..runtime.weights import execution_device
 from ..strategies.registry import get_strategy
-from ..integration.continuous import RowFeed, RowRequest
+from ..integration.rows import RowFeed, RowRequest
 from .protocol import ParsedRequest, server_error
 
 _ids = itertools.count()

@@ -11,12 +11,12 @@ What each becomes is transformers' own: `AutoModelForCausalLM.from_pretrained(pa
 quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype) or (load_in_8bit=True))`.
 A quantized target without `--device-map` is loaded with `device_map={"": device}` (bitsandbytes quantizes the
 weights where they are loaded; a quantized model cannot be moved afterwards). The drafter is loaded unquantized
-in the same dtype (a drafter is small; :mod:`hf_dllm_spec.runtime.quantization` allows either to be quantized).
+in the same dtype (a drafter is small; :mod:`hf_dllm_spec.runtime.weights` allows either to be quantized).
 
 Refused before anything loads, as usage errors naming the flag: `--device` with `--device-map`, `--quantization`
 without bitsandbytes or with `--dtype float32` for 8-bit (LLM.int8 runs 16-bit activations), a `--device-map`
 without accelerate or that is neither a name nor a JSON object. After loading, the library's own check of quantized
-weights (:func:`hf_dllm_spec.runtime.quantization.check_quantized_model`) runs on the target, its message naming
+weights (:func:`hf_dllm_spec.runtime.weights.check_quantized_model`) runs on the target, its message naming
 the flag.
 """
 
@@ -172,12 +172,12 @@ def load_model(path: str, options: LoadOptions, *, flag: str = "--model", quanti
 
     Raises:
         UsageError: the checkpoint cannot be loaded (naming `flag`), or the library refuses the quantized model
-            (:func:`~hf_dllm_spec.runtime.quantization.check_quantized_model`).
+            (:func:`~hf_dllm_spec.runtime.weights.check_quantized_model`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .. import register_auto_classes
-    from ..runtime.quantization import check_quantized_model
+    from ..runtime.weights import check_quantized_model
 
     register_auto_classes()
     kwargs = options.from_pretrained_kwargs(quantized)
@@ -202,7 +202,7 @@ def load_models(model: str, draft_model: str | None, options: LoadOptions):
     Raises:
         UsageError: see :func:`load_model`.
     """
-    from ..runtime.placement import execution_device
+    from ..runtime.weights import execution_device
 
     tokenizer, target = load_model(model, options)
     drafter = None

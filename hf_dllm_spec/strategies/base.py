@@ -35,7 +35,7 @@ class JoiningRow:
 
 class RowAdmission(ABC):
     """Continuous batching, the strategies' side: which rows join the running batch at a join point, which rows are
-    cancelled, and who hears of a row that leaves. :class:`~hf_dllm_spec.integration.continuous.FeedAdmission`
+    cancelled, and who hears of a row that leaves. :class:`~hf_dllm_spec.integration.rows.FeedAdmission`
     implements it over the server's queue."""
 
     @abstractmethod
@@ -96,7 +96,7 @@ class DecodingSession:
         prompts (`list[torch.Tensor]`): each row's prompt without padding, `(P_n,)` int64, on `target.device`.
         target (`ModelRunner`): the model whose output is decoded (the self-drafting model of S2D2). The loop's
             tensors (blocks, probabilities, counters, the sampler's draws) live on its execution device
-            (`target.device`, see :func:`~hf_dllm_spec.runtime.placement.execution_device`).
+            (`target.device`, see :func:`~hf_dllm_spec.runtime.weights.execution_device`).
         sampler (`Sampler`): logits -> distributions and tokens; holds the generator.
         stats (`BatchStats`): per-row counters, updated in place.
         mask_token_id (`int`): the target's mask token (0 as a placeholder input where none is needed: AR
@@ -230,6 +230,12 @@ class DecodingSession:
         return acceptance or ("rejection_sampling" if self.sampler.do_sample else "greedy_match")
 
 
+#: What a strategy's target may be (`DecodingStrategy.target_kind`).
+TARGET_KINDS = ("any", "autoregressive", "diffusion")
+#: What its drafter may be (`DecodingStrategy.drafter_kind`).
+DRAFTER_KINDS = ("any", "diffusion", "same_family")
+
+
 class DecodingStrategy(ABC):
     """Base class. Subclasses set the metadata and implement :meth:`decode`.
 
@@ -241,6 +247,11 @@ class DecodingStrategy(ABC):
         requires_mask_token (`bool`): whether the target needs a mask token.
         uses_drafter (`bool`): whether the strategy runs a separate `draft_model` (then required).
         requires_draft_mask_token (`bool`): whether that drafter needs a mask token (a diffusion drafter).
+        target_kind (`str`): the target it decodes, one of :data:`TARGET_KINDS`, checked by the plan before any
+            forward: "any" (default), "autoregressive" (a right-shifted causal LM that is no diffusion LM: DEER's
+            verifier) or "diffusion" (a diffusion LM).
+        drafter_kind (`str`): the drafter, one of :data:`DRAFTER_KINDS`, checked likewise: "any" (default),
+            "diffusion", or "same_family" (a diffusion LM of the target's family and alignment: SimSD's).
         decodes_whole_blocks (`bool`): whether every block on the grid is denoised whole, also past the budget
             (then a block larger than the whole sequence is refused,
             :func:`~hf_dllm_spec.integration.plan.check_block_budget`).
@@ -259,6 +270,8 @@ class DecodingStrategy(ABC):
     requires_mask_token: ClassVar[bool] = True
     uses_drafter: ClassVar[bool] = False
     requires_draft_mask_token: ClassVar[bool] = False
+    target_kind: ClassVar[str] = "any"
+    drafter_kind: ClassVar[str] = "any"
     decodes_whole_blocks: ClassVar[bool] = True
     per_row_stops: ClassVar[bool] = False
     per_row_sampling: ClassVar[bool] = False
@@ -274,14 +287,6 @@ class DecodingStrategy(ABC):
                 f"`draft_block_size` (={draft_block_size}) must equal `block_size` (={block_size}) for "
                 f"decoding_strategy={cls.name!r}; pass the same block size for both models."
             )
-
-    @classmethod
-    def check_models(cls, target, target_patch, drafter, drafter_patch) -> None:
-        """Raise `ValueError` if the target / drafter pair cannot run this strategy (before any forward).
-
-        Called with the loaded models and their family patches (`drafter` and `drafter_patch` are `None` for
-        strategies without a drafter). Default: any pair.
-        """
 
     def graph_inputs(self) -> list[tuple[object, str]]:
         """The tensors this strategy's steps read through attributes besides their arguments, as `(object,

@@ -46,7 +46,7 @@ from ..configuration import DrafterConfig
 from .drafting import DRAFT_ATTENTIONS, SEP_POSITIONS, OneStepDrafter, draft_block_layout
 from ..maths.masks import causal_mask, left_pad
 from ..runtime.static import width_bucket
-from ..validation import check_choice, check_int, invalid
+from ..validation import check_choice, check_int
 from ..maths.sampling import RowProcessors, draw_exponential, draw_verification, step_processors
 from ..maths.verification import ACCEPTANCE_RULES, greedy_match, rejection_sample
 from .base import DecodingStrategy
@@ -115,6 +115,7 @@ class DeerStrategy(DecodingStrategy):
     requires_mask_token = False
     uses_drafter = True
     requires_draft_mask_token = True
+    target_kind = "autoregressive"      # the verifier
     decodes_whole_blocks = False        # k drafts per cycle, never beyond the budget (`num_drafts`)
     per_row_stops = True
     per_row_sampling = True
@@ -122,18 +123,6 @@ class DeerStrategy(DecodingStrategy):
     @classmethod
     def check_block_sizes(cls, block_size: int, draft_block_size: int | None) -> None:
         """Any k works with any drafter (k is not the drafter's trained block size)."""
-
-    @classmethod
-    def check_models(cls, target, target_patch, drafter, drafter_patch) -> None:
-        """The target must be an autoregressive (right-shifted, non-diffusion) causal LM.
-
-        Raises:
-            ValueError: naming `model` for a diffusion target.
-        """
-        if target_patch.is_diffusion_lm or target_patch.alignment_of(target) != "right_shift":
-            raise invalid("model", type(target).__name__, "be an autoregressive causal LM for "
-                          "decoding_strategy='deer' (DEER verifies with an AR target, e.g. Qwen2/Qwen3)",
-                          "pass the AR model as the model and the diffusion model as draft_model=")
 
     def __init__(self, config: DeerConfig, session) -> None:
         super().__init__(config, session)

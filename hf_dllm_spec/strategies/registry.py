@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 from ..bridge import check_routable
 from ..configuration import DecodingConfig, merge_parameters
-from .base import DecodingStrategy
+from .base import DRAFTER_KINDS, TARGET_KINDS, DecodingStrategy
 from .block_diffusion import ARStrategy, BlockDiffusionStrategy
 from .deer import DeerStrategy
 from .fast_dllm_v2 import FastDLLMV2Strategy
@@ -65,7 +65,8 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     A registration that fails leaves the registry and the keywords `generate` accepts as they were.
 
     Raises:
-        ValueError: if `strategy` has no `name` or no `config_class`, its config class names another strategy, has
+        ValueError: if `strategy` has no `name` or no `config_class`, a `target_kind` / `drafter_kind` that is not
+            one of `TARGET_KINDS` / `DRAFTER_KINDS`, its config class names another strategy, has
             a parameter without a default, or one named like an argument of transformers' `generate`, a
             `GenerationConfig` option or an argument of `dllm_generate` (`hf_dllm_spec.bridge.check_routable`:
             transformers would hand it to the strategies instead).
@@ -78,6 +79,8 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     if not (isinstance(config_class, type) and issubclass(config_class, DecodingConfig)):
         raise invalid("strategy.config_class", config_class, "be a DecodingConfig subclass",
                       f"define a dataclass config for {strategy.__name__} and set `config_class` to it")
+    check_choice("strategy.target_kind", strategy.target_kind, TARGET_KINDS)
+    check_choice("strategy.drafter_kind", strategy.drafter_kind, DRAFTER_KINDS)
     own = vars(config_class).get("decoding_strategy")
     if own is not None and own != name:
         raise invalid(f"{config_class.__name__}.decoding_strategy", own, f"name the strategy it configures ({name!r})",

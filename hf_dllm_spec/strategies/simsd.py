@@ -271,28 +271,13 @@ class SimSDStrategy(BlockDiffusionStrategy):
     lossless = False
     uses_drafter = True
     requires_draft_mask_token = True
+    #: Both models diffusion LMs of one family and one alignment (position-aligned SDAR / LLaDA2, or right-shifted
+    #: Fast-dLLM v2, which needs `verify_layout="stacked"`: checked when the strategy starts).
+    target_kind = "diffusion"
+    drafter_kind = "same_family"
     per_row_stops = False           # the EOS gate (`eos_min_prob`) reads the stop ids
     #: The compiled cycle's masks left in each row's block, on the host (from each cycle's read); None when eager.
     masks_left: list[int] | None = None
-
-    @classmethod
-    def check_models(cls, target, target_patch, drafter, drafter_patch) -> None:
-        """Both models: diffusion LMs of one family and one alignment (position-aligned SDAR / LLaDA2, or
-        right-shifted Fast-dLLM v2, which needs `verify_layout="stacked"`: checked when the strategy starts).
-
-        Raises:
-            ValueError: naming `draft_model` or `model`.
-        """
-        if drafter_patch is None:
-            return
-        for name, model, patch in (("model", target, target_patch), ("draft_model", drafter, drafter_patch)):
-            if not patch.is_diffusion_lm:
-                raise invalid(name, type(model).__name__, "be a diffusion LM for decoding_strategy='simsd'",
-                              "use block-diffusion models of one family (SDAR, Fast-dLLM v2) for both")
-        if type(drafter_patch) is not type(target_patch) or (
-                drafter_patch.alignment_of(drafter) != target_patch.alignment_of(target)):
-            raise invalid("draft_model", type(drafter).__name__, f"be of the target's family ({target_patch.family}) "
-                          "and alignment", "pass a smaller model of the same family and tokenizer")
 
     def __init__(self, config: SimSDConfig, session) -> None:
         super().__init__(config, session)

@@ -43,7 +43,7 @@ def _baseline(served, prompts: list[str], max_tokens: int):
     latency of each call."""
     from ..integration.generate import dllm_generate
     from ..integration.mixin import DllmGenerationMixin
-    from ..runtime.placement import execution_device
+    from ..runtime.weights import execution_device
     from ..strategies.registry import get_strategy
 
     entry = {} if isinstance(served.model, DllmGenerationMixin) else {"custom_generate": dllm_generate}

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from recipes.arithmetic import extract_answer, format_prompt
 
 from ...outputs import SpecDecodingStats
-from ...runtime.placement import execution_device
+from ...runtime.weights import execution_device
 
 #: The source checkout (an editable install): the bundled model and the benchmark results live there.
 ROOT = pathlib.Path(__file__).resolve().parents[3]

@@ -1,7 +1,14 @@
-"""Quantized weights (bitsandbytes 8-bit / 4-bit): what a loaded model holds, and the combinations refused.
+"""A loaded model's weights: where its forward runs (accelerate placement) and how they are stored (bitsandbytes
+quantization), with :func:`check_weights`, the one check that they can decode, run before any forward on the target,
+a drafter and an `assistant_model` (every entry point).
 
-Pure helpers: nothing here imports bitsandbytes (a model's quantization is read from its config and from its
-modules' class names), so the module loads without the `quant` extra.
+Placement (docs/placement.md): the target and a drafter each keep their own device, dtype and `device_map`; token
+ids go to a model's execution device (:func:`execution_device`) and its logits come back; caches never move. A
+model with a weight on the meta device and no accelerate hook to bring it in is refused (:func:`unplaced_weight`).
+
+Quantized weights (bitsandbytes 8-bit / 4-bit): pure helpers, nothing here imports bitsandbytes (a model's
+quantization is read from its config and from its modules' class names), so the module loads without the `quant`
+extra.
 
 A target and a drafter are quantized independently, each by its own `from_pretrained(...,
 quantization_config=BitsAndBytesConfig(...))`. bitsandbytes replaces exact `nn.Linear` modules only; every family
@@ -118,10 +125,8 @@ def activation_dtype(model: torch.nn.Module) -> torch.dtype | None:
 def check_quantized_model(model: torch.nn.Module, role: str = "model") -> None:
     """Raise `ValueError` if a (bitsandbytes-)quantized model cannot decode as loaded; unquantized models pass.
 
-    Called before any forward for the target (`role="model"`) and the drafter (`role="draft_model"`) where
-    decoding starts (`hf_dllm_spec.integration.generate`, every entry point), and for a transformers `assistant_model` by
-    :func:`hf_dllm_spec.integration.checks.check_call`. The refused combinations and their sources are listed in the module
-    docstring.
+    Part of :func:`check_weights` (the target, a drafter, a transformers `assistant_model`, before any forward).
+    The refused combinations and their sources are listed in the module docstring.
 
     Args:
         model (`torch.nn.Module`): the loaded model.
@@ -171,3 +176,89 @@ def check_quantized_model(model: torch.nn.Module, role: str = "model") -> None:
                           "load 4-bit weights (`load_in_4bit=True`), which take any `bnb_4bit_compute_dtype`; a "
                           "checkpoint saved 8-bit keeps its saved dtype whatever `dtype` says: quantize its "
                           "unquantized weights again")
+
+
+
+def execution_device(model) -> torch.device:
+    """The device a model's forward runs on: where its inputs go and its logits come back.
+
+    `model.device` is the device of the first parameter. With accelerate big-model dispatch (`from_pretrained(...,
+    device_map=..., offload_folder=...)` with "cpu" or "disk" entries, or `accelerate.cpu_offload`), an offloaded
+    first parameter (the embeddings, often) lives on the meta device and `model.device` is "meta", while the
+    forward runs on the hook's execution device: accelerate's `AlignDevicesHook.execution_device` on the root
+    module (the `main_device` of `accelerate.dispatch_model`: the first device of `hf_device_map` that is neither
+    "cpu" nor "disk", else "cpu"; the root hook also brings outputs back to the inputs' device). The same lookup
+    as diffusers' `DiffusionPipeline._execution_device`: the root hook first, then the first hooked submodule.
+
+    Args:
+        model (`torch.nn.Module`): a (possibly dispatched) model.
+
+    Returns:
+        `torch.device`: the hook's execution device where accelerate dispatched the model, else `model.device`
+        (the first parameter's device; "meta" for a model without weights, which the checks refuse).
+    """
+    if getattr(model, "_hf_hook", None) is None and not getattr(model, "hf_device_map", None):
+        return model.device                                     # not dispatched: no module walk per call
+    for module in model.modules():                              # the root module first
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", (hook,)):              # a `SequentialHook` chains several
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                return torch.device(device)                     # an int is an accelerator index
+    return model.device
+
+
+def unplaced_weight(model) -> str | None:
+    """The name of a parameter or buffer of `model` that is on no device: on "meta" with no accelerate hook
+    (`_hf_hook` on its module or an enclosing one) to bring it in per forward, as a part moved to "meta" by hand
+    (it fails inside torch at the first forward). None when every weight is placed (offloaded ones included).
+
+    Args:
+        model (`torch.nn.Module`): a (possibly dispatched) model.
+
+    Returns:
+        `str` or None: the first such tensor's qualified name.
+    """
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    if not any(t.device.type == "meta" for _, t in tensors):
+        return None
+    hooked = {n for n, m in model.named_modules() if getattr(m, "_hf_hook", None) is not None}
+    for tensor_name, tensor in tensors:
+        parts = tensor_name.split(".")[:-1]
+        if tensor.device.type == "meta" and not any(".".join(parts[:i]) in hooked for i in range(len(parts) + 1)):
+            return tensor_name
+    return None
+
+
+def check_weights(model, name: str) -> torch.device:
+    """Raise unless `model`'s weights can decode: real weights (refused on the meta device, never loaded; a model
+    that accelerate dispatched with offload runs on its execution device and passes), and quantized weights that
+    bitsandbytes can run (:func:`check_quantized_model`). Run before any forward on every model of a call.
+
+    Args:
+        model (`torch.nn.Module`): the loaded model.
+        name (`str`): the argument that passed it, named in the message ("model", "draft_model",
+            "assistant_model").
+
+    Returns:
+        `torch.device`: the model's execution device (:func:`execution_device`).
+
+    Raises:
+        ValueError: naming `name`: not a module, weights on the meta device without an offload hook, or a refused
+            quantization (:func:`check_quantized_model`).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise invalid(name, f"<{type(model).__name__}>", "be a loaded model (a transformers PreTrainedModel)",
+                      f"load it first, e.g. `{name}=AutoModelForCausalLM.from_pretrained(path)`")
+    device = execution_device(model)
+    if device.type == "meta":
+        raise invalid(name, f"<{type(model).__name__} on the meta device>", "hold real weights to decode",
+                      "load it with `from_pretrained` (or `to_empty` and load a state dict) before calling generate")
+    missing = unplaced_weight(model)
+    if missing is not None:
+        raise invalid(name, f"<{type(model).__name__} whose `{missing}` is on the meta device>",
+                      "hold real weights to decode (only accelerate's offload hooks bring meta weights in per "
+                      "forward)", "load the missing weights (or place the model with `from_pretrained(..., "
+                      "device_map=...)`, which offloads with hooks) before calling generate")
+    check_quantized_model(model, name)
+    return device
