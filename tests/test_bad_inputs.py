@@ -258,6 +258,11 @@ CASES: list[tuple[str, dict, str, type]] = [
     ("draft-for-self-speculation", dict(decoding_strategy="s2d2", draft_model="<model>"), "draft_model", ValueError),
     ("draft-on-meta", dict(decoding_strategy="simsd", draft_model="<meta>"), "draft_model", ValueError),
     ("assistant-on-meta", dict(decoding_strategy="simsd", assistant_model="<meta>"), "assistant_model", ValueError),
+    # not loaded: a path (an AttributeError from the raw-call checks before)
+    ("assistant-a-path", dict(decoding_strategy="simsd", assistant_model="models/deer-drafter-tiny"), "assistant_model",
+     ValueError),
+    ("draft-a-path", dict(decoding_strategy="simsd", draft_model="models/deer-drafter-tiny"), "draft_model",
+     ValueError),
     # batches
     ("streamer-batch", dict(decoding_strategy="s2d2", input_ids=torch.tensor(PROMPT * 2), pad_token_id=0,
                             streamer=_NullStreamer()), "streamer", ValueError),
@@ -501,13 +506,18 @@ DRAFTER_CASES = [
     ("simsd-ar-target", "simsd", dict(target="ar"), "model"),
     ("simsd-ar-drafter", "simsd", dict(draft_model="<ar>"), "draft_model"),
     ("simsd-drafter-of-another-family", "simsd", dict(draft_model="<fast>"), "draft_model"),
+    ("simsd-drafter-of-another-alignment", "simsd", dict(draft_model="<right-shifted sdar>"), "draft_model"),
+    # refused for its target first (for a missing mask token, block size or drafter before)
+    ("simsd-ar-target-no-drafter", "simsd", dict(target="ar", draft_model=None), "model"),
 ]
 
 #: The rule each kind case's message states.
 KIND_RULES = {"deer-diffusion-target": "be an autoregressive causal LM for decoding_strategy='deer'",
               "simsd-ar-target": "be a diffusion LM for decoding_strategy='simsd'",
               "simsd-ar-drafter": "be a diffusion LM for decoding_strategy='simsd'",
-              "simsd-drafter-of-another-family": "be of the target's family (SDAR) and alignment"}
+              "simsd-drafter-of-another-family": "be of the target's family (SDAR) and alignment",
+              "simsd-drafter-of-another-alignment": "be of the target's family (SDAR) and alignment",
+              "simsd-ar-target-no-drafter": "be a diffusion LM for decoding_strategy='simsd'"}
 
 
 @pytest.mark.parametrize("case", DRAFTER_CASES, ids=[c[0] for c in DRAFTER_CASES])
@@ -526,6 +536,9 @@ def test_bad_drafter_input_is_caught_before_any_forward(pair_models, case):
             kwargs[key] = models["ar"]
         elif kwargs.get(key) == "<fast>":
             kwargs[key] = tiny_family_models()["fast"]
+        elif kwargs.get(key) == "<right-shifted sdar>":
+            kwargs[key] = _sdar(7)
+            kwargs[key].config.dllm_alignment = "right_shift"
     calls.clear()
     with pytest.raises(ValueError) as info:
         _pair_generate(models, strategy, **kwargs)

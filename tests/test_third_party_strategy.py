@@ -263,6 +263,23 @@ def test_a_model_kind_that_is_not_one_of_the_declared_ones_is_refused(field, val
     assert STRATEGIES == before
 
 
+def test_a_drafter_kind_without_a_drafter_and_a_check_models_hook_are_refused():
+    """A `drafter_kind` on a strategy that runs no drafter would check nothing; a `check_models` method (the hook the
+    declared kinds replaced) would never be called: both refused at registration, with the fix."""
+    silent = type("Silent", (BlockDiffusionStrategy,), {"name": "silent", "config_class": BlockDiffusionConfig,
+                                                        "drafter_kind": "diffusion"})
+    hooked = type("Hooked", (BlockDiffusionStrategy,), {"name": "hooked", "config_class": BlockDiffusionConfig,
+                                                        "check_models": classmethod(lambda cls, *models: None)})
+    before = dict(STRATEGIES)
+    with pytest.raises(ValueError, match=r"^`strategy.drafter_kind` \(='diffusion'\) must stay 'any' on a strategy "
+                                         r"without a drafter"):
+        register_strategy(silent)
+    with pytest.raises(ValueError, match=r"^`strategy.check_models` \(='Hooked'\) must not be defined: .* declare "
+                                         r"`target_kind` / `drafter_kind`"):
+        register_strategy(hooked)
+    assert STRATEGIES == before
+
+
 def test_a_declared_target_kind_is_checked_by_the_plan_before_any_forward(sdar_model, prompt):
     """A third-party strategy states the target it decodes (`target_kind`) instead of checking the models itself:
     an autoregressive-only block strategy refuses the SDAR target, naming `model` and the strategy, before any

@@ -51,7 +51,7 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
     """
     check_weights(model, "model")
     for name in ("draft_model", "assistant_model"):
-        if isinstance(kwargs.get(name), torch.nn.Module):
+        if kwargs.get(name) is not None:
             check_weights(kwargs[name], name)
     ids = _input_ids_of(args, kwargs)
     named = [("input_ids", ids)] if args else []

@@ -7,13 +7,15 @@ generator, the stopping criteria left to scan. Every check of bad input runs whi
 argument, its value, the rule and the fix); nothing after it validates. Strategies read the plan's values through
 their config and the session :func:`~hf_dllm_spec.integration.generate.dllm_generate` builds from it.
 
-The checks are this module's own, in the order of the plan: the models (loaded, quantized weights, family, served
-by the strategy), the inputs as given (options, ids, mask, model kwargs, generator), the tokens and the sizes
-resolved (the mask token first: a model without one gets that error, not the block size's), the drafter, then the
-prompts against the finished plan (:func:`_check_prompts`, which :func:`check_row` runs on a row that joins a
-running call) and, with continuous batching, the row feed and its
-initial requests (:func:`_check_feed`). :mod:`~hf_dllm_spec.integration.checks` reuses them on
-the raw call, before transformers prepares it; `DeerCandidateGenerator` on its drafter.
+The checks run in the order of the plan: the models (weights that can decode,
+:func:`hf_dllm_spec.runtime.weights.check_weights`; a family each; the kinds of models the strategy declares,
+`DecodingStrategy.target_kind` / `drafter_kind`), the inputs as given (options, ids, mask, model kwargs,
+generator), the tokens and the sizes resolved (the mask token first: a model without one gets that error, not the
+block size's), the drafter, then the prompts against the finished plan (:func:`_check_prompts`, which
+:func:`check_row` runs on a row that joins a running call) and, with continuous batching, the row feed and its
+initial requests (:func:`_check_feed`). All but the weights' are this module's own;
+:mod:`~hf_dllm_spec.integration.checks` reuses them on the raw call, before transformers prepares it,
+`DeerCandidateGenerator` on its drafter.
 
 Source: issue 33 ("A plan per call").
 """

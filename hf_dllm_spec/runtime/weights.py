@@ -178,7 +178,6 @@ def check_quantized_model(model: torch.nn.Module, role: str = "model") -> None:
                           "unquantized weights again")
 
 
-
 def execution_device(model) -> torch.device:
     """The device a model's forward runs on: where its inputs go and its logits come back.
 

@@ -66,7 +66,8 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
 
     Raises:
         ValueError: if `strategy` has no `name` or no `config_class`, a `target_kind` / `drafter_kind` that is not
-            one of `TARGET_KINDS` / `DRAFTER_KINDS`, its config class names another strategy, has
+            one of `TARGET_KINDS` / `DRAFTER_KINDS` (a `drafter_kind` other than "any" without `uses_drafter`), a
+            `check_models` method (no longer called), its config class names another strategy, has
             a parameter without a default, or one named like an argument of transformers' `generate`, a
             `GenerationConfig` option or an argument of `dllm_generate` (`hf_dllm_spec.bridge.check_routable`:
             transformers would hand it to the strategies instead).
@@ -81,6 +82,14 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
                       f"define a dataclass config for {strategy.__name__} and set `config_class` to it")
     check_choice("strategy.target_kind", strategy.target_kind, TARGET_KINDS)
     check_choice("strategy.drafter_kind", strategy.drafter_kind, DRAFTER_KINDS)
+    if strategy.drafter_kind != "any" and not strategy.uses_drafter:
+        raise invalid("strategy.drafter_kind", strategy.drafter_kind, "stay 'any' on a strategy without a drafter "
+                      "(`uses_drafter=False`): there is no drafter to check", "set `uses_drafter = True`, or drop it")
+    if any("check_models" in vars(c) for c in strategy.__mro__):
+        raise invalid("strategy.check_models", strategy.__name__, "not be defined: the plan checks the models against "
+                      "the kinds the strategy declares, and calls no `check_models`",
+                      "declare `target_kind` / `drafter_kind`, or raise in the strategy's `__init__` (it runs "
+                      "before any forward)")
     own = vars(config_class).get("decoding_strategy")
     if own is not None and own != name:
         raise invalid(f"{config_class.__name__}.decoding_strategy", own, f"name the strategy it configures ({name!r})",
