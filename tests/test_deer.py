@@ -375,6 +375,14 @@ def test_diffusion_target_is_refused(drafter, sdar_model):
         _deer(sdar_model, drafter, PROMPT)
 
 
+def test_a_diffusion_target_of_transformers_assisted_decoding_is_refused_as_deer_refuses_it(drafter, sdar_model):
+    """`deer_assisted_generate` checks the target against DEER's declared kind, as `generate` does (the diffusion
+    target's own `generate` refused the drafter for its native strategy before: a message about another strategy)."""
+    with pytest.raises(ValueError, match=r"^`model` \(='SDARForCausalLM'\) must be an autoregressive causal LM for "
+                                         r"decoding_strategy='deer'"):
+        hf_dllm_spec.deer_assisted_generate(sdar_model, PROMPT, drafter, num_draft_tokens=4, max_new_tokens=8)
+
+
 def test_drafter_is_required_and_needs_a_mask_token(drafter):
     target = _target("qwen2")
     with pytest.raises(ValueError, match="draft_model"):

@@ -26,7 +26,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 import model_patches
 
-from .plan import check_drafter_tokens, check_token_id, check_vocabulary
+from .plan import check_drafter_tokens, check_model_kinds, check_token_id, check_vocabulary
+from ..strategies.deer import DeerStrategy
 from ..strategies.drafting import OneStepDrafter
 from ..outputs import BatchStats
 from ..runtime.weights import check_weights
@@ -245,13 +246,16 @@ def deer_assisted_generate(model, input_ids: torch.LongTensor, draft_model, *, n
     Raises:
         ValueError: as `generate` and :class:`DeerCandidateGenerator` raise; first of all (before transformers
             validates the pair and would advise an `assistant_tokenizer`, which does not apply) a model on the meta
-            device, a target whose first parameter is offloaded (transformers' loop reads `model.device`) or a
-            drafter of another vocabulary.
+            device, a target whose first parameter is offloaded (transformers' loop reads `model.device`), a
+            target that is no autoregressive causal LM (:func:`~hf_dllm_spec.integration.plan.check_model_kinds`)
+            or a drafter of another vocabulary.
     """
     check_weights(model, "model")
     _check_first_parameter_placed(model, "model")
     check_weights(draft_model, "draft_model")
-    check_vocabulary(model, model_patches.get_patch(model), draft_model, model_patches.get_patch(draft_model))
+    patch, drafter_patch = model_patches.get_patch(model), model_patches.get_patch(draft_model)
+    check_model_kinds(DeerStrategy, model, patch, draft_model, drafter_patch)
+    check_vocabulary(model, patch, draft_model, drafter_patch)
 
     def factory(*, generation_config, logits_processor, input_ids=None, **_: Any) -> DeerCandidateGenerator:
         if input_ids is not None:                       # a length option that masks no position: as in stock

@@ -209,21 +209,29 @@ def _check_feed(plan: DecodePlan, feed: RowFeed, streamer) -> None:
 def _check_models(strategy, model, draft_model) -> tuple[torch.device, Any, Any]:
     """The models, checked: real weights (the target's execution device, not `model.device`, which is "meta" under
     accelerate offload), quantized weights that can decode, a family adapter each, of the kinds the strategy
-    declares (:func:`_check_kinds`). Returns `(device, patch, drafter_patch or None)`."""
+    declares (:func:`check_model_kinds`). Returns `(device, patch, drafter_patch or None)`."""
     device = check_weights(model, "model")
     if draft_model is not None:
         check_weights(draft_model, "draft_model")
     patch = model_patches.get_patch(model)
     drafter_patch = model_patches.get_patch(draft_model) if draft_model is not None else None
-    _check_kinds(strategy, model, patch, draft_model, drafter_patch)
+    check_model_kinds(strategy, model, patch, draft_model, drafter_patch)
     return device, patch, drafter_patch
 
 
-def _check_kinds(strategy, model, patch, draft_model, drafter_patch) -> None:
+def check_model_kinds(strategy: type[DecodingStrategy], model, patch, draft_model, drafter_patch) -> None:
     """The models against the kinds the strategy declares (`DecodingStrategy.target_kind` / `drafter_kind`): an
     autoregressive target (a right-shifted causal LM that is no diffusion LM), diffusion LMs, a drafter of the
     target's family and alignment. A strategy's other requirements are refused when it starts (its `__init__`,
-    before any forward)."""
+    before any forward).
+
+    Args:
+        strategy (`type[DecodingStrategy]`): the strategy class.
+        model, patch: the target and its family adapter; draft_model, drafter_patch: the drafter (or None).
+
+    Raises:
+        ValueError: naming `model` or `draft_model`, the rule and the fix.
+    """
     same_family = strategy.drafter_kind == "same_family"
     kinds = [("model", model, patch, strategy.target_kind)]
     if draft_model is not None:
@@ -777,5 +785,6 @@ def check_model_pair(target, target_patch, drafter, drafter_patch, generation_co
 
 __all__ = ["DecodePlan", "build_plan", "check_attention_mask", "check_block_budget", "check_cache_implementation",
            "check_drafter_tokens", "check_generation_config", "check_generator", "check_inputs_embeds",
+           "check_model_kinds",
            "check_model_kwargs", "check_model_pair", "check_row", "check_single_hypothesis", "check_streamer",
            "check_token_id", "check_vocabulary", "prompt_lengths"]
