@@ -55,6 +55,7 @@ class Fast_dLLM_QwenConfig(ShimsConfigMixin, Qwen2Config):  # noqa: N801 (the Hu
             for round trips.
     """
 
+    base_model_class_name = "Fast_dLLM_QwenModel"
     causal_lm_class_name = "Fast_dLLM_QwenForCausalLM"
     model_type = "Fast_dLLM_Qwen"
 

@@ -119,6 +119,7 @@ class LLaDA2MoeConfig(ShimsConfigMixin, PreTrainedConfig):
     as plain attributes for round trips and have no effect (families.md §8).
     """
 
+    base_model_class_name = "LLaDA2MoeModel"
     causal_lm_class_name = "LLaDA2MoeModelLM"
     model_type = "llada2_moe"
     keys_to_ignore_at_inference = list(CACHE_NAMES)

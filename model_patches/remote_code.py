@@ -1,10 +1,12 @@
 """The families' remote-code shims: what lets a saved checkpoint load with `trust_remote_code=True` alone.
 
 A checkpoint directory of a family with its own classes (SDAR, Fast-dLLM v2, LLaDA2) carries two small modules,
-`configuration_hf_dllm_spec.py` and `modeling_hf_dllm_spec.py`, named by its `config.json` `auto_map`. Each
-imports the family class from the installed package (inside a `try` block: transformers' import check skips
-`try` blocks, so a missing package fails with the message below) and subclasses it, so that transformers'
-remote-code bookkeeping (`register_for_auto_class`) lands on the shim class, never on the family's own.
+`configuration_hf_dllm_spec.py` (the config class) and `modeling_hf_dllm_spec.py` (the base model and the causal LM),
+named by its `config.json` `auto_map` (`AutoConfig`, `AutoModel`, `AutoModelForCausalLM`, as the families' Hub
+repositories name theirs). Each imports the family classes from the installed package (inside a `try` block:
+transformers' import check skips `try` blocks, so a missing package fails with the message below) and subclasses
+them, so that transformers' remote-code bookkeeping (`register_for_auto_class`) lands on the shim classes, never on
+the family's own.
 
 :class:`ShimsConfigMixin` is the config side: a Hub repository's own `auto_map` (naming remote code this
 package replaces) is dropped on load; one naming the shims is kept, and `save_pretrained` writes the shims
@@ -20,26 +22,30 @@ from typing import Any, ClassVar
 
 CONFIG_SHIM = "configuration_hf_dllm_spec"
 MODEL_SHIM = "modeling_hf_dllm_spec"
-SHIM_MODULES = {"AutoConfig": CONFIG_SHIM, "AutoModelForCausalLM": MODEL_SHIM}  # Auto class -> shim module
+#: Auto class -> shim module (the base model and the causal LM share one).
+SHIM_MODULES = {"AutoConfig": CONFIG_SHIM, "AutoModel": MODEL_SHIM, "AutoModelForCausalLM": MODEL_SHIM}
 DISTRIBUTION = "hf-dllm-spec"
 #: How the distribution that holds the family classes is installed (it is not on a package index).
 INSTALL_HINT = "install the hf-dllm-spec package from its repository checkout: pip install -e <checkout>"
 
 _SHIM = '''"""Remote-code shim written by hf-dllm-spec ({version}).
 
-`{source}.{name}` lives in the installed `hf-dllm-spec` package; this file only imports it,
-so that `{auto}.from_pretrained(<this checkpoint>, trust_remote_code=True)` works without
-`import hf_dllm_spec`.
+{listed} in the installed `hf-dllm-spec` package;
+this file only imports {them}, so that
+{autos}
+works without `import hf_dllm_spec`.
 """
 
 try:  # transformers' import check skips try blocks, so a missing package fails with the message below
-    from {source} import {name} as _{name}
+    from {source} import {imports}
 except ImportError as error:
     raise ImportError(
-        "This checkpoint's `{name}` comes from the `hf-dllm-spec` package, which could not be "
+        "This checkpoint's {quoted} from the `hf-dllm-spec` package, which could not be "
         f"imported ({{error}}); {hint}"
     ) from error
+{classes}'''
 
+_SHIM_CLASS = '''
 
 class {name}(_{name}):
     """`{source}.{name}`, as this checkpoint's remote code."""
@@ -69,25 +75,29 @@ def names_shims(value: Any) -> bool:
     return all(isinstance(ref, str) and ref.split("--")[-1].split(".")[0] in modules for ref in value.values())
 
 
-def family_classes_of(config_class: type) -> tuple[str, str, str]:
-    """`(module, config class name, causal-LM class name)` of the family config in `config_class`'s MRO.
+def family_classes_of(config_class: type) -> tuple[str, dict[str, str]]:
+    """`(module, {Auto class: class name})` of the family config in `config_class`'s MRO: its config, base model
+    and causal-LM classes under `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`.
 
-    The family config is the class that declares :attr:`ShimsConfigMixin.causal_lm_class_name`; its causal-LM
-    class lives in the same module. A shim subclass (loaded as remote code) resolves to the family's own class.
+    The family config is the class that declares :attr:`ShimsConfigMixin.causal_lm_class_name` (and
+    :attr:`ShimsConfigMixin.base_model_class_name`); both classes live in the same module. A shim subclass (loaded
+    as remote code) resolves to the family's own class.
 
     Raises:
         ValueError: if no class in the MRO declares `causal_lm_class_name`.
     """
     for cls in config_class.__mro__:
         if "causal_lm_class_name" in vars(cls):
-            return cls.__module__, cls.__name__, cls.causal_lm_class_name
+            return cls.__module__, {"AutoConfig": cls.__name__, "AutoModel": cls.base_model_class_name,
+                                    "AutoModelForCausalLM": cls.causal_lm_class_name}
     raise ValueError(f"`config_class` (={config_class.__name__}) must be a family config of model_patches that "
                      "declares `causal_lm_class_name`; write shims for SDARConfig, Fast_dLLM_QwenConfig or "
                      "LLaDA2MoeConfig (or a subclass).")
 
 
 def write_shims(directory: str | os.PathLike, config_class: type) -> dict[str, str]:
-    """Write the two shim modules for `config_class`'s family into `directory`.
+    """Write the two shim modules for `config_class`'s family into `directory` (the config class in one, the base
+    model and the causal LM in the other).
 
     Args:
         directory (`str` or `os.PathLike`): an existing checkpoint directory.
@@ -95,7 +105,8 @@ def write_shims(directory: str | os.PathLike, config_class: type) -> dict[str, s
 
     Returns:
         `dict[str, str]`: the `auto_map` that names the shims, e.g. ``{"AutoConfig":
-        "configuration_hf_dllm_spec.SDARConfig", "AutoModelForCausalLM": "modeling_hf_dllm_spec.SDARForCausalLM"}``.
+        "configuration_hf_dllm_spec.SDARConfig", "AutoModel": "modeling_hf_dllm_spec.SDARModel",
+        "AutoModelForCausalLM": "modeling_hf_dllm_spec.SDARForCausalLM"}``.
 
     Raises:
         ValueError: if `config_class` is not a family config (see :func:`family_classes_of`).
@@ -104,15 +115,22 @@ def write_shims(directory: str | os.PathLike, config_class: type) -> dict[str, s
         version = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         version = "not installed"
-    module, config_name, model_name = family_classes_of(config_class)
+    module, names = family_classes_of(config_class)
     directory = pathlib.Path(directory)
-    mapping = {}
-    for (auto_class, shim), name in zip(SHIM_MODULES.items(), (config_name, model_name)):
-        text = _SHIM.format(version=version, source=module, name=name, auto=auto_class, hint=INSTALL_HINT,
-                            body=_CONFIG_INIT if auto_class == "AutoConfig" else "")
+    for shim in dict.fromkeys(SHIM_MODULES.values()):
+        autos = [a for a, s in SHIM_MODULES.items() if s == shim]
+        classes = [names[a] for a in autos]
+        text = _SHIM.format(
+            version=version, source=module, hint=INSTALL_HINT,
+            listed=" and ".join(f"`{module}.{n}`" for n in classes) + (" live" if len(classes) > 1 else " lives"),
+            them="them" if len(classes) > 1 else "it",
+            autos=" or\n".join(f"`{a}.from_pretrained(<this checkpoint>, trust_remote_code=True)`" for a in autos),
+            imports=", ".join(f"{n} as _{n}" for n in classes),
+            quoted=" and ".join(f"`{n}`" for n in classes) + (" come" if len(classes) > 1 else " comes"),
+            classes="".join(_SHIM_CLASS.format(source=module, name=n, body=_CONFIG_INIT if a == "AutoConfig" else "")
+                            for a, n in zip(autos, classes)))
         (directory / f"{shim}.py").write_text(text, encoding="utf-8")
-        mapping[auto_class] = f"{shim}.{name}"
-    return mapping
+    return {auto: f"{shim}.{names[auto]}" for auto, shim in SHIM_MODULES.items()}
 
 
 class ShimsConfigMixin:
@@ -120,13 +138,18 @@ class ShimsConfigMixin:
     one naming the shims is kept, and saving writes the shims again, so a saved directory still loads with
     `trust_remote_code=True` alone.
 
-    Put it before the transformers config class and name the family's causal-LM class (same module)::
+    Put it before the transformers config class and name the family's base model and causal-LM classes (same
+    module)::
 
         class SDARConfig(ShimsConfigMixin, Qwen3Config):
+            base_model_class_name = "SDARModel"
             causal_lm_class_name = "SDARForCausalLM"
     """
 
-    #: The family's causal-LM class, defined in the config class's module (read by :func:`write_shims`).
+    #: The family's base model class (`AutoModel`), defined in the config class's module (read by
+    #: :func:`write_shims`).
+    base_model_class_name: ClassVar[str]
+    #: The family's causal-LM class (`AutoModelForCausalLM`), defined there too.
     causal_lm_class_name: ClassVar[str]
 
     def __init__(self, **kwargs):

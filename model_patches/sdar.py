@@ -46,6 +46,7 @@ class SDARConfig(ShimsConfigMixin, Qwen3Config):
         fuse_cross_entropy (`bool`, *optional*): training-only flag of the Hub code, kept for round trips.
     """
 
+    base_model_class_name = "SDARModel"
     causal_lm_class_name = "SDARForCausalLM"
     model_type = "sdar"
 

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 import hf_dllm_spec
 from hf_dllm_spec.hub.export import CUSTOM_GENERATE_FILES, INSTALL_HINT, SHIM_MODULES
 
-from conftest import MASK_ID
+from conftest import MASK_ID, tiny_family_models
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "sdar-tiny-arith"
@@ -148,6 +148,41 @@ def test_exported_random_model_has_the_same_logits(fresh, sdar_model):
     assert (torch.tensor(fresh["tiny_logits"]) - expected).abs().max().item() < 1e-5
 
 
+BASE_MODELS = """
+import json, sys
+import torch
+from transformers import AutoModel
+
+assert not {"hf_dllm_spec", "model_patches"} & set(sys.modules), "imported before loading"
+out = {}
+for path in sys.argv[2:]:
+    model = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([json.loads(sys.argv[1])])).last_hidden_state
+    out[path] = {"class": [type(model).__module__, type(model).__name__], "hidden": hidden.tolist()}
+print(json.dumps(out))
+"""
+
+
+def test_an_exported_checkpoint_loads_its_base_model_with_automodel_by_remote_code(tmp_path):
+    """`AutoModel.from_pretrained(export, trust_remote_code=True)` in a fresh process gives the family's base model
+    (the `auto_map` names it, as the families' Hub repositories do; "Unrecognized configuration class" before) with
+    the hidden states of the library's own, for every family with its own classes."""
+    models, expected = tiny_family_models(), {}
+    for name in ("sdar", "fast", "llada2"):
+        out = hf_dllm_spec.export_checkpoint(models[name], tmp_path / name)
+        with torch.no_grad():
+            expected[str(out)] = (type(models[name].config).base_model_class_name,
+                                  models[name].model(torch.tensor([PROMPT_IDS])).last_hidden_state)
+    proc = run_python(BASE_MODELS, json.dumps(PROMPT_IDS), *expected, tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fresh = json.loads(proc.stdout.strip().splitlines()[-1])
+    for path, (name, hidden) in expected.items():
+        module, cls = fresh[path]["class"]
+        assert module.endswith(".modeling_hf_dllm_spec") and cls == name, (path, module, cls)
+        assert (torch.tensor(fresh[path]["hidden"]) - hidden).abs().max().item() < 1e-5, path
+
+
 HUB_LAYOUT = """
 import json, sys
 import torch
@@ -218,6 +253,7 @@ def test_exported_custom_generate_folder(tiny_export, sdar_model, qwen_model, pr
 def test_export_layout_and_card(tiny_export):
     config = json.loads((tiny_export / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "configuration_hf_dllm_spec.SDARConfig",
+                                  "AutoModel": "modeling_hf_dllm_spec.SDARModel",
                                   "AutoModelForCausalLM": "modeling_hf_dllm_spec.SDARForCausalLM"}
     for module in SHIM_MODULES.values():
         assert INSTALL_HINT in (tiny_export / f"{module}.py").read_text()

@@ -2,7 +2,8 @@
 
 :func:`export_checkpoint` writes, beside the weights:
 
-- `config.json` with an `auto_map` (`AutoConfig`, `AutoModelForCausalLM`) naming two shim modules;
+- `config.json` with an `auto_map` (`AutoConfig`, `AutoModel`, `AutoModelForCausalLM`, as the families' Hub
+  repositories name theirs) naming two shim modules;
 - the shims `configuration_hf_dllm_spec.py` and `modeling_hf_dllm_spec.py`, which import the family classes
   from the installed package (`model_patches.remote_code`: the families own their shims; the names are
   re-exported here);

@@ -1,17 +1,23 @@
 """Remote-code shim written by hf-dllm-spec (0.1.0.dev0).
 
-`model_patches.llada2.LLaDA2MoeModelLM` lives in the installed `hf-dllm-spec` package; this file only imports it,
-so that `AutoModelForCausalLM.from_pretrained(<this checkpoint>, trust_remote_code=True)` works without
-`import hf_dllm_spec`.
+`model_patches.llada2.LLaDA2MoeModel` and `model_patches.llada2.LLaDA2MoeModelLM` live in the installed `hf-dllm-spec` package;
+this file only imports them, so that
+`AutoModel.from_pretrained(<this checkpoint>, trust_remote_code=True)` or
+`AutoModelForCausalLM.from_pretrained(<this checkpoint>, trust_remote_code=True)`
+works without `import hf_dllm_spec`.
 """
 
 try:  # transformers' import check skips try blocks, so a missing package fails with the message below
-    from model_patches.llada2 import LLaDA2MoeModelLM as _LLaDA2MoeModelLM
+    from model_patches.llada2 import LLaDA2MoeModel as _LLaDA2MoeModel, LLaDA2MoeModelLM as _LLaDA2MoeModelLM
 except ImportError as error:
     raise ImportError(
-        "This checkpoint's `LLaDA2MoeModelLM` comes from the `hf-dllm-spec` package, which could not be "
+        "This checkpoint's `LLaDA2MoeModel` and `LLaDA2MoeModelLM` come from the `hf-dllm-spec` package, which could not be "
         f"imported ({error}); install the hf-dllm-spec package from its repository checkout: pip install -e <checkout>"
     ) from error
+
+
+class LLaDA2MoeModel(_LLaDA2MoeModel):
+    """`model_patches.llada2.LLaDA2MoeModel`, as this checkpoint's remote code."""
 
 
 class LLaDA2MoeModelLM(_LLaDA2MoeModelLM):

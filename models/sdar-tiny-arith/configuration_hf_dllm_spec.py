@@ -1,8 +1,9 @@
 """Remote-code shim written by hf-dllm-spec (0.1.0.dev0).
 
-`model_patches.sdar.SDARConfig` lives in the installed `hf-dllm-spec` package; this file only imports it,
-so that `AutoConfig.from_pretrained(<this checkpoint>, trust_remote_code=True)` works without
-`import hf_dllm_spec`.
+`model_patches.sdar.SDARConfig` lives in the installed `hf-dllm-spec` package;
+this file only imports it, so that
+`AutoConfig.from_pretrained(<this checkpoint>, trust_remote_code=True)`
+works without `import hf_dllm_spec`.
 """
 
 try:  # transformers' import check skips try blocks, so a missing package fails with the message below
