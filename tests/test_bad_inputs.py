@@ -463,8 +463,12 @@ def _sdar(seed: int, **overrides) -> SDARForCausalLM:
 
 @pytest.fixture(scope="module")
 def pair_models():
-    """An AR target (DEER), an SDAR target (SimSD) and an SDAR drafter (mask 98), each with a forward counter."""
-    models = {"ar": _qwen2(), "sdar": _sdar(0), "drafter": _sdar(7)}
+    """An AR target (DEER), an SDAR target (SimSD) and an SDAR drafter (mask 98), each with a forward counter; and,
+    for the kinds a strategy declares, a Fast-dLLM v2 and a LLaDA2 model and a position-aligned Qwen3."""
+    family = tiny_family_models()
+    family["qwen"].config.dllm_alignment = "position"            # diffusion weights in the Qwen layout
+    models = {"ar": _qwen2(), "sdar": _sdar(0), "drafter": _sdar(7), "fast": family["fast"],
+              "llada2": family["llada2"], "qwen-position": family["qwen"]}
     calls = []
     handles = [m.register_forward_pre_hook(lambda module, args: calls.append(1)) for m in models.values()]
     yield models, calls
@@ -503,21 +507,30 @@ DRAFTER_CASES = [
     ("deer-assistant-on-meta", "deer", dict(draft_model=None, assistant_model="<meta>"), "draft_model"),
     # the kinds each strategy declares (`target_kind`, `drafter_kind`), checked by the plan
     ("deer-diffusion-target", "deer", dict(target="sdar"), "model"),
+    ("deer-right-shifted-diffusion-target", "deer", dict(target="fast"), "model"),
+    ("deer-position-aligned-ar-target", "deer", dict(target="qwen-position"), "model"),
     ("simsd-ar-target", "simsd", dict(target="ar"), "model"),
     ("simsd-ar-drafter", "simsd", dict(draft_model="<ar>"), "draft_model"),
     ("simsd-drafter-of-another-family", "simsd", dict(draft_model="<fast>"), "draft_model"),
+    ("simsd-drafter-of-another-family-same-alignment", "simsd", dict(draft_model="<llada2>"), "draft_model"),
     ("simsd-drafter-of-another-alignment", "simsd", dict(draft_model="<right-shifted sdar>"), "draft_model"),
+    ("simsd-no-drafter", "simsd", dict(draft_model=None), "draft_model"),
     # refused for its target first (for a missing mask token, block size or drafter before)
     ("simsd-ar-target-no-drafter", "simsd", dict(target="ar", draft_model=None), "model"),
 ]
 
-#: The rule each kind case's message states.
-KIND_RULES = {"deer-diffusion-target": "be an autoregressive causal LM for decoding_strategy='deer'",
-              "simsd-ar-target": "be a diffusion LM for decoding_strategy='simsd'",
-              "simsd-ar-drafter": "be a diffusion LM for decoding_strategy='simsd'",
-              "simsd-drafter-of-another-family": "be of the target's family (SDAR) and alignment",
-              "simsd-drafter-of-another-alignment": "be of the target's family (SDAR) and alignment",
-              "simsd-ar-target-no-drafter": "be a diffusion LM for decoding_strategy='simsd'"}
+_AR_RULE = ("be an autoregressive causal LM for decoding_strategy='deer'",
+            "pass the AR model as the model and the diffusion model as draft_model=")
+_DIFFUSION_RULE = ("be a diffusion LM for decoding_strategy='simsd'", "of one family for both")
+_FAMILY_RULE = ("be of the target's family (SDAR) and alignment",)
+#: What each kind case's message states (its rule and fix).
+KIND_RULES = {"deer-diffusion-target": _AR_RULE, "deer-right-shifted-diffusion-target": _AR_RULE,
+              "deer-position-aligned-ar-target": _AR_RULE, "simsd-ar-target": _DIFFUSION_RULE,
+              "simsd-ar-drafter": _DIFFUSION_RULE, "simsd-drafter-of-another-family": _FAMILY_RULE,
+              "simsd-drafter-of-another-family-same-alignment": _FAMILY_RULE,
+              "simsd-drafter-of-another-alignment": _FAMILY_RULE,
+              "simsd-no-drafter": ("be given for decoding_strategy='simsd'",),
+              "simsd-ar-target-no-drafter": _DIFFUSION_RULE}
 
 
 @pytest.mark.parametrize("case", DRAFTER_CASES, ids=[c[0] for c in DRAFTER_CASES])
@@ -534,8 +547,8 @@ def test_bad_drafter_input_is_caught_before_any_forward(pair_models, case):
             kwargs[key] = _sdar(2, vocab_size=120)
         elif kwargs.get(key) == "<ar>":
             kwargs[key] = models["ar"]
-        elif kwargs.get(key) == "<fast>":
-            kwargs[key] = tiny_family_models()["fast"]
+        elif kwargs.get(key) in ("<fast>", "<llada2>"):
+            kwargs[key] = models[kwargs[key].strip("<>")]
         elif kwargs.get(key) == "<right-shifted sdar>":
             kwargs[key] = _sdar(7)
             kwargs[key].config.dllm_alignment = "right_shift"
@@ -543,7 +556,7 @@ def test_bad_drafter_input_is_caught_before_any_forward(pair_models, case):
     with pytest.raises(ValueError) as info:
         _pair_generate(models, strategy, **kwargs)
     assert str(info.value).startswith(f"`{name}`"), str(info.value)
-    assert KIND_RULES.get(case[0], "") in str(info.value)
+    assert all(part in str(info.value) for part in KIND_RULES.get(case[0], ())), str(info.value)
     assert not calls, f"{len(calls)} forward(s) ran before the error"
 
 
@@ -614,12 +627,17 @@ def test_block_size_budget_rule():
 
 def test_deer_assisted_generate_checks_the_drafter_first(pair_models):
     """transformers' assisted decoding would advise an `assistant_tokenizer` for a drafter of another vocabulary;
-    the library's own checks come first, and the drafter's ids are checked before any forward."""
+    the library's own checks come first (either model's weights, the target's kind), and the drafter's ids are
+    checked before any forward."""
     models, calls = pair_models
     ids = torch.tensor(PROMPT)
     cases = [
         (dict(draft_model=_sdar(2, vocab_size=120)), "draft_model"),
         (dict(draft_model=_meta_model()), "draft_model"),
+        (dict(draft_model="models/deer-drafter-tiny"), "draft_model"),               # a path, not loaded
+        (dict(target=_meta_qwen()), "model"),                                         # never loaded
+        (dict(target="models/qwen2-tiny-ar"), "model"),
+        (dict(target=models["sdar"]), "model"),                                       # not autoregressive
         (dict(draft_model=models["drafter"], mask_token_id=150), "mask_token_id"),
         (dict(draft_model=models["drafter"], mask_token_id=2.5), "mask_token_id"),
         (dict(draft_model=models["drafter"], sep_token_id=150), "sep_token_id"),
@@ -627,8 +645,10 @@ def test_deer_assisted_generate_checks_the_drafter_first(pair_models):
     ]
     for kwargs, name in cases:
         calls.clear()
+        target = kwargs.pop("target", models["ar"])
+        kwargs.setdefault("draft_model", models["drafter"])
         with pytest.raises(ValueError) as info:
-            hf_dllm_spec.deer_assisted_generate(models["ar"], ids, num_draft_tokens=4, max_new_tokens=8, **kwargs)
+            hf_dllm_spec.deer_assisted_generate(target, ids, num_draft_tokens=4, max_new_tokens=8, **kwargs)
         assert str(info.value).startswith(f"`{name}`"), str(info.value)
         assert not calls, f"{len(calls)} forward(s) ran before the error"
 

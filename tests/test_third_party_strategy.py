@@ -263,20 +263,26 @@ def test_a_model_kind_that_is_not_one_of_the_declared_ones_is_refused(field, val
     assert STRATEGIES == before
 
 
-def test_a_drafter_kind_without_a_drafter_and_a_check_models_hook_are_refused():
+@pytest.mark.parametrize("kind", ["diffusion", "same_family"])
+def test_a_drafter_kind_without_a_drafter_and_a_check_models_hook_are_refused(kind):
     """A `drafter_kind` on a strategy that runs no drafter would check nothing; a `check_models` method (the hook the
-    declared kinds replaced) would never be called: both refused at registration, with the fix."""
+    declared kinds replaced), its own or inherited, would never be called: each refused at registration, with the
+    fix."""
     silent = type("Silent", (BlockDiffusionStrategy,), {"name": "silent", "config_class": BlockDiffusionConfig,
-                                                        "drafter_kind": "diffusion"})
+                                                        "drafter_kind": kind})
     hooked = type("Hooked", (BlockDiffusionStrategy,), {"name": "hooked", "config_class": BlockDiffusionConfig,
                                                         "check_models": classmethod(lambda cls, *models: None)})
+    mixin = type("Mixin", (), {"check_models": classmethod(lambda cls, *models: None)})
+    inherits = type("Inherits", (mixin, BlockDiffusionStrategy), {"name": "inherits",
+                                                                  "config_class": BlockDiffusionConfig})
     before = dict(STRATEGIES)
-    with pytest.raises(ValueError, match=r"^`strategy.drafter_kind` \(='diffusion'\) must stay 'any' on a strategy "
+    with pytest.raises(ValueError, match=rf"^`strategy.drafter_kind` \(='{kind}'\) must stay 'any' on a strategy "
                                          r"without a drafter"):
         register_strategy(silent)
-    with pytest.raises(ValueError, match=r"^`strategy.check_models` \(='Hooked'\) must not be defined: .* declare "
-                                         r"`target_kind` / `drafter_kind`"):
-        register_strategy(hooked)
+    for strategy in (hooked, inherits):
+        with pytest.raises(ValueError, match=rf"^`strategy.check_models` \(='{strategy.__name__}'\) must not be "
+                                             r"defined: .* declare `target_kind` / `drafter_kind`"):
+            register_strategy(strategy)
     assert STRATEGIES == before
 
 
@@ -301,6 +307,9 @@ def test_a_declared_target_kind_is_checked_by_the_plan_before_any_forward(sdar_m
         with pytest.raises(ValueError, match=r"^`model` \(='SDARForCausalLM'\) must be an autoregressive causal LM "
                                              r"for decoding_strategy='ar_only'"):
             sdar_model.generate(prompt, decoding_strategy="ar_only", max_new_tokens=4)
+        with pytest.raises(ValueError) as info:
+            sdar_model.generate(prompt, decoding_strategy="ar_only", max_new_tokens=4)
+        assert str(info.value).endswith("; pass the AR model as the model.")      # no drafter to speak of
         assert not forwards
         out = tiny_family_models()["qwen"].generate(
             prompt, custom_generate=hf_dllm_spec.custom_generate, decoding_strategy="ar_only",
