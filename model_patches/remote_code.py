@@ -30,18 +30,18 @@ INSTALL_HINT = "install the hf-dllm-spec package from its repository checkout: p
 
 _SHIM = '''"""Remote-code shim written by hf-dllm-spec ({version}).
 
-{listed} in the installed `hf-dllm-spec` package;
-this file only imports {them}, so that
-{autos}
-works without `import hf_dllm_spec`.
+The classes below live in the installed `hf-dllm-spec` package (`{source}`); this file only
+imports them, so that {autos} loads this checkpoint with `trust_remote_code=True`
+without `import hf_dllm_spec`.
 """
 
 try:  # transformers' import check skips try blocks, so a missing package fails with the message below
-    from {source} import {imports}
+{imports}
 except ImportError as error:
     raise ImportError(
-        "This checkpoint's {quoted} from the `hf-dllm-spec` package, which could not be "
-        f"imported ({{error}}); {hint}"
+        "This checkpoint's classes come from the `hf-dllm-spec` package, which could not be "
+        f"imported ({{error}}); "
+        "{hint}"
     ) from error
 {classes}'''
 
@@ -121,12 +121,8 @@ def write_shims(directory: str | os.PathLike, config_class: type) -> dict[str, s
         autos = [a for a, s in SHIM_MODULES.items() if s == shim]
         classes = [names[a] for a in autos]
         text = _SHIM.format(
-            version=version, source=module, hint=INSTALL_HINT,
-            listed=" and ".join(f"`{module}.{n}`" for n in classes) + (" live" if len(classes) > 1 else " lives"),
-            them="them" if len(classes) > 1 else "it",
-            autos=" or\n".join(f"`{a}.from_pretrained(<this checkpoint>, trust_remote_code=True)`" for a in autos),
-            imports=", ".join(f"{n} as _{n}" for n in classes),
-            quoted=" and ".join(f"`{n}`" for n in classes) + (" come" if len(classes) > 1 else " comes"),
+            version=version, source=module, hint=INSTALL_HINT, autos=" / ".join(f"`{a}`" for a in autos),
+            imports="\n".join(f"    from {module} import {n} as _{n}" for n in classes),
             classes="".join(_SHIM_CLASS.format(source=module, name=n, body=_CONFIG_INIT if a == "AutoConfig" else "")
                             for a, n in zip(autos, classes)))
         (directory / f"{shim}.py").write_text(text, encoding="utf-8")

@@ -40,14 +40,14 @@ def check_call(model, args: tuple, kwargs: dict[str, Any]) -> None:
         ValueError: the model, `draft_model` or `assistant_model` with weights that cannot decode
             (:func:`hf_dllm_spec.runtime.weights.check_weights`: on the meta device, never loaded; an
             accelerate-offloaded model runs on its execution device and passes; a refused quantization); a tensor
-            argument on the meta device; `inputs_embeds`; `input_ids` not a 2D integer tensor `(N, P)`; an `attention_mask` that is
-            not a 0/1 tensor of the shape of `input_ids`
+            argument on the meta device; `inputs_embeds`; `input_ids` not a 2D integer tensor `(N, P)`; an
+            `attention_mask` that is not a 0/1 tensor of the shape of `input_ids`
             (:func:`~hf_dllm_spec.integration.plan.check_attention_mask`); `max_new_tokens` / `max_length` not an
             integer >= 1, a `max_length` that leaves no new token; `num_beams` / `num_return_sequences` /
-            `num_beam_groups` other than 1; a `cache_implementation` the strategies cannot decode over
-            or a `max_cache_len` that is not an integer >= 1
-            (:func:`~hf_dllm_spec.integration.plan.check_cache_implementation`); a `streamer` without `put` and
-            `end` (:func:`~hf_dllm_spec.integration.plan.check_streamer`).
+            `num_beam_groups` other than 1; a `cache_implementation` the strategies cannot decode over or a
+            `max_cache_len` that is not an integer >= 1
+            (:func:`~hf_dllm_spec.integration.plan.check_cache_implementation`); a `streamer` without `put` and `end`
+            (:func:`~hf_dllm_spec.integration.plan.check_streamer`).
     """
     check_weights(model, "model")
     for name in ("draft_model", "assistant_model"):

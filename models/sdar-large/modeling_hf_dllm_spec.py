@@ -1,18 +1,18 @@
 """Remote-code shim written by hf-dllm-spec (0.1.0.dev0).
 
-`model_patches.sdar.SDARModel` and `model_patches.sdar.SDARForCausalLM` live in the installed `hf-dllm-spec` package;
-this file only imports them, so that
-`AutoModel.from_pretrained(<this checkpoint>, trust_remote_code=True)` or
-`AutoModelForCausalLM.from_pretrained(<this checkpoint>, trust_remote_code=True)`
-works without `import hf_dllm_spec`.
+The classes below live in the installed `hf-dllm-spec` package (`model_patches.sdar`); this file only
+imports them, so that `AutoModel` / `AutoModelForCausalLM` loads this checkpoint with `trust_remote_code=True`
+without `import hf_dllm_spec`.
 """
 
 try:  # transformers' import check skips try blocks, so a missing package fails with the message below
-    from model_patches.sdar import SDARModel as _SDARModel, SDARForCausalLM as _SDARForCausalLM
+    from model_patches.sdar import SDARModel as _SDARModel
+    from model_patches.sdar import SDARForCausalLM as _SDARForCausalLM
 except ImportError as error:
     raise ImportError(
-        "This checkpoint's `SDARModel` and `SDARForCausalLM` come from the `hf-dllm-spec` package, which could not be "
-        f"imported ({error}); install the hf-dllm-spec package from its repository checkout: pip install -e <checkout>"
+        "This checkpoint's classes come from the `hf-dllm-spec` package, which could not be "
+        f"imported ({error}); "
+        "install the hf-dllm-spec package from its repository checkout: pip install -e <checkout>"
     ) from error
 
 
