@@ -519,7 +519,8 @@ DRAFTER_CASES = [
     ("simsd-ar-target-no-drafter", "simsd", dict(target="ar", draft_model=None), "model"),
 ]
 
-_AR_RULE = ("be an autoregressive causal LM for decoding_strategy='deer'",
+_AR_RULE = ("be an autoregressive causal LM (right-shifted, not a diffusion LM; e.g. Qwen2/Qwen3) for "
+            "decoding_strategy='deer'",
             "pass the AR model as the model and the diffusion model as draft_model=")
 _DIFFUSION_RULE = ("be a diffusion LM for decoding_strategy='simsd'", "of one family for both")
 _FAMILY_RULE = ("be of the target's family (SDAR) and alignment",)

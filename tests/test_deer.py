@@ -378,7 +378,8 @@ def test_diffusion_target_is_refused(drafter, sdar_model):
 def test_a_diffusion_target_of_transformers_assisted_decoding_is_refused_as_deer_refuses_it(drafter, sdar_model):
     """`deer_assisted_generate` checks the target against DEER's declared kind, as `generate` does (the diffusion
     target's own `generate` refused the drafter for its native strategy before: a message about another strategy)."""
-    with pytest.raises(ValueError, match=r"^`model` \(='SDARForCausalLM'\) must be an autoregressive causal LM for "
+    with pytest.raises(ValueError, match=r"^`model` \(='SDARForCausalLM'\) must be an autoregressive causal LM "
+                                         r"\(right-shifted, not a diffusion LM; e.g. Qwen2/Qwen3\) for "
                                          r"decoding_strategy='deer'"):
         hf_dllm_spec.deer_assisted_generate(sdar_model, PROMPT, drafter, num_draft_tokens=4, max_new_tokens=8)
 

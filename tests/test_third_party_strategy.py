@@ -305,7 +305,8 @@ def test_a_declared_target_kind_is_checked_by_the_plan_before_any_forward(sdar_m
     try:
         register_strategy(ArOnlyStrategy)
         with pytest.raises(ValueError, match=r"^`model` \(='SDARForCausalLM'\) must be an autoregressive causal LM "
-                                             r"for decoding_strategy='ar_only'"):
+                                             r"\(right-shifted, not a diffusion LM; e.g. Qwen2/Qwen3\) for "
+                                             r"decoding_strategy='ar_only'"):
             sdar_model.generate(prompt, decoding_strategy="ar_only", max_new_tokens=4)
         with pytest.raises(ValueError) as info:
             sdar_model.generate(prompt, decoding_strategy="ar_only", max_new_tokens=4)

@@ -239,8 +239,8 @@ def check_model_kinds(strategy: type[DecodingStrategy], model, patch, draft_mode
     for name, m, p, kind in kinds:
         if kind == "autoregressive" and (p.is_diffusion_lm or p.alignment_of(m) != "right_shift"):
             fix = "pass the AR model as the model"
-            raise invalid(name, type(m).__name__, f"be an autoregressive causal LM for decoding_strategy="
-                          f"{strategy.name!r}, which verifies with an AR model (e.g. Qwen2/Qwen3)",
+            raise invalid(name, type(m).__name__, "be an autoregressive causal LM (right-shifted, not a diffusion LM; "
+                          f"e.g. Qwen2/Qwen3) for decoding_strategy={strategy.name!r}",
                           fix + " and the diffusion model as draft_model=" if strategy.uses_drafter else fix)
         if kind == "diffusion" and not p.is_diffusion_lm:
             fix = "use block-diffusion models (SDAR, Fast-dLLM v2, LLaDA2)"
