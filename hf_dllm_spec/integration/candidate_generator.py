@@ -265,7 +265,7 @@ def deer_assisted_generate(model, input_ids: torch.LongTensor, draft_model, *, n
             do_sample=bool(generation_config.do_sample), max_length=generation_config.max_length,
             mask_token_id=mask_token_id, draft_attention=draft_attention, sep_token_id=sep_token_id,
             sep_position=sep_position, generator=generator,
-            stop_token_ids=model_patches.get_patch(model).stop_token_ids(model, generation_config))
+            stop_token_ids=patch.stop_token_ids(model, generation_config))
         model.last_deer_candidate_generator = generator_
         return generator_
 

@@ -147,11 +147,12 @@ def check_servable(model, drafter, strategy: str, params: dict, max_tokens: int)
     masks = {getattr(m.config, "mask_token_id", None) for m in (model, drafter) if m is not None}
     masks |= {getattr(m.generation_config, "mask_token_id", None) for m in (model, drafter) if m is not None}
     token = next(t for t in range(4) if t not in masks)
-    ids = torch.full((1, max(1, min(64, positions // 2))), token, device=execution_device(model))
+    length = max(1, min(64, positions // 2))              # the typical prompt, and the most of the budget checked
+    ids = torch.full((1, length), token, device=execution_device(model))
 
     def plan(do_sample: bool) -> None:
         config = copy.deepcopy(model.generation_config)
-        config.max_new_tokens, config.do_sample = max(1, min(max_tokens, 64, positions // 2)), do_sample
+        config.max_new_tokens, config.do_sample = max(1, min(max_tokens, length)), do_sample
         build_plan(model, ids, config, {}, decoding_strategy=strategy, overrides=dict(params), strategy_config=None,
                    preset=None, draft_model=drafter, mask_token_id=None, draft_mask_token_id=None,
                    generator=torch.Generator(ids.device) if do_sample else None, streamer=None,

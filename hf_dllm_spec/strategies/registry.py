@@ -85,7 +85,7 @@ def register_strategy(strategy: type[DecodingStrategy]) -> type[DecodingStrategy
     if strategy.drafter_kind != "any" and not strategy.uses_drafter:
         raise invalid("strategy.drafter_kind", strategy.drafter_kind, "stay 'any' on a strategy without a drafter "
                       "(`uses_drafter=False`): there is no drafter to check", "set `uses_drafter = True`, or drop it")
-    if any("check_models" in vars(c) for c in strategy.__mro__):
+    if hasattr(strategy, "check_models"):                 # the base class has none: the strategy's own or a mixin's
         raise invalid("strategy.check_models", strategy.__name__, "not be defined: the plan checks the models against "
                       "the kinds the strategy declares, and calls no `check_models`",
                       "declare `target_kind` / `drafter_kind`, or raise in the strategy's `__init__` (it runs "
